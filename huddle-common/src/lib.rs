@@ -1,0 +1,284 @@
+//! Types shared by the XDP program and the control plane.
+//!
+//! Every map name, size and on-map layout lives here, once. All types are
+//! `#[repr(C)]`, `Copy`, made of fixed-width integers with explicit padding
+//! (no `bool`, enum or `Option`), so the kernel and user space agree byte for
+//! byte. Sizes are asserted at compile time.
+//!
+//! Addresses are always 16 bytes with a family tag, so IPv6 services fit
+//! later without a new layout; an IPv4 address sits in the first 4 bytes in
+//! network order and the other 12 are zero.
+#![no_std]
+
+pub mod stats;
+
+pub use stats::{BackendStats, GlobalStats, ServiceStats};
+
+/// Map names, as the XDP program declares them (the static's identifier).
+pub mod maps {
+    /// `HashMap<ServiceKey, ServiceValue>`: which VIP:port/proto is balanced.
+    pub const SERVICES: &str = "SERVICES";
+    /// `Array<Backend>` indexed by backend id.
+    pub const BACKENDS: &str = "BACKENDS";
+    /// `Array<Ring>` of two slots per service (double buffer).
+    pub const RINGS: &str = "RINGS";
+    /// `Array<u64>` indexed by service id: ring generation; slot = gen & 1.
+    pub const RING_GEN: &str = "RING_GEN";
+    /// `PerCpuArray<u32>` indexed by service id: round-robin cursor.
+    pub const RR_CURSOR: &str = "RR_CURSOR";
+    /// `LruHashMap<FlowKey, FlowValue>`: client flow -> backend and NAT port.
+    pub const FLOWS: &str = "FLOWS";
+    /// `LruHashMap<NatKey, NatValue>`: backend reply tuple -> client flow.
+    pub const NAT: &str = "NAT";
+    /// `Array<Config>` of one element.
+    pub const CONFIG: &str = "CONFIG";
+    /// `PerCpuArray<BackendStats>` indexed by backend id.
+    pub const BACKEND_STATS: &str = "BACKEND_STATS";
+    /// `PerCpuArray<ServiceStats>` indexed by service id.
+    pub const SERVICE_STATS: &str = "SERVICE_STATS";
+    /// `PerCpuArray<GlobalStats>` of one element.
+    pub const GLOBAL_STATS: &str = "GLOBAL_STATS";
+
+    /// Every map the control plane opens, for checks against the object.
+    pub const ALL: [&str; 11] = [
+        SERVICES,
+        BACKENDS,
+        RINGS,
+        RING_GEN,
+        RR_CURSOR,
+        FLOWS,
+        NAT,
+        CONFIG,
+        BACKEND_STATS,
+        SERVICE_STATS,
+        GLOBAL_STATS,
+    ];
+}
+
+/// Name of the XDP program in the object.
+pub const PROGRAM_NAME: &str = "huddle";
+
+/// Services (VIP:port/proto) one balancer can serve.
+pub const MAX_SERVICES: u32 = 64;
+/// Backends over all services; a backend id indexes `BACKENDS`.
+pub const MAX_BACKENDS: u32 = 1024;
+/// Entries one ring can hold.
+pub const RING_CAPACITY: usize = 256;
+/// Flow table entries unless configured otherwise.
+pub const DEFAULT_FLOW_TABLE_SIZE: u32 = 131_072;
+/// Tries to find a free NAT port before a new flow is refused.
+pub const NAT_PORT_TRIES: u32 = 4;
+/// Ring slot of `service` for generation `generation` (double buffer).
+#[inline(always)]
+#[must_use]
+pub const fn ring_slot(service: u32, generation: u64) -> u32 {
+    service * 2 + (generation & 1) as u32
+}
+
+/// Address families, as in `AF_INET`/`AF_INET6`.
+pub const FAMILY_V4: u8 = 2;
+pub const FAMILY_V6: u8 = 10;
+
+/// IP protocol numbers we balance.
+pub const PROTO_TCP: u8 = 6;
+pub const PROTO_UDP: u8 = 17;
+
+/// `FlowValue::flags` bits.
+pub mod flow_flags {
+    /// A FIN or RST was seen: the flow is counted closed; a new SYN on the
+    /// same tuple starts a new flow.
+    pub const CLOSING: u8 = 1;
+}
+
+/// A 16-byte address; IPv4 in the first four bytes, network order.
+pub type Addr = [u8; 16];
+
+/// The 16-byte form of an IPv4 address given in network byte order.
+#[inline(always)]
+#[must_use]
+pub const fn addr_v4(octets: [u8; 4]) -> Addr {
+    let mut a = [0u8; 16];
+    a[0] = octets[0];
+    a[1] = octets[1];
+    a[2] = octets[2];
+    a[3] = octets[3];
+    a
+}
+
+/// Key of `SERVICES`: a VIP, its port (network order) and protocol.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct ServiceKey {
+    pub addr: Addr,
+    pub port_be: u16,
+    pub proto: u8,
+    pub family: u8,
+}
+
+/// Value of `SERVICES`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ServiceValue {
+    /// Index into `RING_GEN`, `RR_CURSOR` and `SERVICE_STATS`.
+    pub id: u32,
+    pub flags: u32,
+}
+
+/// A backend, indexed by its id in `BACKENDS`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Backend {
+    pub addr: Addr,
+    pub port_be: u16,
+    pub family: u8,
+    pub _pad: u8,
+    pub flags: u32,
+}
+
+/// One service's active ring: backend ids, taken round robin.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct Ring {
+    pub len: u32,
+    pub _pad: u32,
+    pub backends: [u32; RING_CAPACITY],
+}
+
+impl Ring {
+    pub const EMPTY: Ring = Ring {
+        len: 0,
+        _pad: 0,
+        backends: [0; RING_CAPACITY],
+    };
+}
+
+/// Key of `FLOWS`: the client's side of a flow.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct FlowKey {
+    pub client: Addr,
+    pub vip: Addr,
+    pub client_port_be: u16,
+    pub vip_port_be: u16,
+    pub proto: u8,
+    pub family: u8,
+    pub _pad: [u8; 2],
+}
+
+/// Value of `FLOWS`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct FlowValue {
+    pub backend: u32,
+    pub service: u32,
+    /// The balancer's source port toward the backend (network order).
+    pub nat_port_be: u16,
+    /// `flow_flags` bits.
+    pub flags: u8,
+    pub _pad: [u8; 5],
+    /// `bpf_ktime_get_ns()` when the flow was created.
+    pub created_ns: u64,
+}
+
+/// Key of `NAT`: a reply as the backend sends it.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct NatKey {
+    pub backend: Addr,
+    /// The balancer's SNAT address.
+    pub local: Addr,
+    pub backend_port_be: u16,
+    pub nat_port_be: u16,
+    pub proto: u8,
+    pub family: u8,
+    pub _pad: [u8; 2],
+}
+
+/// Value of `NAT`: the client flow a reply belongs to.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct NatValue {
+    pub flow: FlowKey,
+    pub backend: u32,
+    pub _pad: u32,
+}
+
+/// Data plane settings, one element in `CONFIG`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Config {
+    /// Source address of translated packets toward backends.
+    pub snat_addr: Addr,
+    pub family: u8,
+    pub _pad: u8,
+    /// Inclusive NAT port range, host order.
+    pub nat_port_min: u16,
+    pub nat_port_max: u16,
+    pub _pad2: u16,
+    pub flags: u32,
+}
+
+macro_rules! assert_size {
+    ($t:ty, $n:expr) => {
+        const _: () = assert!(core::mem::size_of::<$t>() == $n);
+    };
+}
+
+assert_size!(ServiceKey, 20);
+assert_size!(ServiceValue, 8);
+assert_size!(Backend, 24);
+assert_size!(Ring, 8 + 4 * RING_CAPACITY);
+assert_size!(FlowKey, 40);
+assert_size!(FlowValue, 24);
+assert_size!(NatKey, 40);
+assert_size!(NatValue, 48);
+assert_size!(Config, 28);
+
+#[cfg(feature = "user")]
+mod pod {
+    use super::*;
+    // SAFETY: all are repr(C) structs of integers and byte arrays with
+    // explicit padding fields, so every bit pattern is valid.
+    unsafe impl aya::Pod for ServiceKey {}
+    unsafe impl aya::Pod for ServiceValue {}
+    unsafe impl aya::Pod for Backend {}
+    unsafe impl aya::Pod for Ring {}
+    unsafe impl aya::Pod for FlowKey {}
+    unsafe impl aya::Pod for FlowValue {}
+    unsafe impl aya::Pod for NatKey {}
+    unsafe impl aya::Pod for NatValue {}
+    unsafe impl aya::Pod for Config {}
+    unsafe impl aya::Pod for BackendStats {}
+    unsafe impl aya::Pod for ServiceStats {}
+    unsafe impl aya::Pod for GlobalStats {}
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ring_slots_alternate_per_generation() {
+        assert_eq!(ring_slot(0, 0), 0);
+        assert_eq!(ring_slot(0, 1), 1);
+        assert_eq!(ring_slot(0, 2), 0);
+        assert_eq!(ring_slot(5, 7), 11);
+        assert!(ring_slot(MAX_SERVICES - 1, 1) < MAX_SERVICES * 2);
+    }
+
+    #[test]
+    fn v4_address_sits_in_first_bytes() {
+        let a = addr_v4([10, 1, 2, 3]);
+        assert_eq!(&a[..4], &[10, 1, 2, 3]);
+        assert!(a[4..].iter().all(|b| *b == 0));
+    }
+
+    #[test]
+    fn map_names_are_unique() {
+        for (i, a) in maps::ALL.iter().enumerate() {
+            for b in &maps::ALL[i + 1..] {
+                assert_ne!(a, b);
+            }
+        }
+    }
+}

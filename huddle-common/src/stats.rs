@@ -1,0 +1,97 @@
+//! Per-CPU counters the XDP program keeps and the control plane sums.
+//!
+//! Each struct is a flat list of `u64` counters; the macro also gives user
+//! space the field names and a way to add two snapshots, so adding a counter
+//! is one line here.
+
+macro_rules! counters {
+    ($(#[$m:meta])* $name:ident { $($(#[$fm:meta])* $field:ident,)+ }) => {
+        $(#[$m])*
+        #[repr(C)]
+        #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+        pub struct $name {
+            $($(#[$fm])* pub $field: u64,)+
+        }
+
+        impl $name {
+            /// Field names, in layout order.
+            pub const FIELDS: &'static [&'static str] = &[$(stringify!($field)),+];
+
+            /// Counter values, in the order of `FIELDS`.
+            #[must_use]
+            pub fn values(&self) -> [u64; { [$(stringify!($field)),+].len() }] {
+                [$(self.$field),+]
+            }
+
+            /// Adds another CPU's (or snapshot's) counters to these.
+            pub fn accumulate(&mut self, other: &Self) {
+                $(self.$field = self.$field.wrapping_add(other.$field);)+
+            }
+        }
+    };
+}
+
+counters!(
+    /// Per backend, indexed by backend id.
+    BackendStats {
+        /// Packets and bytes sent to the backend.
+        pkts_to,
+        bytes_to,
+        /// Packets and bytes the backend sent back (translated to clients).
+        pkts_from,
+        bytes_from,
+        /// Flows assigned to the backend.
+        flows_new,
+        /// Flows that saw their first FIN or RST.
+        flows_closed,
+        /// RST segments sent by the backend.
+        rsts_from,
+    }
+);
+
+counters!(
+    /// Per service, indexed by service id.
+    ServiceStats {
+        /// Packets balanced to a backend (client to backend direction).
+        pkts,
+        bytes,
+        flows_new,
+        /// TCP segments without SYN of an unknown flow, left to the kernel.
+        pass_no_flow,
+        /// Dropped: the active ring was empty.
+        drop_no_backend,
+        /// Dropped: no free NAT port toward the chosen backend.
+        drop_nat_ports,
+        /// Dropped: the flow or NAT table refused the insert.
+        drop_flow_table,
+    }
+);
+
+counters!(
+    /// Whole program, one element.
+    GlobalStats {
+        /// Passed: not IPv4 (ARP, IPv6, VLAN-tagged, ...).
+        pass_not_ipv4,
+        /// Passed: IPv4 not addressed to a service nor a NAT reply.
+        pass_not_service,
+        /// Passed: to the SNAT address and NAT port range, but no NAT entry
+        /// (the balancer host's own traffic).
+        pass_no_nat,
+        /// Passed: IPv4 header with options.
+        pass_ip_options,
+        /// Passed: IPv4 fragment.
+        pass_fragment,
+        /// Passed: malformed or truncated headers.
+        pass_malformed,
+        /// Rewritten and handed to the kernel: next hop not resolved yet.
+        pass_no_neigh,
+        /// Rewritten and handed to the kernel: the FIB gave no usable route.
+        pass_no_route,
+        /// Sent back out of the same interface.
+        tx,
+        /// Redirected to another interface.
+        redirect,
+        /// Ring reads retried because a swap raced with the read.
+        ring_retry,
+    }
+);

@@ -1,0 +1,265 @@
+//! The two directions of a balanced flow: client to backend (pick or find
+//! the flow, source-NAT it) and backend to client (translate the reply
+//! back). Everything that is neither goes to the kernel untouched.
+
+use crate::{
+    forward::send,
+    maps::{bump, global, BACKENDS, BACKEND_STATS, CONFIG, FLOWS, NAT, SERVICES, SERVICE_STATS},
+    parse::{Packet, TCP_FIN, TCP_RST, TCP_SYN},
+    rewrite::{rewrite, Tuple},
+    ring,
+};
+use aya_ebpf::{
+    bindings::{xdp_action, BPF_NOEXIST},
+    helpers::{bpf_get_prandom_u32, bpf_ktime_get_ns},
+    programs::XdpContext,
+};
+use aya_log_ebpf::warn;
+use huddle_common::{
+    addr_v4, flow_flags, Config, FlowKey, FlowValue, NatKey, NatValue, ServiceKey, FAMILY_V4,
+    NAT_PORT_TRIES,
+};
+
+const EEXIST: i32 = 17;
+
+#[inline(always)]
+pub fn balance(ctx: &XdpContext, p: &Packet) -> u32 {
+    let Some(cfg) = CONFIG.get(0) else {
+        return xdp_action::XDP_PASS;
+    };
+    let port = u16::from_be_bytes(p.dport);
+    if p.dst == v4(&cfg.snat_addr) && port >= cfg.nat_port_min && port <= cfg.nat_port_max {
+        return reply(ctx, p, cfg);
+    }
+    request(ctx, p, cfg)
+}
+
+#[inline(always)]
+fn v4(a: &[u8; 16]) -> [u8; 4] {
+    [a[0], a[1], a[2], a[3]]
+}
+
+/// Client to backend.
+#[inline(always)]
+fn request(ctx: &XdpContext, p: &Packet, cfg: &Config) -> u32 {
+    let skey = ServiceKey {
+        addr: addr_v4(p.dst),
+        port_be: u16::from_ne_bytes(p.dport),
+        proto: p.proto,
+        family: FAMILY_V4,
+    };
+    // SAFETY: the value is copied out at once; the control plane replaces
+    // hash values whole, so the copy is never torn.
+    let Some(service) = (unsafe { SERVICES.get(&skey) }).map(|s| s.id) else {
+        global(|s| s.pass_not_service += 1);
+        return xdp_action::XDP_PASS;
+    };
+    let fkey = FlowKey {
+        client: addr_v4(p.src),
+        vip: skey.addr,
+        client_port_be: u16::from_ne_bytes(p.sport),
+        vip_port_be: skey.port_be,
+        proto: p.proto,
+        family: FAMILY_V4,
+        _pad: [0; 2],
+    };
+    let syn = p.is_tcp() && p.has_flag(TCP_SYN);
+    let existing = FLOWS.get_ptr_mut(&fkey);
+    let flow = match existing {
+        // SAFETY: map value pointer, valid for this run.
+        Some(f) if !(syn && unsafe { (*f).flags } & flow_flags::CLOSING != 0) => unsafe { *f },
+        _ => {
+            if p.is_tcp() && !syn {
+                bump(&SERVICE_STATS, service, |s| s.pass_no_flow += 1);
+                return xdp_action::XDP_PASS;
+            }
+            if let Some(old) = existing {
+                // A new connection reusing a closed flow's tuple: its old
+                // NAT entry must not catch the new flow's replies.
+                // SAFETY: as above.
+                forget_nat(cfg, unsafe { &*old }, p.proto);
+            }
+            match new_flow(ctx, cfg, service, &fkey) {
+                Ok(f) => f,
+                Err(verdict) => return verdict,
+            }
+        }
+    };
+    let Some(backend) = BACKENDS.get(flow.backend) else {
+        return xdp_action::XDP_DROP;
+    };
+    if p.has_flag(TCP_FIN | TCP_RST) {
+        mark_closing(&fkey, flow.backend);
+    }
+    let bytes = u64::from(p.tot_len);
+    bump(&BACKEND_STATS, flow.backend, |s| {
+        s.pkts_to += 1;
+        s.bytes_to += bytes;
+    });
+    bump(&SERVICE_STATS, service, |s| {
+        s.pkts += 1;
+        s.bytes += bytes;
+    });
+    rewrite(
+        p,
+        &Tuple {
+            src: v4(&cfg.snat_addr),
+            dst: v4(&backend.addr),
+            sport: flow.nat_port_be.to_ne_bytes(),
+            dport: backend.port_be.to_ne_bytes(),
+        },
+    );
+    send(ctx, p)
+}
+
+/// Picks a backend and a NAT port for a new flow and records both
+/// directions. Errors carry the verdict for the packet.
+#[inline(always)]
+fn new_flow(
+    ctx: &XdpContext,
+    cfg: &Config,
+    service: u32,
+    fkey: &FlowKey,
+) -> Result<FlowValue, u32> {
+    let Some(backend_id) = ring::pick(service) else {
+        bump(&SERVICE_STATS, service, |s| s.drop_no_backend += 1);
+        return Err(xdp_action::XDP_DROP);
+    };
+    let Some(backend) = BACKENDS.get(backend_id) else {
+        bump(&SERVICE_STATS, service, |s| s.drop_no_backend += 1);
+        return Err(xdp_action::XDP_DROP);
+    };
+    let mut nkey = NatKey {
+        backend: backend.addr,
+        local: cfg.snat_addr,
+        backend_port_be: backend.port_be,
+        nat_port_be: 0,
+        proto: fkey.proto,
+        family: FAMILY_V4,
+        _pad: [0; 2],
+    };
+    let nval = NatValue {
+        flow: *fkey,
+        backend: backend_id,
+        _pad: 0,
+    };
+    let span = u32::from(cfg.nat_port_max.wrapping_sub(cfg.nat_port_min)) + 1;
+    let mut port = None;
+    for _ in 0..NAT_PORT_TRIES {
+        // SAFETY: plain helper call.
+        let r = unsafe { bpf_get_prandom_u32() };
+        let candidate = cfg.nat_port_min.wrapping_add((r % span) as u16);
+        nkey.nat_port_be = candidate.to_be();
+        match NAT.insert(&nkey, &nval, u64::from(BPF_NOEXIST)) {
+            Ok(()) => {
+                port = Some(nkey.nat_port_be);
+                break;
+            }
+            Err(e) if e == -EEXIST => {}
+            Err(_) => {
+                bump(&SERVICE_STATS, service, |s| s.drop_flow_table += 1);
+                return Err(xdp_action::XDP_DROP);
+            }
+        }
+    }
+    let Some(nat_port_be) = port else {
+        warn!(
+            ctx,
+            "no free NAT port toward backend {} after {} tries", backend_id, NAT_PORT_TRIES
+        );
+        bump(&SERVICE_STATS, service, |s| s.drop_nat_ports += 1);
+        return Err(xdp_action::XDP_DROP);
+    };
+    let flow = FlowValue {
+        backend: backend_id,
+        service,
+        nat_port_be,
+        flags: 0,
+        _pad: [0; 5],
+        // SAFETY: plain helper call.
+        created_ns: unsafe { bpf_ktime_get_ns() },
+    };
+    if FLOWS.insert(fkey, &flow, 0).is_err() {
+        let _ = NAT.remove(&nkey);
+        bump(&SERVICE_STATS, service, |s| s.drop_flow_table += 1);
+        return Err(xdp_action::XDP_DROP);
+    }
+    bump(&SERVICE_STATS, service, |s| s.flows_new += 1);
+    bump(&BACKEND_STATS, backend_id, |s| s.flows_new += 1);
+    Ok(flow)
+}
+
+/// Removes the NAT entry of an old flow that a new one replaces.
+#[inline(always)]
+fn forget_nat(cfg: &Config, old: &FlowValue, proto: u8) {
+    let Some(backend) = BACKENDS.get(old.backend) else {
+        return;
+    };
+    let key = NatKey {
+        backend: backend.addr,
+        local: cfg.snat_addr,
+        backend_port_be: backend.port_be,
+        nat_port_be: old.nat_port_be,
+        proto,
+        family: FAMILY_V4,
+        _pad: [0; 2],
+    };
+    let _ = NAT.remove(&key);
+}
+
+/// Counts a flow closed the first time either side sends FIN or RST.
+#[inline(always)]
+fn mark_closing(fkey: &FlowKey, backend: u32) {
+    if let Some(f) = FLOWS.get_ptr_mut(fkey) {
+        // SAFETY: map value pointer, valid for this run. Two CPUs racing
+        // here at most count one close twice; the flag is advisory.
+        unsafe {
+            if (*f).flags & flow_flags::CLOSING == 0 {
+                (*f).flags |= flow_flags::CLOSING;
+                bump(&BACKEND_STATS, backend, |s| s.flows_closed += 1);
+            }
+        }
+    }
+}
+
+/// Backend to client: translate a reply back, or leave the balancer host's
+/// own traffic alone.
+#[inline(always)]
+fn reply(ctx: &XdpContext, p: &Packet, cfg: &Config) -> u32 {
+    let nkey = NatKey {
+        backend: addr_v4(p.src),
+        local: cfg.snat_addr,
+        backend_port_be: u16::from_ne_bytes(p.sport),
+        nat_port_be: u16::from_ne_bytes(p.dport),
+        proto: p.proto,
+        family: FAMILY_V4,
+        _pad: [0; 2],
+    };
+    // SAFETY: copied out at once.
+    let Some(nat) = (unsafe { NAT.get(&nkey) }).copied() else {
+        global(|s| s.pass_no_nat += 1);
+        return xdp_action::XDP_PASS;
+    };
+    let bytes = u64::from(p.tot_len);
+    let rst = p.has_flag(TCP_RST);
+    bump(&BACKEND_STATS, nat.backend, |s| {
+        s.pkts_from += 1;
+        s.bytes_from += bytes;
+        if rst {
+            s.rsts_from += 1;
+        }
+    });
+    if p.has_flag(TCP_FIN | TCP_RST) {
+        mark_closing(&nat.flow, nat.backend);
+    }
+    rewrite(
+        p,
+        &Tuple {
+            src: v4(&nat.flow.vip),
+            dst: v4(&nat.flow.client),
+            sport: nat.flow.vip_port_be.to_ne_bytes(),
+            dport: nat.flow.client_port_be.to_ne_bytes(),
+        },
+    );
+    send(ctx, p)
+}

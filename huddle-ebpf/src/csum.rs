@@ -1,0 +1,32 @@
+//! Incremental Internet checksum updates (RFC 1624).
+//!
+//! Values are taken as they lie in memory (native-endian loads of network
+//! order bytes); one's-complement sums do not depend on byte order as long
+//! as the checksum field is read and written the same way.
+
+/// Sum of the changes from `old` to `new` for one 32-bit field.
+#[inline(always)]
+pub fn diff32(old: u32, new: u32) -> u64 {
+    u64::from(!old & 0xffff)
+        + u64::from((!old) >> 16)
+        + u64::from(new & 0xffff)
+        + u64::from(new >> 16)
+}
+
+/// Sum of the changes from `old` to `new` for one 16-bit field.
+#[inline(always)]
+pub fn diff16(old: u16, new: u16) -> u64 {
+    u64::from(!old) + u64::from(new)
+}
+
+/// Applies an accumulated difference to a checksum field's value.
+#[inline(always)]
+pub fn apply(check: u16, diff: u64) -> u16 {
+    let mut s = u64::from(!check) + diff;
+    // Four folds bring any sum of a few dozen terms to 16 bits.
+    s = (s & 0xffff) + (s >> 16);
+    s = (s & 0xffff) + (s >> 16);
+    s = (s & 0xffff) + (s >> 16);
+    s = (s & 0xffff) + (s >> 16);
+    !(s as u16)
+}

@@ -1,0 +1,38 @@
+//! HuddleCluster's XDP program: balances IPv4 TCP and UDP services over
+//! each service's active ring, with source NAT so replies come back here.
+#![no_std]
+#![no_main]
+
+mod balance;
+mod csum;
+mod forward;
+mod maps;
+mod parse;
+mod rewrite;
+mod ring;
+
+use aya_ebpf::{bindings::xdp_action, macros::xdp, programs::XdpContext};
+use parse::Skip;
+
+#[xdp]
+pub fn huddle(ctx: XdpContext) -> u32 {
+    match parse::parse(&ctx) {
+        Ok(p) => balance::balance(&ctx, &p),
+        Err(skip) => {
+            maps::global(|s| match skip {
+                Skip::NotIpv4 => s.pass_not_ipv4 += 1,
+                Skip::IpOptions => s.pass_ip_options += 1,
+                Skip::Fragment => s.pass_fragment += 1,
+                Skip::Malformed => s.pass_malformed += 1,
+                Skip::NotTcpUdp => s.pass_not_service += 1,
+            });
+            xdp_action::XDP_PASS
+        }
+    }
+}
+
+#[cfg(not(test))]
+#[panic_handler]
+fn panic(_info: &core::panic::PanicInfo) -> ! {
+    loop {}
+}

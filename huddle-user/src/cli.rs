@@ -1,0 +1,239 @@
+//! The `huddle` command line.
+
+use crate::{
+    config::{default_control_socket, BackendEntry, ConfigFile, PortRange, ServiceFile, XdpMode},
+    control::{call, Request},
+};
+use anyhow::{bail, Context, Result};
+use clap::{Args, Parser, Subcommand};
+use std::{net::Ipv4Addr, path::PathBuf, process::ExitCode};
+use tracing_subscriber::EnvFilter;
+
+#[derive(Parser, Debug)]
+#[command(
+    name = "huddle",
+    version,
+    about = "HuddleCluster: an XDP load balancer that rests its hot backends"
+)]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Subcommand, Debug)]
+enum Cmd {
+    /// Attach the balancer to an interface and run until SIGINT/SIGTERM.
+    Run(RunArgs),
+    /// Show services, rings and counters of a running balancer.
+    Status {
+        #[command(flatten)]
+        target: Target,
+        /// Print JSON instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Take a backend out of its rings; its existing flows finish normally.
+    Drain(DrainArgs),
+    /// Put a drained backend back into its rings.
+    Undrain(DrainArgs),
+    /// Check a configuration file and exit.
+    Check {
+        /// TOML configuration file.
+        config: PathBuf,
+    },
+    /// Time the XDP program per packet under BPF_PROG_TEST_RUN, next to
+    /// baseline programs in the same run.
+    Bench(crate::bench::BenchArgs),
+}
+
+#[derive(Args, Debug)]
+struct Target {
+    /// Interface of the balancer (selects /run/huddle/IFACE.sock).
+    #[arg(long, short)]
+    iface: Option<String>,
+    /// Control socket path (overrides --iface).
+    #[arg(long)]
+    control_socket: Option<PathBuf>,
+}
+
+impl Target {
+    fn socket(&self) -> Result<PathBuf> {
+        match (&self.control_socket, &self.iface) {
+            (Some(p), _) => Ok(p.clone()),
+            (None, Some(i)) => Ok(default_control_socket(i)),
+            (None, None) => bail!("say which balancer: --iface IFACE or --control-socket PATH"),
+        }
+    }
+}
+
+#[derive(Args, Debug)]
+struct DrainArgs {
+    #[command(flatten)]
+    target: Target,
+    /// Backend IP:PORT.
+    #[arg(long)]
+    backend: String,
+    /// Only in this service (IP:PORT[/tcp|/udp]); default: every service
+    /// that has the backend.
+    #[arg(long)]
+    vip: Option<String>,
+}
+
+#[derive(Args, Debug)]
+struct RunArgs {
+    /// TOML configuration file; flags given too override its values.
+    #[arg(long, short)]
+    config: Option<PathBuf>,
+    /// Interface to attach to.
+    #[arg(long, short)]
+    iface: Option<String>,
+    /// Service address, IP:PORT[/tcp|/udp] (tcp by default).
+    #[arg(long)]
+    vip: Option<String>,
+    /// Backend IP:PORT of --vip; repeat for each backend.
+    #[arg(long = "backend")]
+    backends: Vec<String>,
+    /// Source address toward backends (default: the interface's IPv4).
+    #[arg(long)]
+    snat_ip: Option<Ipv4Addr>,
+    /// Attach mode.
+    #[arg(long, value_enum)]
+    xdp_mode: Option<XdpMode>,
+    /// NAT source ports, LOW-HIGH, outside the kernel's ephemeral range.
+    #[arg(long)]
+    nat_ports: Option<PortRange>,
+    /// Flow table entries.
+    #[arg(long)]
+    flow_table_size: Option<u32>,
+    /// Control socket path (default /run/huddle/IFACE.sock).
+    #[arg(long)]
+    control_socket: Option<PathBuf>,
+}
+
+impl RunArgs {
+    fn into_config(self) -> Result<crate::config::Config> {
+        let mut file = match &self.config {
+            Some(path) => ConfigFile::load(path)?,
+            None => ConfigFile::default(),
+        };
+        if self.iface.is_some() {
+            file.interface = self.iface;
+        }
+        if self.snat_ip.is_some() {
+            file.snat_ip = self.snat_ip;
+        }
+        if self.xdp_mode.is_some() {
+            file.xdp_mode = self.xdp_mode;
+        }
+        if self.nat_ports.is_some() {
+            file.nat_ports = self.nat_ports;
+        }
+        if self.flow_table_size.is_some() {
+            file.flow_table_size = self.flow_table_size;
+        }
+        if self.control_socket.is_some() {
+            file.control_socket = self.control_socket;
+        }
+        match (self.vip, self.backends.is_empty()) {
+            (Some(vip), _) => file.services.push(ServiceFile {
+                vip,
+                proto: None,
+                backends: self.backends.into_iter().map(BackendEntry::Addr).collect(),
+            }),
+            (None, false) => bail!("--backend given without --vip"),
+            (None, true) => {}
+        }
+        let what = self.config.as_ref().map_or_else(
+            || "command line".to_string(),
+            |p| format!("config {}", p.display()),
+        );
+        file.validate().with_context(|| what)
+    }
+}
+
+fn init_tracing() {
+    let filter = EnvFilter::try_from_env("HUDDLE_LOG").unwrap_or_else(|_| EnvFilter::new("info"));
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_target(false)
+        .try_init();
+}
+
+/// Entry point of the `huddle` binary.
+#[must_use]
+pub fn main() -> ExitCode {
+    let cli = Cli::parse();
+    init_tracing();
+    match dispatch(cli.cmd) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("huddle: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn dispatch(cmd: Cmd) -> Result<()> {
+    match cmd {
+        Cmd::Run(args) => {
+            let cfg = args.into_config()?;
+            let rt = tokio::runtime::Builder::new_multi_thread()
+                .worker_threads(2)
+                .enable_all()
+                .build()?;
+            rt.block_on(crate::daemon::run(cfg))
+        }
+        Cmd::Status { target, json } => {
+            let reply = call(&target.socket()?, &Request::Status)?;
+            let status = match (reply.ok, reply.status) {
+                (true, Some(s)) => s,
+                _ => bail!(
+                    "{}",
+                    reply.error.unwrap_or_else(|| "no status in reply".into())
+                ),
+            };
+            if json {
+                println!("{}", serde_json::to_string_pretty(&status)?);
+            } else {
+                print!("{}", status.render());
+            }
+            Ok(())
+        }
+        Cmd::Drain(a) => control_message(
+            &a.target,
+            Request::Drain {
+                backend: a.backend,
+                vip: a.vip,
+            },
+        ),
+        Cmd::Undrain(a) => control_message(
+            &a.target,
+            Request::Undrain {
+                backend: a.backend,
+                vip: a.vip,
+            },
+        ),
+        Cmd::Check { config } => {
+            let cfg = ConfigFile::load(&config)?
+                .validate()
+                .with_context(|| format!("config {}", config.display()))?;
+            println!(
+                "{}: OK, {} service(s) on {}",
+                config.display(),
+                cfg.services.len(),
+                cfg.interface
+            );
+            Ok(())
+        }
+        Cmd::Bench(args) => crate::bench::run(&args),
+    }
+}
+
+fn control_message(target: &Target, req: Request) -> Result<()> {
+    let reply = call(&target.socket()?, &req)?;
+    if !reply.ok {
+        bail!("{}", reply.error.unwrap_or_default());
+    }
+    println!("{}", reply.message.unwrap_or_default());
+    Ok(())
+}

@@ -1,0 +1,85 @@
+//! The control socket: one JSON request per line, one JSON reply per line.
+//! `huddle status`, `drain` and `undrain` talk to a running daemon here.
+
+use anyhow::{bail, Context, Result};
+use serde::{Deserialize, Serialize};
+use std::{
+    io::{BufRead, BufReader, Write},
+    os::unix::net::UnixStream,
+    path::Path,
+    time::Duration,
+};
+
+#[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(tag = "cmd", rename_all = "lowercase")]
+pub enum Request {
+    Status,
+    /// Take a backend out of its service's ring; its flows finish normally.
+    Drain {
+        backend: String,
+        vip: Option<String>,
+    },
+    /// Put a drained backend back.
+    Undrain {
+        backend: String,
+        vip: Option<String>,
+    },
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct Reply {
+    pub ok: bool,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub status: Option<crate::status::Status>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub message: Option<String>,
+}
+
+impl Reply {
+    #[must_use]
+    pub fn error(e: &anyhow::Error) -> Reply {
+        Reply {
+            ok: false,
+            error: Some(format!("{e:#}")),
+            status: None,
+            message: None,
+        }
+    }
+
+    #[must_use]
+    pub fn message(m: String) -> Reply {
+        Reply {
+            ok: true,
+            error: None,
+            status: None,
+            message: Some(m),
+        }
+    }
+}
+
+/// Largest request line accepted.
+pub const MAX_REQUEST: usize = 64 * 1024;
+
+/// Sends one request to the daemon at `socket` and returns its reply.
+pub fn call(socket: &Path, req: &Request) -> Result<Reply> {
+    let mut stream = UnixStream::connect(socket).with_context(|| {
+        format!(
+            "no balancer answers on {} (is `huddle run` running?)",
+            socket.display()
+        )
+    })?;
+    stream.set_read_timeout(Some(Duration::from_secs(10)))?;
+    let mut line = serde_json::to_string(req)?;
+    line.push('\n');
+    stream.write_all(line.as_bytes())?;
+    let mut reply = String::new();
+    BufReader::new(stream)
+        .read_line(&mut reply)
+        .context("reading the daemon's reply")?;
+    if reply.is_empty() {
+        bail!("the daemon closed the control socket without replying");
+    }
+    serde_json::from_str(&reply).context("the daemon's reply is not valid JSON")
+}

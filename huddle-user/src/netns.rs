@@ -1,0 +1,85 @@
+//! Network namespaces made with `ip netns`, removed when dropped. Used by
+//! `huddle bench` and by the test and demo harness.
+
+use anyhow::{bail, Context, Result};
+use std::{fs::File, os::fd::AsRawFd, process::Command};
+
+/// Runs `ip` with `args`, failing with its stderr.
+pub fn ip(args: &[&str]) -> Result<()> {
+    run("ip", args)
+}
+
+/// Runs a command, failing with its stderr.
+pub fn run(prog: &str, args: &[&str]) -> Result<()> {
+    let out = Command::new(prog)
+        .args(args)
+        .output()
+        .with_context(|| format!("running {prog} {}", args.join(" ")))?;
+    if !out.status.success() {
+        bail!(
+            "{prog} {} failed: {}",
+            args.join(" "),
+            String::from_utf8_lossy(&out.stderr).trim()
+        );
+    }
+    Ok(())
+}
+
+/// A named network namespace, deleted on drop.
+#[derive(Debug)]
+pub struct Netns {
+    pub name: String,
+}
+
+impl Netns {
+    /// Creates namespace `name` (removing a stale one of that name first)
+    /// with loopback up.
+    pub fn create(name: &str) -> Result<Netns> {
+        let _ = Command::new("ip").args(["netns", "del", name]).output();
+        ip(&["netns", "add", name])?;
+        let ns = Netns {
+            name: name.to_string(),
+        };
+        ns.ip(&["link", "set", "lo", "up"])?;
+        Ok(ns)
+    }
+
+    /// `ip -n NAME args...`
+    pub fn ip(&self, args: &[&str]) -> Result<()> {
+        let mut all = vec!["-n", self.name.as_str()];
+        all.extend_from_slice(args);
+        ip(&all)
+    }
+
+    /// Runs a command inside the namespace.
+    pub fn exec(&self, prog: &str, args: &[&str]) -> Result<()> {
+        let mut all = vec!["netns", "exec", self.name.as_str(), prog];
+        all.extend_from_slice(args);
+        ip(&all)
+    }
+
+    /// Sets a sysctl inside the namespace.
+    pub fn sysctl(&self, key: &str, value: &str) -> Result<()> {
+        self.exec("sysctl", &["-qw", &format!("{key}={value}")])
+    }
+
+    /// Moves the calling thread into the namespace (only this thread).
+    pub fn enter(&self) -> Result<()> {
+        let f = File::open(format!("/run/netns/{}", self.name))
+            .with_context(|| format!("opening namespace {}", self.name))?;
+        // SAFETY: setns on a valid namespace fd; affects the calling thread.
+        if unsafe { libc::setns(f.as_raw_fd(), libc::CLONE_NEWNET) } != 0 {
+            return Err(std::io::Error::last_os_error())
+                .with_context(|| format!("setns into {}", self.name));
+        }
+        Ok(())
+    }
+}
+
+impl Drop for Netns {
+    fn drop(&mut self) {
+        let _ = Command::new("ip")
+            .args(["netns", "del", &self.name])
+            .output();
+    }
+}

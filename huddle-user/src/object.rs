@@ -1,0 +1,8 @@
+//! The XDP objects, built by `build.rs` with the nightly and embedded so the
+//! daemon is a single binary.
+
+/// The balancer program (`huddle`) and its maps.
+pub static HUDDLE: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/huddle"));
+
+/// Baselines for `huddle bench`: `pass` and `swap_tx`.
+pub static BASELINE: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/baseline"));

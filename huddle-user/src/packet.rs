@@ -1,0 +1,266 @@
+//! Crafting and checking Ethernet/IPv4/TCP/UDP frames, for `huddle bench`
+//! and the PROG_TEST_RUN tests: `Frame::tcp(..).syn().payload(..).build()`.
+
+use std::net::Ipv4Addr;
+
+pub const ETH_LEN: usize = 14;
+pub const IP_LEN: usize = 20;
+pub const TCP_LEN: usize = 20;
+pub const UDP_LEN: usize = 8;
+
+pub const FIN: u8 = 0x01;
+pub const SYN: u8 = 0x02;
+pub const RST: u8 = 0x04;
+pub const PSH: u8 = 0x08;
+pub const ACK: u8 = 0x10;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum L4 {
+    Tcp { flags: u8 },
+    Udp { zero_checksum: bool },
+}
+
+/// A frame under construction.
+#[derive(Clone, Debug)]
+pub struct Frame {
+    pub src_mac: [u8; 6],
+    pub dst_mac: [u8; 6],
+    pub src: Ipv4Addr,
+    pub dst: Ipv4Addr,
+    pub sport: u16,
+    pub dport: u16,
+    pub l4: L4,
+    pub payload: Vec<u8>,
+    pub ttl: u8,
+    pub id: u16,
+}
+
+impl Frame {
+    #[must_use]
+    pub fn tcp(src: (Ipv4Addr, u16), dst: (Ipv4Addr, u16)) -> Frame {
+        Frame {
+            src_mac: [0x02, 0, 0, 0, 0, 0x02],
+            dst_mac: [0x02, 0, 0, 0, 0, 0x01],
+            src: src.0,
+            dst: dst.0,
+            sport: src.1,
+            dport: dst.1,
+            l4: L4::Tcp { flags: ACK },
+            payload: Vec::new(),
+            ttl: 64,
+            id: 0x1234,
+        }
+    }
+
+    #[must_use]
+    pub fn udp(src: (Ipv4Addr, u16), dst: (Ipv4Addr, u16)) -> Frame {
+        Frame {
+            l4: L4::Udp {
+                zero_checksum: false,
+            },
+            ..Frame::tcp(src, dst)
+        }
+    }
+
+    #[must_use]
+    pub fn flags(mut self, flags: u8) -> Frame {
+        self.l4 = L4::Tcp { flags };
+        self
+    }
+
+    #[must_use]
+    pub fn syn(self) -> Frame {
+        self.flags(SYN)
+    }
+
+    #[must_use]
+    pub fn payload(mut self, p: &[u8]) -> Frame {
+        self.payload = p.to_vec();
+        self
+    }
+
+    #[must_use]
+    pub fn macs(mut self, src: [u8; 6], dst: [u8; 6]) -> Frame {
+        self.src_mac = src;
+        self.dst_mac = dst;
+        self
+    }
+
+    /// UDP without a checksum (allowed in IPv4).
+    #[must_use]
+    pub fn no_udp_checksum(mut self) -> Frame {
+        self.l4 = L4::Udp {
+            zero_checksum: true,
+        };
+        self
+    }
+
+    /// The frame's bytes with correct IP and L4 checksums.
+    #[must_use]
+    pub fn build(&self) -> Vec<u8> {
+        let l4_len = match self.l4 {
+            L4::Tcp { .. } => TCP_LEN,
+            L4::Udp { .. } => UDP_LEN,
+        } + self.payload.len();
+        let tot_len = (IP_LEN + l4_len) as u16;
+        let mut f = Vec::with_capacity(ETH_LEN + tot_len as usize);
+        f.extend_from_slice(&self.dst_mac);
+        f.extend_from_slice(&self.src_mac);
+        f.extend_from_slice(&0x0800u16.to_be_bytes());
+        f.push(0x45);
+        f.push(0);
+        f.extend_from_slice(&tot_len.to_be_bytes());
+        f.extend_from_slice(&self.id.to_be_bytes());
+        f.extend_from_slice(&0x4000u16.to_be_bytes()); // DF
+        f.push(self.ttl);
+        f.push(match self.l4 {
+            L4::Tcp { .. } => 6,
+            L4::Udp { .. } => 17,
+        });
+        f.extend_from_slice(&[0, 0]);
+        f.extend_from_slice(&self.src.octets());
+        f.extend_from_slice(&self.dst.octets());
+        let ip_sum = checksum(&f[ETH_LEN..ETH_LEN + IP_LEN], 0);
+        f[ETH_LEN + 10..ETH_LEN + 12].copy_from_slice(&ip_sum.to_be_bytes());
+        let l4_start = f.len();
+        f.extend_from_slice(&self.sport.to_be_bytes());
+        f.extend_from_slice(&self.dport.to_be_bytes());
+        match self.l4 {
+            L4::Tcp { flags } => {
+                f.extend_from_slice(&1000u32.to_be_bytes()); // seq
+                f.extend_from_slice(&(if flags & ACK != 0 { 2000u32 } else { 0 }).to_be_bytes());
+                f.push(0x50);
+                f.push(flags);
+                f.extend_from_slice(&64240u16.to_be_bytes());
+                f.extend_from_slice(&[0, 0, 0, 0]);
+            }
+            L4::Udp { .. } => {
+                f.extend_from_slice(&(l4_len as u16).to_be_bytes());
+                f.extend_from_slice(&[0, 0]);
+            }
+        }
+        f.extend_from_slice(&self.payload);
+        let zero = matches!(
+            self.l4,
+            L4::Udp {
+                zero_checksum: true
+            }
+        );
+        if !zero {
+            let sum = l4_checksum(&f);
+            let off = l4_start
+                + if matches!(self.l4, L4::Tcp { .. }) {
+                    16
+                } else {
+                    6
+                };
+            let sum = if sum == 0 && !matches!(self.l4, L4::Tcp { .. }) {
+                0xffff
+            } else {
+                sum
+            };
+            f[off..off + 2].copy_from_slice(&sum.to_be_bytes());
+        }
+        f
+    }
+}
+
+/// One's-complement sum over `data` (plus `initial`), folded and inverted.
+#[must_use]
+pub fn checksum(data: &[u8], initial: u32) -> u16 {
+    let mut sum = u64::from(initial);
+    for chunk in data.chunks(2) {
+        let word = if chunk.len() == 2 {
+            u16::from_be_bytes([chunk[0], chunk[1]])
+        } else {
+            u16::from_be_bytes([chunk[0], 0])
+        };
+        sum += u64::from(word);
+    }
+    while sum > 0xffff {
+        sum = (sum & 0xffff) + (sum >> 16);
+    }
+    !(sum as u16)
+}
+
+/// The TCP/UDP checksum a frame's L4 header should carry (checksum field
+/// taken as zero).
+#[must_use]
+pub fn l4_checksum(frame: &[u8]) -> u16 {
+    let ip = &frame[ETH_LEN..];
+    let ihl = usize::from(ip[0] & 0x0f) * 4;
+    let tot = usize::from(u16::from_be_bytes([ip[2], ip[3]]));
+    let proto = ip[9];
+    let mut seg = ip[ihl..tot].to_vec();
+    let off = if proto == 6 { 16 } else { 6 };
+    seg[off] = 0;
+    seg[off + 1] = 0;
+    let mut pseudo = Vec::new();
+    pseudo.extend_from_slice(&ip[12..20]);
+    pseudo.push(0);
+    pseudo.push(proto);
+    pseudo.extend_from_slice(&((tot - ihl) as u16).to_be_bytes());
+    pseudo.extend_from_slice(&seg);
+    checksum(&pseudo, 0)
+}
+
+/// Whether both checksums of an IPv4 TCP/UDP frame are valid (a UDP
+/// checksum of 0 means none and is valid).
+#[must_use]
+pub fn checksums_valid(frame: &[u8]) -> bool {
+    if frame.len() < ETH_LEN + IP_LEN {
+        return false;
+    }
+    let ip = &frame[ETH_LEN..];
+    let ihl = usize::from(ip[0] & 0x0f) * 4;
+    if checksum(&ip[..ihl], 0) != 0 {
+        return false;
+    }
+    let proto = ip[9];
+    let off = ihl + if proto == 6 { 16 } else { 6 };
+    let stored = u16::from_be_bytes([ip[off], ip[off + 1]]);
+    if proto == 17 && stored == 0 {
+        return true;
+    }
+    let want = l4_checksum(frame);
+    let want = if proto == 17 && want == 0 {
+        0xffff
+    } else {
+        want
+    };
+    stored == want
+}
+
+/// (src, sport, dst, dport) of an IPv4 TCP/UDP frame.
+#[must_use]
+pub fn endpoints(frame: &[u8]) -> ((Ipv4Addr, u16), (Ipv4Addr, u16)) {
+    let ip = &frame[ETH_LEN..];
+    let ihl = usize::from(ip[0] & 0x0f) * 4;
+    let src = Ipv4Addr::new(ip[12], ip[13], ip[14], ip[15]);
+    let dst = Ipv4Addr::new(ip[16], ip[17], ip[18], ip[19]);
+    let sport = u16::from_be_bytes([ip[ihl], ip[ihl + 1]]);
+    let dport = u16::from_be_bytes([ip[ihl + 2], ip[ihl + 3]]);
+    ((src, sport), (dst, dport))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn built_frames_have_valid_checksums() {
+        let a = (Ipv4Addr::new(10, 0, 0, 2), 40000);
+        let b = (Ipv4Addr::new(10, 0, 0, 1), 80);
+        for f in [
+            Frame::tcp(a, b).syn().build(),
+            Frame::tcp(a, b).payload(b"GET / HTTP/1.0\r\n\r\n").build(),
+            Frame::udp(a, b).payload(b"ping").build(),
+            Frame::udp(a, b).payload(b"odd").no_udp_checksum().build(),
+        ] {
+            assert!(checksums_valid(&f), "{f:02x?}");
+        }
+        let mut bad = Frame::tcp(a, b).syn().build();
+        bad[ETH_LEN + 24] ^= 1;
+        assert!(!checksums_valid(&bad));
+    }
+}

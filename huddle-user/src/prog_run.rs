@@ -1,0 +1,93 @@
+//! Running the real XDP program on crafted frames with BPF_PROG_TEST_RUN.
+//!
+//! The program asks the kernel's FIB for next hops, so runs happen inside a
+//! namespace of their own holding the balancer's interface (one end of a
+//! veth pair), its address and permanent neighbour entries: the output
+//! frames are then fully determined, MAC addresses included.
+
+use crate::{config::Config, dataplane::Dataplane, netns::Netns};
+use anyhow::{Context, Result};
+use aya::{programs::Xdp, TestRun, TestRunOptions};
+use std::{net::Ipv4Addr, time::Duration};
+
+/// The balancer's interface inside the namespace.
+pub const IFACE: &str = "hb0";
+pub const BALANCER_IP: Ipv4Addr = Ipv4Addr::new(10, 213, 0, 1);
+pub const BALANCER_MAC: [u8; 6] = [0x02, 0x00, 10, 213, 0, 1];
+
+/// The MAC address the environment gives a neighbour.
+#[must_use]
+pub fn mac_of(ip: Ipv4Addr) -> [u8; 6] {
+    let o = ip.octets();
+    [0x02, 0x00, o[0], o[1], o[2], o[3]]
+}
+
+fn mac_str(m: [u8; 6]) -> String {
+    m.iter()
+        .map(|b| format!("{b:02x}"))
+        .collect::<Vec<_>>()
+        .join(":")
+}
+
+/// A namespace with the balancer's interface and the program loaded.
+pub struct ProgRun {
+    pub dp: Dataplane,
+    pub ifindex: u32,
+    pub ns: Netns,
+}
+
+impl ProgRun {
+    /// Builds the namespace `ns_name`, gives `neighbours` permanent entries,
+    /// moves the calling thread into it and loads the program with `cfg`
+    /// (SNAT address `BALANCER_IP`).
+    pub fn new(ns_name: &str, cfg: &Config, neighbours: &[Ipv4Addr]) -> Result<ProgRun> {
+        let ns = Netns::create(ns_name)?;
+        ns.ip(&["link", "add", IFACE, "type", "veth", "peer", "name", "hb1"])?;
+        ns.ip(&["link", "set", IFACE, "address", &mac_str(BALANCER_MAC)])?;
+        ns.ip(&["addr", "add", &format!("{BALANCER_IP}/16"), "dev", IFACE])?;
+        ns.ip(&["link", "set", IFACE, "up"])?;
+        ns.ip(&["link", "set", "hb1", "up"])?;
+        for n in neighbours {
+            ns.ip(&[
+                "neigh",
+                "replace",
+                &n.to_string(),
+                "lladdr",
+                &mac_str(mac_of(*n)),
+                "dev",
+                IFACE,
+                "nud",
+                "permanent",
+            ])?;
+        }
+        ns.sysctl(&format!("net.ipv4.conf.{IFACE}.forwarding"), "1")?;
+        ns.enter()?;
+        let ifindex = crate::host::ifindex(IFACE)?;
+        let dp = Dataplane::load(cfg, BALANCER_IP)?;
+        Ok(ProgRun { dp, ifindex, ns })
+    }
+
+    /// Runs the balancer program once on `frame`: (verdict, output frame).
+    pub fn run(&self, frame: &[u8]) -> Result<(u32, Vec<u8>)> {
+        let (verdict, out, _) = test_run(self.dp.program()?, frame, self.ifindex)?;
+        Ok((verdict, out))
+    }
+}
+
+/// Runs `prog` once on `frame` as if it arrived on `ifindex`:
+/// (verdict, output frame, kernel-measured duration).
+pub fn test_run(prog: &Xdp, frame: &[u8], ifindex: u32) -> Result<(u32, Vec<u8>, Duration)> {
+    let mut out = vec![0u8; frame.len() + 256];
+    // struct xdp_md: data, data_end, data_meta, ingress_ifindex,
+    // rx_queue_index, egress_ifindex. The kernel wants data_end = length.
+    let mut ctx = [0u8; 24];
+    ctx[4..8].copy_from_slice(&(frame.len() as u32).to_ne_bytes());
+    ctx[12..16].copy_from_slice(&ifindex.to_ne_bytes());
+    let mut opts = TestRunOptions::new();
+    opts.data_in = Some(frame);
+    opts.data_out = Some(&mut out);
+    opts.ctx_in = Some(&ctx);
+    let r = prog.test_run(opts).context("BPF_PROG_TEST_RUN")?;
+    out.truncate(r.data_size_out as usize);
+    Ok((r.return_value, out, r.duration))
+}
