@@ -65,15 +65,19 @@ impl Netns {
 
     /// Moves the calling thread into the namespace (only this thread).
     pub fn enter(&self) -> Result<()> {
-        let f = File::open(format!("/run/netns/{}", self.name))
-            .with_context(|| format!("opening namespace {}", self.name))?;
-        // SAFETY: setns on a valid namespace fd; affects the calling thread.
-        if unsafe { libc::setns(f.as_raw_fd(), libc::CLONE_NEWNET) } != 0 {
-            return Err(std::io::Error::last_os_error())
-                .with_context(|| format!("setns into {}", self.name));
-        }
-        Ok(())
+        enter(&self.name)
     }
+}
+
+/// Moves the calling thread into namespace `name` (only this thread).
+pub fn enter(name: &str) -> Result<()> {
+    let f = File::open(format!("/run/netns/{name}"))
+        .with_context(|| format!("opening namespace {name}"))?;
+    // SAFETY: setns on a valid namespace fd; affects the calling thread.
+    if unsafe { libc::setns(f.as_raw_fd(), libc::CLONE_NEWNET) } != 0 {
+        return Err(std::io::Error::last_os_error()).with_context(|| format!("setns into {name}"));
+    }
+    Ok(())
 }
 
 impl Drop for Netns {

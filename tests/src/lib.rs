@@ -1,0 +1,392 @@
+//! Testbeds of network namespaces for HuddleCluster's tests and demo.
+//!
+//! Addresses all come from 10.213.0.0/16 and exist only inside namespaces
+//! a testbed creates: hosts on one bridged segment 10.213.0.0/24 (balancer
+//! .1, client .2, backends .11 and up), VIPs in 10.213.100.0/24, routed by
+//! the client via the balancer. Names carry a prefix with the process id
+//! and a counter; everything is removed on drop, also when a test fails.
+
+use anyhow::{bail, Context, Result};
+use huddle_user::{
+    control::{self, Reply, Request},
+    netns::Netns,
+    status::Status,
+};
+use std::{
+    io::{BufRead, BufReader, Read, Write},
+    net::{Ipv4Addr, SocketAddr, TcpStream, UdpSocket},
+    path::{Path, PathBuf},
+    process::{Child, Command, Stdio},
+    sync::atomic::{AtomicU32, Ordering},
+    thread,
+    time::{Duration, Instant},
+};
+
+pub const LB_IP: Ipv4Addr = Ipv4Addr::new(10, 213, 0, 1);
+pub const CLIENT_IP: Ipv4Addr = Ipv4Addr::new(10, 213, 0, 2);
+pub const VIP: Ipv4Addr = Ipv4Addr::new(10, 213, 100, 1);
+pub const HTTP_PORT: u16 = 8080;
+pub const UDP_PORT: u16 = 5353;
+const NAME_PREFIX: &str = "hct";
+
+/// Address of backend `i` (0-based).
+#[must_use]
+pub fn backend_ip(i: usize) -> Ipv4Addr {
+    Ipv4Addr::new(10, 213, 0, 11 + i as u8)
+}
+
+/// A name unique to this process and call.
+#[must_use]
+pub fn unique(tag: &str) -> String {
+    static N: AtomicU32 = AtomicU32::new(0);
+    format!(
+        "{NAME_PREFIX}{}-{}-{tag}",
+        std::process::id(),
+        N.fetch_add(1, Ordering::Relaxed)
+    )
+}
+
+/// Fails with a clear message unless running as root.
+pub fn require_root() {
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        panic!("this test needs root (network namespaces, XDP); run it as root, as CI does");
+    }
+}
+
+/// Deletes namespaces left by earlier runs of this harness whose process
+/// is gone.
+pub fn sweep_stale() {
+    let Ok(out) = Command::new("ip").args(["netns", "list"]).output() else {
+        return;
+    };
+    for line in String::from_utf8_lossy(&out.stdout).lines() {
+        let name = line.split_whitespace().next().unwrap_or("");
+        let Some(rest) = name.strip_prefix(NAME_PREFIX) else {
+            continue;
+        };
+        let pid: u32 = rest
+            .split('-')
+            .next()
+            .and_then(|p| p.parse().ok())
+            .unwrap_or(0);
+        if pid != 0 && !Path::new(&format!("/proc/{pid}")).exists() {
+            let _ = Command::new("ip").args(["netns", "del", name]).output();
+        }
+    }
+}
+
+/// Runs `f` on a thread inside namespace `ns` and returns its result.
+pub fn in_ns<T: Send + 'static>(ns: &Netns, f: impl FnOnce() -> T + Send + 'static) -> T {
+    let name = ns.name.clone();
+    thread::spawn(move || {
+        huddle_user::netns::enter(&name).expect("enter namespace");
+        f()
+    })
+    .join()
+    .expect("thread in namespace panicked")
+}
+
+/// A child process, killed (by pid) and reaped on drop.
+pub struct Proc {
+    pub child: Child,
+    pub what: String,
+}
+
+impl Proc {
+    /// Sends SIGTERM and waits up to `timeout`; returns whether it exited
+    /// successfully.
+    pub fn terminate(&mut self, timeout: Duration) -> Result<bool> {
+        // SAFETY: signalling our own child by pid.
+        unsafe { libc::kill(self.child.id() as i32, libc::SIGTERM) };
+        let start = Instant::now();
+        loop {
+            if let Some(status) = self.child.try_wait()? {
+                return Ok(status.success());
+            }
+            if start.elapsed() > timeout {
+                bail!("{} did not exit within {timeout:?} of SIGTERM", self.what);
+            }
+            thread::sleep(Duration::from_millis(20));
+        }
+    }
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        if matches!(self.child.try_wait(), Ok(None)) {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+    }
+}
+
+/// Starts `prog args` inside namespace `ns`.
+pub fn spawn_in(ns: &Netns, prog: &Path, args: &[&str], log: Option<&Path>) -> Result<Proc> {
+    let mut cmd = Command::new("ip");
+    cmd.args(["netns", "exec", &ns.name])
+        .arg(prog)
+        .args(args)
+        .stdin(Stdio::null());
+    match log {
+        Some(path) => {
+            let f = std::fs::File::create(path)?;
+            cmd.stdout(f.try_clone()?).stderr(f);
+        }
+        None => {
+            cmd.stdout(Stdio::null()).stderr(Stdio::null());
+        }
+    }
+    let child = cmd
+        .spawn()
+        .with_context(|| format!("starting {}", prog.display()))?;
+    Ok(Proc {
+        child,
+        what: prog.display().to_string(),
+    })
+}
+
+/// Client, balancer and backends on one bridged segment.
+pub struct Testbed {
+    pub prefix: String,
+    pub client: Netns,
+    pub lb: Netns,
+    pub backends: Vec<Netns>,
+    pub procs: Vec<Proc>,
+    /// Folder for sockets and logs of this testbed.
+    pub dir: PathBuf,
+    // Dropped last: the bridge the others hang off.
+    pub switch: Netns,
+}
+
+impl Testbed {
+    /// Builds the namespaces and links; starts nothing.
+    pub fn new(tag: &str, n_backends: usize) -> Result<Testbed> {
+        sweep_stale();
+        let prefix = unique(tag);
+        let switch = Netns::create(&format!("{prefix}-sw"))?;
+        switch.ip(&["link", "add", "br0", "type", "bridge"])?;
+        switch.ip(&["link", "set", "br0", "up"])?;
+        let dir = std::env::temp_dir().join(&prefix);
+        std::fs::create_dir_all(&dir)?;
+        let mut bed = Testbed {
+            client: Netns::create(&format!("{prefix}-client"))?,
+            lb: Netns::create(&format!("{prefix}-lb"))?,
+            backends: Vec::new(),
+            procs: Vec::new(),
+            dir,
+            switch,
+            prefix: prefix.clone(),
+        };
+        bed.attach("pl", &bed.lb, LB_IP)?;
+        // XDP_TX out of the balancer's veth only reaches a peer that can take
+        // XDP frames: GRO on the peer turns on its NAPI path.
+        bed.switch.exec("ethtool", &["-K", "pl", "gro", "on"])?;
+        bed.attach("pc", &bed.client, CLIENT_IP)?;
+        bed.client
+            .ip(&["route", "add", "10.213.100.0/24", "via", &LB_IP.to_string()])?;
+        for i in 0..n_backends {
+            let ns = Netns::create(&format!("{prefix}-b{i}"))?;
+            bed.attach(&format!("pb{i}"), &ns, backend_ip(i))?;
+            bed.backends.push(ns);
+        }
+        Ok(bed)
+    }
+
+    fn attach(&self, port: &str, ns: &Netns, ip: Ipv4Addr) -> Result<()> {
+        self.switch.ip(&[
+            "link", "add", port, "type", "veth", "peer", "name", "eth0", "netns", &ns.name,
+        ])?;
+        self.switch
+            .ip(&["link", "set", port, "master", "br0", "up"])?;
+        ns.ip(&["addr", "add", &format!("{ip}/24"), "dev", "eth0"])?;
+        ns.ip(&["link", "set", "eth0", "up"])?;
+        Ok(())
+    }
+
+    /// Starts `hc-backend` in every backend namespace and waits until each
+    /// answers.
+    pub fn start_backends(&mut self, bin: &Path) -> Result<()> {
+        for i in 0..self.backends.len() {
+            let id = format!("b{i}");
+            let log = self.dir.join(format!("{id}.log"));
+            let p = spawn_in(
+                &self.backends[i],
+                bin,
+                &[
+                    "--id",
+                    &id,
+                    "--http",
+                    &HTTP_PORT.to_string(),
+                    "--udp",
+                    &UDP_PORT.to_string(),
+                ],
+                Some(&log),
+            )?;
+            self.procs.push(p);
+        }
+        for i in 0..self.backends.len() {
+            let addr = SocketAddr::from((backend_ip(i), HTTP_PORT));
+            wait_until(Duration::from_secs(10), || {
+                in_ns(&self.backends[i], move || {
+                    http_get(addr, Duration::from_millis(300)).is_ok()
+                })
+            })
+            .with_context(|| format!("backend b{i} did not start"))?;
+        }
+        Ok(())
+    }
+
+    /// Control socket path for a balancer of this testbed.
+    #[must_use]
+    pub fn socket(&self) -> PathBuf {
+        self.dir.join("huddle.sock")
+    }
+
+    /// Starts the balancer in the lb namespace with `extra` arguments after
+    /// `run --iface eth0 --control-socket ...`, and waits for its socket.
+    pub fn start_huddle(&mut self, bin: &Path, extra: &[&str]) -> Result<()> {
+        let sock = self.socket();
+        let sock_s = sock.display().to_string();
+        let mut args = vec!["run", "--iface", "eth0", "--control-socket", &sock_s];
+        args.extend_from_slice(extra);
+        let log = self.dir.join("huddle.log");
+        let mut p = spawn_in(&self.lb, bin, &args, Some(&log))?;
+        let ready = wait_until(Duration::from_secs(20), || {
+            control::call(&sock, &Request::Status).is_ok_and(|r| r.ok)
+        });
+        if ready.is_err() {
+            let exited = p.child.try_wait()?;
+            let text = std::fs::read_to_string(&log).unwrap_or_default();
+            bail!("huddle did not come up (exit: {exited:?}); its log:\n{text}");
+        }
+        self.procs.push(p);
+        Ok(())
+    }
+
+    pub fn status(&self) -> Result<Status> {
+        let r: Reply = control::call(&self.socket(), &Request::Status)?;
+        r.status.context("no status in reply")
+    }
+
+    pub fn control(&self, req: Request) -> Result<Reply> {
+        control::call(&self.socket(), &req)
+    }
+
+    /// The balancer's log so far.
+    #[must_use]
+    pub fn huddle_log(&self) -> String {
+        std::fs::read_to_string(self.dir.join("huddle.log")).unwrap_or_default()
+    }
+}
+
+impl Drop for Testbed {
+    fn drop(&mut self) {
+        // Balancer first (it detaches), then backends, then namespaces.
+        while let Some(mut p) = self.procs.pop() {
+            let _ = p.terminate(Duration::from_secs(5));
+        }
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// Polls `f` every 50 ms until it holds or `timeout` passes.
+pub fn wait_until(timeout: Duration, mut f: impl FnMut() -> bool) -> Result<()> {
+    let start = Instant::now();
+    while start.elapsed() < timeout {
+        if f() {
+            return Ok(());
+        }
+        thread::sleep(Duration::from_millis(50));
+    }
+    bail!("condition not met within {timeout:?}")
+}
+
+/// One HTTP/1.0 request on a new connection; returns the body.
+pub fn http_get(addr: SocketAddr, timeout: Duration) -> Result<String> {
+    let mut s = TcpStream::connect_timeout(&addr, timeout)?;
+    s.set_read_timeout(Some(timeout))?;
+    s.set_write_timeout(Some(timeout))?;
+    s.write_all(b"GET / HTTP/1.0\r\nHost: vip\r\nConnection: close\r\n\r\n")?;
+    let mut resp = String::new();
+    s.read_to_string(&mut resp)?;
+    let (head, body) = resp.split_once("\r\n\r\n").context("no HTTP header end")?;
+    if !head.starts_with("HTTP/1.1 200") {
+        bail!("unexpected response {head:?}");
+    }
+    Ok(body.trim().to_string())
+}
+
+/// A keep-alive HTTP/1.1 connection.
+pub struct KeepAlive {
+    reader: BufReader<TcpStream>,
+    writer: TcpStream,
+}
+
+impl KeepAlive {
+    pub fn connect(addr: SocketAddr, timeout: Duration) -> Result<KeepAlive> {
+        let s = TcpStream::connect_timeout(&addr, timeout)?;
+        s.set_read_timeout(Some(timeout))?;
+        s.set_nodelay(true)?;
+        Ok(KeepAlive {
+            writer: s.try_clone()?,
+            reader: BufReader::new(s),
+        })
+    }
+
+    /// One request on the connection; returns the body.
+    pub fn get(&mut self) -> Result<String> {
+        self.writer
+            .write_all(b"GET / HTTP/1.1\r\nHost: vip\r\n\r\n")?;
+        let mut len = None;
+        loop {
+            let mut line = String::new();
+            if self.reader.read_line(&mut line)? == 0 {
+                bail!("connection closed");
+            }
+            if let Some(v) = line.to_ascii_lowercase().strip_prefix("content-length:") {
+                len = Some(v.trim().parse::<usize>()?);
+            }
+            if line == "\r\n" {
+                break;
+            }
+        }
+        let mut body = vec![0u8; len.context("no content-length")?];
+        self.reader.read_exact(&mut body)?;
+        Ok(String::from_utf8_lossy(&body).trim().to_string())
+    }
+}
+
+/// One UDP request from a fresh socket (so a new flow); returns the reply.
+pub fn udp_request(addr: SocketAddr, payload: &[u8], timeout: Duration) -> Result<String> {
+    let s = UdpSocket::bind("0.0.0.0:0")?;
+    s.set_read_timeout(Some(timeout))?;
+    s.send_to(payload, addr)?;
+    let mut buf = [0u8; 2048];
+    let (n, from) = s.recv_from(&mut buf)?;
+    if from != addr {
+        bail!("reply came from {from}, not {addr}");
+    }
+    Ok(String::from_utf8_lossy(&buf[..n]).to_string())
+}
+
+/// Whether any XDP program is attached in namespace `ns`.
+pub fn xdp_attached(ns: &Netns) -> bool {
+    let out = Command::new("ip")
+        .args(["-n", &ns.name, "-o", "link", "show"])
+        .output();
+    out.is_ok_and(|o| {
+        let text = String::from_utf8_lossy(&o.stdout);
+        text.contains(" xdp") || text.contains("prog/xdp")
+    })
+}
+
+/// Runs a command and returns (success, stdout, stderr).
+pub fn output(prog: &Path, args: &[&str]) -> Result<(bool, String, String)> {
+    let o = Command::new(prog).args(args).output()?;
+    Ok((
+        o.status.success(),
+        String::from_utf8_lossy(&o.stdout).into(),
+        String::from_utf8_lossy(&o.stderr).into(),
+    ))
+}

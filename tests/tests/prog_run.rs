@@ -1,0 +1,374 @@
+//! The real XDP program on crafted frames (BPF_PROG_TEST_RUN), fixture
+//! style: input frame from the builder, expected verdict, expected bytes.
+
+use huddle_common::{BackendStats, GlobalStats};
+use huddle_user::{
+    config::{Config, PortRange, Proto, Service, XdpMode},
+    packet::{checksums_valid, endpoints, Frame, ACK, ETH_LEN, FIN, PSH, RST, SYN},
+    prog_run::{mac_of, ProgRun, BALANCER_IP, BALANCER_MAC},
+};
+use std::net::{Ipv4Addr, SocketAddr};
+use testbed::{require_root, unique};
+
+const XDP_DROP: u32 = 1;
+const XDP_PASS: u32 = 2;
+const XDP_TX: u32 = 3;
+
+const VIP: Ipv4Addr = Ipv4Addr::new(10, 213, 100, 1);
+const CLIENT: Ipv4Addr = Ipv4Addr::new(10, 213, 0, 2);
+const NAT: PortRange = PortRange {
+    min: 20000,
+    max: 32767,
+};
+
+fn backend(i: u8) -> Ipv4Addr {
+    Ipv4Addr::new(10, 213, 0, 11 + i)
+}
+
+fn config(backends: &[Ipv4Addr], udp: bool) -> Config {
+    let mut services = vec![Service {
+        vip: (VIP, 80).into(),
+        proto: Proto::Tcp,
+        backends: backends
+            .iter()
+            .map(|b| SocketAddr::from((*b, 8080)))
+            .collect(),
+    }];
+    if udp {
+        services.push(Service {
+            vip: (VIP, 53).into(),
+            proto: Proto::Udp,
+            backends: backends
+                .iter()
+                .map(|b| SocketAddr::from((*b, 5353)))
+                .collect(),
+        });
+    }
+    Config {
+        interface: "hb0".into(),
+        snat_ip: Some(BALANCER_IP),
+        xdp_mode: XdpMode::Auto,
+        nat_ports: NAT,
+        flow_table_size: 4096,
+        control_socket: "/dev/null".into(),
+        services,
+    }
+}
+
+/// An environment with three backends, all neighbours resolved.
+fn env(tag: &str) -> ProgRun {
+    require_root();
+    let backends = [backend(0), backend(1), backend(2)];
+    let mut neigh = backends.to_vec();
+    neigh.push(CLIENT);
+    ProgRun::new(&unique(tag), &config(&backends, true), &neigh)
+        .expect("set up PROG_TEST_RUN namespace")
+}
+
+fn client_frame(sport: u16) -> Frame {
+    Frame::tcp((CLIENT, sport), (VIP, 80)).macs(mac_of(CLIENT), BALANCER_MAC)
+}
+
+/// Sends a SYN and checks it came out as SYN from the SNAT address to one
+/// of `ring`, byte for byte. Returns (backend, NAT port).
+fn open_flow(env: &ProgRun, sport: u16, ring: &[Ipv4Addr]) -> (Ipv4Addr, u16) {
+    let input = client_frame(sport).syn().build();
+    let (verdict, out) = env.run(&input).unwrap();
+    assert_eq!(verdict, XDP_TX, "SYN to the VIP must be sent back out");
+    let ((src, nat_port), (dst, dport)) = endpoints(&out);
+    assert_eq!(src, BALANCER_IP);
+    assert!(
+        ring.contains(&dst),
+        "backend {dst} is not in the ring {ring:?}"
+    );
+    assert_eq!(dport, 8080);
+    assert!(
+        (NAT.min..=NAT.max).contains(&nat_port),
+        "NAT port {nat_port} outside {NAT}"
+    );
+    let expected = Frame::tcp((BALANCER_IP, nat_port), (dst, 8080))
+        .syn()
+        .macs(BALANCER_MAC, mac_of(dst))
+        .build();
+    assert_eq!(
+        out, expected,
+        "rewritten SYN differs from the expected bytes"
+    );
+    assert!(checksums_valid(&out));
+    (dst, nat_port)
+}
+
+#[test]
+fn syn_is_rewritten_to_a_ring_backend_and_the_reply_translated_back() {
+    let env = env("pr-syn");
+    let ring = [backend(0), backend(1), backend(2)];
+    let (b, nat_port) = open_flow(&env, 40000, &ring);
+
+    // Data from the client on the same flow goes to the same backend.
+    let data = client_frame(40000)
+        .flags(ACK | PSH)
+        .payload(b"GET / HTTP/1.1\r\n\r\n")
+        .build();
+    let (verdict, out) = env.run(&data).unwrap();
+    assert_eq!(verdict, XDP_TX);
+    let expected = Frame::tcp((BALANCER_IP, nat_port), (b, 8080))
+        .flags(ACK | PSH)
+        .payload(b"GET / HTTP/1.1\r\n\r\n")
+        .macs(BALANCER_MAC, mac_of(b))
+        .build();
+    assert_eq!(out, expected);
+
+    // The backend's reply is translated back to VIP -> client.
+    let reply = Frame::tcp((b, 8080), (BALANCER_IP, nat_port))
+        .flags(SYN | ACK)
+        .macs(mac_of(b), BALANCER_MAC)
+        .build();
+    let (verdict, out) = env.run(&reply).unwrap();
+    assert_eq!(verdict, XDP_TX);
+    let expected = Frame::tcp((VIP, 80), (CLIENT, 40000))
+        .flags(SYN | ACK)
+        .macs(BALANCER_MAC, mac_of(CLIENT))
+        .build();
+    assert_eq!(
+        out, expected,
+        "translated reply differs from the expected bytes"
+    );
+
+    let id = env.dp.services[0].backend_ids[ring.iter().position(|x| *x == b).unwrap()];
+    let st: BackendStats = env.dp.backend_stats(id).unwrap();
+    assert_eq!(
+        (st.pkts_to, st.pkts_from, st.flows_new),
+        (2, 1, 1),
+        "{st:?}"
+    );
+}
+
+#[test]
+fn udp_with_and_without_checksum_is_translated_both_ways() {
+    let env = env("pr-udp");
+    for (sport, zero) in [(41000u16, false), (41001, true)] {
+        let mut f = Frame::udp((CLIENT, sport), (VIP, 53))
+            .payload(b"query")
+            .macs(mac_of(CLIENT), BALANCER_MAC);
+        if zero {
+            f = f.no_udp_checksum();
+        }
+        let (verdict, out) = env.run(&f.build()).unwrap();
+        assert_eq!(verdict, XDP_TX);
+        let ((src, nat_port), (dst, dport)) = endpoints(&out);
+        assert_eq!((src, dport), (BALANCER_IP, 5353));
+        let mut want = Frame::udp((BALANCER_IP, nat_port), (dst, 5353))
+            .payload(b"query")
+            .macs(BALANCER_MAC, mac_of(dst));
+        if zero {
+            want = want.no_udp_checksum();
+        }
+        assert_eq!(out, want.build(), "zero checksum: {zero}");
+        let reply = Frame::udp((dst, 5353), (BALANCER_IP, nat_port))
+            .payload(b"answer")
+            .macs(mac_of(dst), BALANCER_MAC);
+        let (verdict, out) = env.run(&reply.build()).unwrap();
+        assert_eq!(verdict, XDP_TX);
+        let want = Frame::udp((VIP, 53), (CLIENT, sport))
+            .payload(b"answer")
+            .macs(BALANCER_MAC, mac_of(CLIENT));
+        assert_eq!(out, want.build());
+    }
+}
+
+/// Frames that must come back unchanged with XDP_PASS.
+#[test]
+fn traffic_that_is_not_ours_passes_untouched() {
+    let env = env("pr-pass");
+    let syn = client_frame(40000).syn().build();
+    let mut arp = vec![0xffu8; 6];
+    arp.extend_from_slice(&mac_of(CLIENT));
+    arp.extend_from_slice(&[0x08, 0x06, 0, 1, 8, 0, 6, 4, 0, 1]);
+    arp.extend_from_slice(&mac_of(CLIENT));
+    arp.extend_from_slice(&CLIENT.octets());
+    arp.extend_from_slice(&[0; 6]);
+    arp.extend_from_slice(&BALANCER_IP.octets());
+    let mut ipv6 = syn.clone();
+    ipv6[12..14].copy_from_slice(&[0x86, 0xdd]);
+    let mut vlan = syn[..12].to_vec();
+    vlan.extend_from_slice(&[0x81, 0x00, 0x00, 0x05]);
+    vlan.extend_from_slice(&syn[12..]);
+    let mut options = syn.clone();
+    options[ETH_LEN] = 0x46;
+    let mut frag_mf = syn.clone();
+    frag_mf[ETH_LEN + 6] = 0x20;
+    let mut frag_off = syn.clone();
+    frag_off[ETH_LEN + 7] = 0x10;
+    let mut ihl_small = syn.clone();
+    ihl_small[ETH_LEN] = 0x44;
+    let mut v6_in_v4 = syn.clone();
+    v6_in_v4[ETH_LEN] = 0x65;
+    let mut long_total = syn.clone();
+    long_total[ETH_LEN + 2..ETH_LEN + 4].copy_from_slice(&200u16.to_be_bytes());
+    let mut short_total = syn.clone();
+    short_total[ETH_LEN + 2..ETH_LEN + 4].copy_from_slice(&30u16.to_be_bytes());
+    let mut bad_doff = syn.clone();
+    bad_doff[ETH_LEN + 20 + 12] = 0x40;
+    let mut big_doff = syn.clone();
+    big_doff[ETH_LEN + 20 + 12] = 0xf0;
+    let mut icmp = syn.clone();
+    icmp[ETH_LEN + 9] = 1;
+    let fixtures: Vec<(&str, Vec<u8>)> = vec![
+        (
+            "TCP to a non-VIP address",
+            Frame::tcp((CLIENT, 40000), (Ipv4Addr::new(10, 213, 0, 99), 80))
+                .syn()
+                .build(),
+        ),
+        (
+            "TCP to the VIP on another port",
+            Frame::tcp((CLIENT, 40000), (VIP, 81)).syn().build(),
+        ),
+        (
+            "UDP to the VIP's TCP port",
+            Frame::udp((CLIENT, 40000), (VIP, 80)).build(),
+        ),
+        ("ARP request", arp),
+        ("IPv6 ethertype", ipv6),
+        ("VLAN-tagged frame", vlan),
+        ("IPv4 with options", options),
+        ("fragment with MF", frag_mf),
+        ("fragment with an offset", frag_off),
+        ("IHL below 5", ihl_small),
+        ("version 6 in an IPv4 frame", v6_in_v4),
+        ("total length beyond the frame", long_total),
+        ("total length shorter than the headers", short_total),
+        ("TCP data offset below 5", bad_doff),
+        ("TCP data offset beyond the packet", big_doff),
+        ("ICMP to the VIP", icmp),
+        (
+            "TCP ACK of an unknown flow to the VIP",
+            client_frame(40001).flags(ACK).build(),
+        ),
+        (
+            "reply to the NAT range without a NAT entry (the host's own traffic)",
+            Frame::tcp((backend(0), 8080), (BALANCER_IP, 25000))
+                .flags(SYN | ACK)
+                .build(),
+        ),
+        (
+            "SSH to the balancer",
+            Frame::tcp((CLIENT, 50000), (BALANCER_IP, 22)).syn().build(),
+        ),
+    ];
+    for (what, frame) in fixtures {
+        let (verdict, out) = env.run(&frame).unwrap();
+        assert_eq!(verdict, XDP_PASS, "{what}: verdict");
+        assert_eq!(out, frame, "{what}: the frame was changed");
+    }
+    let g: GlobalStats = env.dp.global_stats().unwrap();
+    assert!(
+        g.pass_ip_options >= 1
+            && g.pass_fragment >= 2
+            && g.pass_malformed >= 6
+            && g.pass_not_ipv4 >= 3,
+        "{g:?}"
+    );
+}
+
+#[test]
+fn truncated_frames_are_never_rewritten() {
+    let env = env("pr-trunc");
+    for frame in [
+        client_frame(40000).syn().payload(b"xyz").build(),
+        Frame::udp((CLIENT, 41000), (VIP, 53)).payload(b"q").build(),
+    ] {
+        for len in 0..frame.len() {
+            let cut = &frame[..len];
+            if cut.len() < ETH_LEN {
+                // The kernel refuses frames shorter than an Ethernet header.
+                continue;
+            }
+            let (verdict, out) = env.run(cut).unwrap();
+            assert_eq!(verdict, XDP_PASS, "frame cut at {len} bytes: verdict");
+            assert_eq!(out, cut, "frame cut at {len} bytes was changed");
+        }
+    }
+}
+
+#[test]
+fn unresolved_neighbour_hands_the_rewritten_packet_to_the_kernel() {
+    require_root();
+    // Backend with no neighbour entry.
+    let env = ProgRun::new(
+        &unique("pr-neigh"),
+        &config(&[backend(5)], false),
+        &[CLIENT],
+    )
+    .unwrap();
+    let input = client_frame(40000).syn().build();
+    let (verdict, out) = env.run(&input).unwrap();
+    assert_eq!(verdict, XDP_PASS, "must go to the kernel, not be dropped");
+    let ((src, nat_port), (dst, _)) = endpoints(&out);
+    assert_eq!((src, dst), (BALANCER_IP, backend(5)));
+    // Addresses rewritten and checksums valid; MACs left for the kernel.
+    let expected = Frame::tcp((BALANCER_IP, nat_port), (backend(5), 8080))
+        .syn()
+        .macs(mac_of(CLIENT), BALANCER_MAC)
+        .build();
+    assert_eq!(out, expected);
+    assert_eq!(env.dp.global_stats().unwrap().pass_no_neigh, 1);
+}
+
+#[test]
+fn ring_swap_steers_new_flows_and_keeps_established_ones() {
+    let env = env("pr-swap");
+    let mut env = env;
+    let ids = env.dp.services[0].backend_ids.clone();
+    env.dp.swap_ring(0, &ids[..1]).unwrap();
+    let (b, nat_port) = open_flow(&env, 42000, &[backend(0)]);
+    assert_eq!(b, backend(0));
+    for round in 0..20 {
+        // Alternate the ring between backend 1 and backend 2 only.
+        let only = if round % 2 == 0 { 1 } else { 2 };
+        env.dp.swap_ring(0, &ids[only..=only]).unwrap();
+        let (nb, _) = open_flow(&env, 43000 + round, &[backend(only as u8)]);
+        assert_eq!(nb, backend(only as u8));
+        // The established flow stays on backend 0.
+        let (verdict, out) = env.run(&client_frame(42000).flags(ACK).build()).unwrap();
+        assert_eq!(verdict, XDP_TX);
+        assert_eq!(
+            endpoints(&out),
+            ((BALANCER_IP, nat_port), (backend(0), 8080))
+        );
+    }
+    // An empty ring drops new flows (counted) but not established ones.
+    env.dp.swap_ring(0, &[]).unwrap();
+    let (verdict, _) = env.run(&client_frame(44000).syn().build()).unwrap();
+    assert_eq!(verdict, XDP_DROP);
+    assert_eq!(env.dp.service_stats(0).unwrap().drop_no_backend, 1);
+    let (verdict, _) = env.run(&client_frame(42000).flags(ACK).build()).unwrap();
+    assert_eq!(verdict, XDP_TX);
+}
+
+#[test]
+fn a_closed_flow_reused_by_a_new_syn_gets_a_new_nat_entry() {
+    let env = env("pr-reuse");
+    let ring = [backend(0), backend(1), backend(2)];
+    let (b, port) = open_flow(&env, 45000, &ring);
+    let (v, _) = env
+        .run(&client_frame(45000).flags(FIN | ACK).build())
+        .unwrap();
+    assert_eq!(v, XDP_TX);
+    let (b2, port2) = open_flow(&env, 45000, &ring);
+    // The old NAT entry is gone: a late reply to it is not translated.
+    if (b2, port2) != (b, port) {
+        let stale = Frame::tcp((b, 8080), (BALANCER_IP, port))
+            .flags(ACK)
+            .build();
+        let (v, out) = env.run(&stale).unwrap();
+        assert_eq!((v, out), (XDP_PASS, stale));
+    }
+    // RST from the backend is counted against it.
+    let rst = Frame::tcp((b2, 8080), (BALANCER_IP, port2))
+        .flags(RST)
+        .build();
+    assert_eq!(env.run(&rst).unwrap().0, XDP_TX);
+    let id = env.dp.services[0].backend_ids[ring.iter().position(|x| *x == b2).unwrap()];
+    assert_eq!(env.dp.backend_stats(id).unwrap().rsts_from, 1);
+}
