@@ -179,9 +179,12 @@ impl Testbed {
             prefix: prefix.clone(),
         };
         bed.attach("pl", &bed.lb, LB_IP)?;
-        // XDP_TX out of the balancer's veth only reaches a peer that can take
-        // XDP frames: GRO on the peer turns on its NAPI path.
-        bed.switch.exec("ethtool", &["-K", "pl", "gro", "on"])?;
+        // A frame sent with XDP_TX from a veth is only taken by a peer that
+        // runs XDP itself (with only GRO on the peer, this kernel accepted
+        // the frames and then lost them): give the peer an XDP_PASS program.
+        let obj = bed.dir.join("baseline.o");
+        std::fs::write(&obj, huddle_user::object::BASELINE)?;
+        bed.switch.ip(&["link", "set", "dev", "pl", "xdpdrv", "obj", &obj.display().to_string(), "sec", "xdp"])?;
         bed.attach("pc", &bed.client, CLIENT_IP)?;
         bed.client
             .ip(&["route", "add", "10.213.100.0/24", "via", &LB_IP.to_string()])?;
@@ -201,6 +204,12 @@ impl Testbed {
             .ip(&["link", "set", port, "master", "br0", "up"])?;
         ns.ip(&["addr", "add", &format!("{ip}/24"), "dev", "eth0"])?;
         ns.ip(&["link", "set", "eth0", "up"])?;
+        // A veth sends TCP/UDP with the checksum left to offload (only the
+        // pseudo-header sum filled in). An XDP-rewritten frame loses that
+        // state on the way to its peer and arrives with a bad checksum, so
+        // hosts whose traffic crosses the balancer compute checksums in
+        // software, as a NIC on a wire would have.
+        ns.exec("ethtool", &["-K", "eth0", "tx", "off"])?;
         Ok(())
     }
 
