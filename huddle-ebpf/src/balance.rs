@@ -50,7 +50,7 @@ fn request(ctx: &XdpContext, p: &Packet, cfg: &Config) -> u32 {
     };
     // SAFETY: the value is copied out at once; the control plane replaces
     // hash values whole, so the copy is never torn.
-    let Some(service) = (unsafe { SERVICES.get(&skey) }).map(|s| s.id) else {
+    let Some(service) = (unsafe { SERVICES.get(skey) }).map(|s| s.id) else {
         global(|s| s.pass_not_service += 1);
         return xdp_action::XDP_PASS;
     };
@@ -64,7 +64,7 @@ fn request(ctx: &XdpContext, p: &Packet, cfg: &Config) -> u32 {
         _pad: [0; 2],
     };
     let syn = p.is_tcp() && p.has_flag(TCP_SYN);
-    let existing = FLOWS.get_ptr_mut(&fkey);
+    let existing = FLOWS.get_ptr_mut(fkey);
     let flow = match existing {
         // SAFETY: map value pointer, valid for this run.
         Some(f) if !(syn && unsafe { (*f).flags } & flow_flags::CLOSING != 0) => unsafe { *f },
@@ -150,7 +150,7 @@ fn new_flow(
         let r = unsafe { bpf_get_prandom_u32() };
         let candidate = cfg.nat_port_min.wrapping_add((r % span) as u16);
         nkey.nat_port_be = candidate.to_be();
-        match NAT.insert(&nkey, &nval, u64::from(BPF_NOEXIST)) {
+        match NAT.insert(nkey, nval, u64::from(BPF_NOEXIST)) {
             Ok(()) => {
                 port = Some(nkey.nat_port_be);
                 break;
@@ -179,8 +179,8 @@ fn new_flow(
         // SAFETY: plain helper call.
         created_ns: unsafe { bpf_ktime_get_ns() },
     };
-    if FLOWS.insert(fkey, &flow, 0).is_err() {
-        let _ = NAT.remove(&nkey);
+    if FLOWS.insert(fkey, flow, 0).is_err() {
+        let _ = NAT.remove(nkey);
         bump(&SERVICE_STATS, service, |s| s.drop_flow_table += 1);
         return Err(xdp_action::XDP_DROP);
     }
@@ -204,7 +204,7 @@ fn forget_nat(cfg: &Config, old: &FlowValue, proto: u8) {
         family: FAMILY_V4,
         _pad: [0; 2],
     };
-    let _ = NAT.remove(&key);
+    let _ = NAT.remove(key);
 }
 
 /// Counts a flow closed the first time either side sends FIN or RST.
@@ -236,7 +236,7 @@ fn reply(ctx: &XdpContext, p: &Packet, cfg: &Config) -> u32 {
         _pad: [0; 2],
     };
     // SAFETY: copied out at once.
-    let Some(nat) = (unsafe { NAT.get(&nkey) }).copied() else {
+    let Some(nat) = (unsafe { NAT.get(nkey) }).copied() else {
         global(|s| s.pass_no_nat += 1);
         return xdp_action::XDP_PASS;
     };

@@ -30,9 +30,7 @@ pub fn swap_tx(ctx: XdpContext) -> u32 {
         if (*ip).proto != 6 {
             return xdp_action::XDP_PASS;
         }
-        let dst = (*eth).dst_addr;
-        (*eth).dst_addr = (*eth).src_addr;
-        (*eth).src_addr = dst;
+        core::mem::swap(&mut (*eth).dst_addr, &mut (*eth).src_addr);
     }
     xdp_action::XDP_TX
 }

@@ -184,7 +184,17 @@ impl Testbed {
         // the frames and then lost them): give the peer an XDP_PASS program.
         let obj = bed.dir.join("baseline.o");
         std::fs::write(&obj, huddle_user::object::BASELINE)?;
-        bed.switch.ip(&["link", "set", "dev", "pl", "xdpdrv", "obj", &obj.display().to_string(), "sec", "xdp"])?;
+        bed.switch.ip(&[
+            "link",
+            "set",
+            "dev",
+            "pl",
+            "xdpdrv",
+            "obj",
+            &obj.display().to_string(),
+            "sec",
+            "xdp",
+        ])?;
         bed.attach("pc", &bed.client, CLIENT_IP)?;
         bed.client
             .ip(&["route", "add", "10.213.100.0/24", "via", &LB_IP.to_string()])?;

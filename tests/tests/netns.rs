@@ -2,15 +2,10 @@
 //! backends each in their own network namespace.
 
 use huddle_user::control::Request;
-use std::{
-    collections::BTreeMap,
-    net::SocketAddr,
-    path::Path,
-    time::Duration,
-};
+use std::{collections::BTreeMap, net::SocketAddr, path::Path, time::Duration};
 use testbed::{
-    backend_ip, http_get, in_ns, output, require_root, udp_request, xdp_attached, KeepAlive, Testbed,
-    HTTP_PORT, UDP_PORT, VIP,
+    backend_ip, http_get, in_ns, output, require_root, udp_request, xdp_attached, KeepAlive,
+    Testbed, HTTP_PORT, UDP_PORT, VIP,
 };
 
 const HUDDLE: &str = env!("CARGO_BIN_EXE_hc-huddle");
@@ -20,7 +15,8 @@ const TIMEOUT: Duration = Duration::from_secs(3);
 fn bed(tag: &str, n: usize, udp: bool) -> Testbed {
     require_root();
     let mut bed = Testbed::new(tag, n).expect("build testbed");
-    bed.start_backends(Path::new(BACKEND)).expect("start backends");
+    bed.start_backends(Path::new(BACKEND))
+        .expect("start backends");
     let mut args: Vec<String> = vec!["--vip".into(), format!("{VIP}:80")];
     for i in 0..n {
         args.push("--backend".into());
@@ -29,15 +25,21 @@ fn bed(tag: &str, n: usize, udp: bool) -> Testbed {
     let config;
     if udp {
         // The UDP service comes from a config file, the TCP one from flags.
-        let backends: Vec<String> = (0..n).map(|i| format!("\"{}:{UDP_PORT}\"", backend_ip(i))).collect();
-        let text = format!("[[service]]\nvip = \"{VIP}:53/udp\"\nbackends = [{}]\n", backends.join(", "));
+        let backends: Vec<String> = (0..n)
+            .map(|i| format!("\"{}:{UDP_PORT}\"", backend_ip(i)))
+            .collect();
+        let text = format!(
+            "[[service]]\nvip = \"{VIP}:53/udp\"\nbackends = [{}]\n",
+            backends.join(", ")
+        );
         config = bed.dir.join("huddle.toml");
         std::fs::write(&config, text).unwrap();
         args.push("--config".into());
         args.push(config.display().to_string());
     }
     let args: Vec<&str> = args.iter().map(String::as_str).collect();
-    bed.start_huddle(Path::new(HUDDLE), &args).expect("start huddle");
+    bed.start_huddle(Path::new(HUDDLE), &args)
+        .expect("start huddle");
     bed
 }
 
@@ -59,14 +61,24 @@ fn http_and_udp_are_balanced_round_robin_through_the_vip() {
         }
         (counts, failures)
     });
-    println!("1000 sequential HTTP requests: {counts:?}, failures: {}", failures.len());
-    assert!(failures.is_empty(), "failed requests: {failures:?}\n{}", bed.huddle_log());
+    println!(
+        "1000 sequential HTTP requests: {counts:?}, failures: {}",
+        failures.len()
+    );
+    assert!(
+        failures.is_empty(),
+        "failed requests: {failures:?}\n{}",
+        bed.huddle_log()
+    );
     assert_eq!(counts.len(), 3, "every backend must serve: {counts:?}");
     // Each CPU keeps its own round-robin position, so shares may differ by
     // at most one per CPU that carried new connections.
     let cpus = std::thread::available_parallelism().map_or(2, |n| n.get()) as u32;
     for (b, n) in &counts {
-        assert!(n.abs_diff(333) <= cpus + 1, "backend {b} got {n} of 1000: not a round-robin share");
+        assert!(
+            n.abs_diff(333) <= cpus + 1,
+            "backend {b} got {n} of 1000: not a round-robin share"
+        );
     }
 
     let udp_vip: SocketAddr = (VIP, 53).into();
@@ -75,7 +87,11 @@ fn http_and_udp_are_balanced_round_robin_through_the_vip() {
         let mut fail = 0;
         for i in 0..60 {
             match udp_request(udp_vip, format!("q{i}").as_bytes(), TIMEOUT) {
-                Ok(r) => *answers.entry(r.split(':').next().unwrap_or("").to_string()).or_default() += 1,
+                Ok(r) => {
+                    *answers
+                        .entry(r.split(':').next().unwrap_or("").to_string())
+                        .or_default() += 1
+                }
                 Err(_) => fail += 1,
             }
         }
@@ -86,12 +102,30 @@ fn http_and_udp_are_balanced_round_robin_through_the_vip() {
     assert_eq!(answers.len(), 3, "{answers:?}");
 
     let status = bed.status().unwrap();
-    let tcp = status.services.iter().find(|s| s.name == "10.213.100.1:80/tcp").expect("TCP service in status");
+    let tcp = status
+        .services
+        .iter()
+        .find(|s| s.name == "10.213.100.1:80/tcp")
+        .expect("TCP service in status");
     let flows: u64 = tcp.backends.iter().map(|b| b.counters["flows_new"]).sum();
     assert_eq!(flows, 1000, "kernel counted {flows} new TCP flows");
-    assert!(tcp.backends.iter().all(|b| b.counters["pkts_from"] > 0 && b.counters["bytes_to"] > 0));
-    let (ok, text, _) = output(Path::new(HUDDLE), &["status", "--control-socket", &bed.socket().display().to_string()]).unwrap();
-    assert!(ok && text.contains("10.213.100.1:80/tcp") && text.contains("10.213.0.11:8080"), "{text}");
+    assert!(tcp
+        .backends
+        .iter()
+        .all(|b| b.counters["pkts_from"] > 0 && b.counters["bytes_to"] > 0));
+    let (ok, text, _) = output(
+        Path::new(HUDDLE),
+        &[
+            "status",
+            "--control-socket",
+            &bed.socket().display().to_string(),
+        ],
+    )
+    .unwrap();
+    assert!(
+        ok && text.contains("10.213.100.1:80/tcp") && text.contains("10.213.0.11:8080"),
+        "{text}"
+    );
 }
 
 #[test]
@@ -109,25 +143,36 @@ fn long_lived_connection_survives_ring_swaps_and_new_connections_follow_the_ring
         for i in 0..100 {
             let drain = i % 2 == 0;
             let req = if drain {
-                Request::Drain { backend: home_addr.clone(), vip: None }
+                Request::Drain {
+                    backend: home_addr.clone(),
+                    vip: None,
+                }
             } else {
-                Request::Undrain { backend: home_addr.clone(), vip: None }
+                Request::Undrain {
+                    backend: home_addr.clone(),
+                    vip: None,
+                }
             };
             let reply = huddle_user::control::call(&socket, &req).map_err(|e| e.to_string())?;
             if !reply.ok {
                 return Err(format!("swap {i}: {:?}", reply.error));
             }
             swaps += 1;
-            let body = conn.get().map_err(|e| format!("long-lived connection broke after swap {i}: {e}"))?;
+            let body = conn
+                .get()
+                .map_err(|e| format!("long-lived connection broke after swap {i}: {e}"))?;
             if body != home {
                 return Err(format!("long-lived connection moved from {home} to {body}"));
             }
             if drain {
                 for _ in 0..3 {
-                    let b = http_get(vip, TIMEOUT).map_err(|e| format!("new connection after swap {i}: {e}"))?;
+                    let b = http_get(vip, TIMEOUT)
+                        .map_err(|e| format!("new connection after swap {i}: {e}"))?;
                     new_conns += 1;
                     if b == home {
-                        return Err(format!("a new connection went to drained backend {home} after swap {i}"));
+                        return Err(format!(
+                            "a new connection went to drained backend {home} after swap {i}"
+                        ));
                     }
                 }
             }
@@ -138,8 +183,15 @@ fn long_lived_connection_survives_ring_swaps_and_new_connections_follow_the_ring
     println!("{swaps} ring swaps, {new_conns} new connections avoided the drained backend");
     assert_eq!(swaps, 100);
     let status = bed.status().unwrap();
-    assert!(status.services[0].ring_generation >= 101, "generation {}", status.services[0].ring_generation);
-    assert_eq!(status.global["ring_retry"], 0, "no ring read raced a swap at this rate");
+    assert!(
+        status.services[0].ring_generation >= 101,
+        "generation {}",
+        status.services[0].ring_generation
+    );
+    assert_eq!(
+        status.global["ring_retry"], 0,
+        "no ring read raced a swap at this rate"
+    );
 }
 
 #[test]
@@ -148,14 +200,23 @@ fn unresolved_neighbours_still_get_through() {
     let vip: SocketAddr = (VIP, 80).into();
     for round in 0..3 {
         bed.lb.ip(&["neigh", "flush", "dev", "eth0"]).unwrap();
-        let results = in_ns(&bed.client, move || (0..6).map(|_| http_get(vip, TIMEOUT).map_err(|e| e.to_string())).collect::<Vec<_>>());
+        let results = in_ns(&bed.client, move || {
+            (0..6)
+                .map(|_| http_get(vip, TIMEOUT).map_err(|e| e.to_string()))
+                .collect::<Vec<_>>()
+        });
         for r in results {
-            r.unwrap_or_else(|e| panic!("round {round}: request failed after a neighbour flush: {e}"));
+            r.unwrap_or_else(|e| {
+                panic!("round {round}: request failed after a neighbour flush: {e}")
+            });
         }
     }
     let g = bed.status().unwrap().global;
     println!("pass_no_neigh = {}", g["pass_no_neigh"]);
-    assert!(g["pass_no_neigh"] > 0, "the flushes should have exercised the kernel path: {g:?}");
+    assert!(
+        g["pass_no_neigh"] > 0,
+        "the flushes should have exercised the kernel path: {g:?}"
+    );
 }
 
 #[test]
@@ -163,10 +224,18 @@ fn sigterm_detaches_and_cleans_up() {
     let mut bed = bed("term", 1, false);
     assert!(xdp_attached(&bed.lb));
     let mut p = bed.procs.pop().unwrap();
-    assert!(p.terminate(Duration::from_secs(10)).unwrap(), "huddle must exit 0 on SIGTERM");
-    assert!(!xdp_attached(&bed.lb), "XDP program still attached after SIGTERM");
+    assert!(
+        p.terminate(Duration::from_secs(10)).unwrap(),
+        "huddle must exit 0 on SIGTERM"
+    );
+    assert!(
+        !xdp_attached(&bed.lb),
+        "XDP program still attached after SIGTERM"
+    );
     assert!(!bed.socket().exists(), "control socket left behind");
-    let restored = in_ns(&bed.lb, || std::fs::read_to_string("/proc/sys/net/ipv4/conf/eth0/forwarding").unwrap());
+    let restored = in_ns(&bed.lb, || {
+        std::fs::read_to_string("/proc/sys/net/ipv4/conf/eth0/forwarding").unwrap()
+    });
     assert_eq!(restored.trim(), "0", "forwarding sysctl not restored");
 }
 
@@ -178,12 +247,66 @@ fn bad_invocations_fail_with_one_line_and_attach_nothing() {
     let b = format!("{}:{HTTP_PORT}", backend_ip(0));
     let vip = format!("{VIP}:80");
     let cases: Vec<(Vec<&str>, &str)> = vec![
-        (vec!["run", "--iface", "nosuch0", "--vip", &vip, "--backend", &b], "does not exist"),
-        (vec!["run", "--iface", "eth0", "--vip", "10.213.100.1", "--backend", &b], "not an IP:PORT"),
-        (vec!["run", "--iface", "eth0", "--vip", &vip, "--backend", "10.213.0.300:80"], "backends[0]"),
-        (vec!["run", "--iface", "eth0", "--vip", &vip, "--backend", &b, "--backend", &b], "listed twice"),
-        (vec!["run", "--iface", "eth0", "--vip", &vip], "has no backend"),
-        (vec!["run", "--iface", "eth0", "--vip", &vip, "--backend", &b, "--nat-ports", "40000-50000"], "ephemeral"),
+        (
+            vec!["run", "--iface", "nosuch0", "--vip", &vip, "--backend", &b],
+            "does not exist",
+        ),
+        (
+            vec![
+                "run",
+                "--iface",
+                "eth0",
+                "--vip",
+                "10.213.100.1",
+                "--backend",
+                &b,
+            ],
+            "not an IP:PORT",
+        ),
+        (
+            vec![
+                "run",
+                "--iface",
+                "eth0",
+                "--vip",
+                &vip,
+                "--backend",
+                "10.213.0.300:80",
+            ],
+            "backends[0]",
+        ),
+        (
+            vec![
+                "run",
+                "--iface",
+                "eth0",
+                "--vip",
+                &vip,
+                "--backend",
+                &b,
+                "--backend",
+                &b,
+            ],
+            "listed twice",
+        ),
+        (
+            vec!["run", "--iface", "eth0", "--vip", &vip],
+            "has no backend",
+        ),
+        (
+            vec![
+                "run",
+                "--iface",
+                "eth0",
+                "--vip",
+                &vip,
+                "--backend",
+                &b,
+                "--nat-ports",
+                "40000-50000",
+            ],
+            "ephemeral",
+        ),
     ];
     for (args, want) in cases {
         let mut full = args.clone();
@@ -194,14 +317,39 @@ fn bad_invocations_fail_with_one_line_and_attach_nothing() {
             output(Path::new(HUDDLE), &args).unwrap()
         });
         assert!(!ok, "{args:?} should fail");
-        assert_eq!(err.trim().lines().count(), 1, "{args:?}: error should be one line: {err:?}");
-        assert!(err.contains(want), "{args:?}: {err:?} should mention {want:?}");
-        assert!(!xdp_attached(&bed.lb), "{args:?} left an XDP program attached");
+        assert_eq!(
+            err.trim().lines().count(),
+            1,
+            "{args:?}: error should be one line: {err:?}"
+        );
+        assert!(
+            err.contains(want),
+            "{args:?}: {err:?} should mention {want:?}"
+        );
+        assert!(
+            !xdp_attached(&bed.lb),
+            "{args:?} left an XDP program attached"
+        );
     }
     // Without privileges.
     let (ok, _, err) = output(
         Path::new("setpriv"),
-        &["--reuid=65534", "--regid=65534", "--clear-groups", "--inh-caps=-all", HUDDLE, "run", "--iface", "lo", "--vip", &vip, "--backend", &b, "--control-socket", "/tmp/x.sock"],
+        &[
+            "--reuid=65534",
+            "--regid=65534",
+            "--clear-groups",
+            "--inh-caps=-all",
+            HUDDLE,
+            "run",
+            "--iface",
+            "lo",
+            "--vip",
+            &vip,
+            "--backend",
+            &b,
+            "--control-socket",
+            "/tmp/x.sock",
+        ],
     )
     .unwrap();
     assert!(!ok && err.contains("needs root"), "{err}");

@@ -1,1 +1,118 @@
-fn main() {}
+//! `cargo xtask setup|test|demo|bench`: the commands of the README.
+//! Each installs what is missing first (nightly rust-src, bpf-linker linked
+//! against the nightly's own LLVM, Debian packages, bpffs) and says what it
+//! is doing; on a machine that has everything, setup takes a second.
+
+mod setup;
+
+use anyhow::{bail, Context, Result};
+use clap::{Parser, Subcommand};
+use std::{path::PathBuf, process::Command};
+
+#[derive(Parser)]
+#[command(name = "xtask")]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Install what building and testing need; fast when all is there.
+    Setup,
+    /// Run every test (unit, PROG_TEST_RUN, network namespaces). Root.
+    Test {
+        /// Extra arguments for `cargo test` (after `--`).
+        #[arg(last = true)]
+        args: Vec<String>,
+    },
+    /// Demo: namespaces, balancer, backends, real traffic, a table. Root.
+    Demo,
+    /// Per-packet cost of the XDP program next to baselines. Root.
+    Bench {
+        /// Arguments for `huddle bench` (after `--`).
+        #[arg(last = true)]
+        args: Vec<String>,
+    },
+}
+
+fn root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .expect("workspace root")
+        .to_path_buf()
+}
+
+fn require_root(what: &str) -> Result<()> {
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        bail!("{what} needs root (network namespaces and XDP); run it with sudo or as root");
+    }
+    Ok(())
+}
+
+/// Runs a command in the workspace root, echoing it first.
+fn run(prog: &str, args: &[&str]) -> Result<()> {
+    println!("==> {prog} {}", args.join(" "));
+    let status = Command::new(prog)
+        .args(args)
+        .current_dir(root())
+        .status()
+        .with_context(|| format!("running {prog}"))?;
+    if !status.success() {
+        bail!("{prog} {} failed ({status})", args.join(" "));
+    }
+    Ok(())
+}
+
+fn main() -> Result<()> {
+    match Cli::parse().cmd {
+        Cmd::Setup => setup::all(),
+        Cmd::Test { args } => {
+            require_root("cargo xtask test")?;
+            setup::all()?;
+            let mut a = vec!["test", "--workspace", "--exclude", "huddle-ebpf"];
+            a.extend(args.iter().map(String::as_str));
+            run("cargo", &a)
+        }
+        Cmd::Demo => {
+            require_root("cargo xtask demo")?;
+            setup::all()?;
+            run(
+                "cargo",
+                &[
+                    "build",
+                    "--release",
+                    "-p",
+                    "huddle-user",
+                    "-p",
+                    "tests",
+                    "--bins",
+                ],
+            )?;
+            let t = root().join("target/release");
+            let huddle = t.join("huddle");
+            run(
+                t.join("hc-demo").to_str().context("path")?,
+                &["--huddle", huddle.to_str().context("path")?],
+            )
+        }
+        Cmd::Bench { args } => {
+            require_root("cargo xtask bench")?;
+            setup::all()?;
+            run(
+                "cargo",
+                &["build", "--release", "-p", "huddle-user", "--bins"],
+            )?;
+            let mut a = vec!["bench"];
+            a.extend(args.iter().map(String::as_str));
+            run(
+                root()
+                    .join("target/release/huddle")
+                    .to_str()
+                    .context("path")?,
+                &a,
+            )
+        }
+    }
+}

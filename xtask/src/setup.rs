@@ -1,0 +1,194 @@
+//! Installing build and test prerequisites, idempotently.
+
+use anyhow::{bail, Context, Result};
+use std::{
+    env, fs,
+    path::{Path, PathBuf},
+    process::Command,
+};
+
+/// Debian packages the tests, demo and benchmarks use: `ip`, `ethtool`
+/// (checksum offload on test hosts), `setpriv` (unprivileged test).
+const PACKAGES: [(&str, &str); 3] = [
+    ("ip", "iproute2"),
+    ("ethtool", "ethtool"),
+    ("setpriv", "util-linux"),
+];
+
+fn say(msg: &str) {
+    println!("[setup] {msg}");
+}
+
+fn output(prog: &str, args: &[&str]) -> Result<String> {
+    let o = Command::new(prog)
+        .args(args)
+        .output()
+        .with_context(|| format!("running {prog}"))?;
+    if !o.status.success() {
+        bail!(
+            "{prog} {} failed: {}",
+            args.join(" "),
+            String::from_utf8_lossy(&o.stderr).trim()
+        );
+    }
+    Ok(String::from_utf8_lossy(&o.stdout).into_owned())
+}
+
+fn status(prog: &str, args: &[&str], envs: &[(&str, &Path)]) -> Result<()> {
+    let mut c = Command::new(prog);
+    c.args(args);
+    for (k, v) in envs {
+        c.env(k, v);
+    }
+    let s = c.status().with_context(|| format!("running {prog}"))?;
+    if !s.success() {
+        bail!("{prog} {} failed ({s})", args.join(" "));
+    }
+    Ok(())
+}
+
+pub fn all() -> Result<()> {
+    rust_src()?;
+    bpf_linker()?;
+    packages()?;
+    bpffs()?;
+    say("ready");
+    Ok(())
+}
+
+fn nightly_sysroot() -> Result<PathBuf> {
+    let s = output("rustc", &["+nightly", "--print", "sysroot"])
+        .context("the nightly toolchain is needed to build the XDP program (rustup toolchain install nightly)")?;
+    Ok(PathBuf::from(s.trim()))
+}
+
+fn rust_src() -> Result<()> {
+    let src = nightly_sysroot()?.join("lib/rustlib/src/rust/library/core");
+    if src.exists() {
+        say("nightly rust-src: present");
+        return Ok(());
+    }
+    say("nightly rust-src: installing (rustup component add rust-src --toolchain nightly)");
+    status(
+        "rustup",
+        &["component", "add", "rust-src", "--toolchain", "nightly"],
+        &[],
+    )
+}
+
+/// bpf-linker must use the same LLVM as the nightly's rustc. The nightly
+/// ships it as a shared library; bpf-linker is built against it through a
+/// folder of symlinks named after that library, which must stay in place.
+fn bpf_linker() -> Result<()> {
+    let sysroot = nightly_sysroot()?;
+    let lib = fs::read_dir(sysroot.join("lib"))?
+        .filter_map(Result::ok)
+        .map(|e| e.path())
+        .find(|p| {
+            p.file_name()
+                .and_then(|n| n.to_str())
+                .is_some_and(|n| n.starts_with("libLLVM.so."))
+        })
+        .context("the nightly toolchain has no libLLVM.so.* in its lib folder")?;
+    let lib_name = lib
+        .file_name()
+        .and_then(|n| n.to_str())
+        .context("LLVM library name")?
+        .to_string();
+    let version = output("rustc", &["+nightly", "-vV"])?;
+    let major = version
+        .lines()
+        .find_map(|l| l.strip_prefix("LLVM version: "))
+        .and_then(|v| v.split('.').next())
+        .context("rustc +nightly -vV shows no LLVM version")?
+        .to_string();
+    let cargo_home = env::var_os("CARGO_HOME")
+        .map(PathBuf::from)
+        .or_else(|| env::var_os("HOME").map(|h| PathBuf::from(h).join(".cargo")))
+        .context("neither CARGO_HOME nor HOME is set")?;
+    let prefix = cargo_home.join("huddle-llvm").join(&lib_name);
+    let linker = cargo_home.join("bin/bpf-linker");
+    let marker = prefix.join("bpf-linker-built");
+    if linker.exists()
+        && marker.exists()
+        && Command::new(&linker)
+            .arg("--version")
+            .output()
+            .is_ok_and(|o| o.status.success())
+    {
+        say(&format!("bpf-linker: present, built against {lib_name}"));
+        return Ok(());
+    }
+    say(&format!(
+        "bpf-linker: building against the nightly's LLVM {major} ({lib_name}), about a minute"
+    ));
+    let libdir = prefix.join("lib");
+    fs::create_dir_all(&libdir)?;
+    for name in ["libLLVM.so", lib_name.as_str()] {
+        let link = libdir.join(name);
+        let _ = fs::remove_file(&link);
+        std::os::unix::fs::symlink(&lib, &link)
+            .with_context(|| format!("symlink {}", link.display()))?;
+    }
+    let feature = format!("llvm-{major}");
+    status(
+        "cargo",
+        &[
+            "install",
+            "bpf-linker",
+            "--locked",
+            "--force",
+            "--no-default-features",
+            "--features",
+            &feature,
+        ],
+        &[("LLVM_PREFIX", &prefix)],
+    )?;
+    fs::write(&marker, &feature)?;
+    Ok(())
+}
+
+fn have(cmd: &str) -> bool {
+    Command::new("sh")
+        .args(["-c", &format!("command -v {cmd}")])
+        .output()
+        .is_ok_and(|o| o.status.success())
+}
+
+fn packages() -> Result<()> {
+    let missing: Vec<&str> = PACKAGES
+        .iter()
+        .filter(|(cmd, _)| !have(cmd))
+        .map(|(_, pkg)| *pkg)
+        .collect();
+    if missing.is_empty() {
+        say("Debian packages: present");
+        return Ok(());
+    }
+    say(&format!(
+        "Debian packages: installing {}",
+        missing.join(" ")
+    ));
+    status("apt-get", &["update", "-qq"], &[])?;
+    let mut args = vec!["install", "-y", "-qq"];
+    args.extend(missing);
+    status("apt-get", &args, &[])
+}
+
+fn bpffs() -> Result<()> {
+    let mounts = fs::read_to_string("/proc/mounts").unwrap_or_default();
+    if mounts
+        .lines()
+        .any(|l| l.split_whitespace().nth(2) == Some("bpf"))
+    {
+        say("bpffs: mounted");
+        return Ok(());
+    }
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        say("bpffs: not mounted (needs root; skipped)");
+        return Ok(());
+    }
+    say("bpffs: mounting at /sys/fs/bpf");
+    status("mount", &["-t", "bpf", "bpf", "/sys/fs/bpf"], &[])
+}
