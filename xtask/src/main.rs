@@ -7,7 +7,11 @@ mod setup;
 
 use anyhow::{bail, Context, Result};
 use clap::{Parser, Subcommand};
-use std::{path::PathBuf, process::Command};
+use std::{
+    io::{BufRead, BufReader},
+    path::PathBuf,
+    process::{Command, Stdio},
+};
 
 #[derive(Parser)]
 #[command(name = "xtask")]
@@ -65,6 +69,42 @@ fn run(prog: &str, args: &[&str]) -> Result<()> {
     Ok(())
 }
 
+/// Runs `cargo args`, echoing its output, and ends with one line that
+/// adds up every test binary's result.
+fn run_tests(args: &[&str]) -> Result<()> {
+    println!("==> cargo {}", args.join(" "));
+    let mut child = Command::new("cargo")
+        .args(args)
+        .current_dir(root())
+        .stdout(Stdio::piped())
+        .spawn()
+        .context("running cargo test")?;
+    let (mut passed, mut failed) = (0u64, 0u64);
+    for line in BufReader::new(child.stdout.take().context("cargo stdout")?).lines() {
+        let line = line?;
+        println!("{line}");
+        if let Some(rest) = line.strip_prefix("test result: ") {
+            let num = |word: &str| {
+                rest.split(';')
+                    .find_map(|part| {
+                        part.trim()
+                            .strip_suffix(word)
+                            .and_then(|n| n.trim().rsplit(' ').next()?.parse::<u64>().ok())
+                    })
+                    .unwrap_or(0)
+            };
+            passed += num(" passed");
+            failed += num(" failed");
+        }
+    }
+    let status = child.wait()?;
+    println!("\ntests: {passed} passed, {failed} failed");
+    if !status.success() {
+        bail!("cargo {} failed ({status})", args.join(" "));
+    }
+    Ok(())
+}
+
 fn main() -> Result<()> {
     match Cli::parse().cmd {
         Cmd::Setup => setup::all(),
@@ -73,7 +113,7 @@ fn main() -> Result<()> {
             setup::all()?;
             let mut a = vec!["test", "--workspace", "--exclude", "huddle-ebpf"];
             a.extend(args.iter().map(String::as_str));
-            run("cargo", &a)
+            run_tests(&a)
         }
         Cmd::Demo => {
             require_root("cargo xtask demo")?;
