@@ -155,7 +155,12 @@ fn new_flow(
                 port = Some(nkey.nat_port_be);
                 break;
             }
-            Err(e) if e == -EEXIST => {}
+            Err(e) if e == -EEXIST => {
+                if reclaim(&nkey, &nval) {
+                    port = Some(nkey.nat_port_be);
+                    break;
+                }
+            }
             Err(_) => {
                 bump(&SERVICE_STATS, service, |s| s.drop_flow_table += 1);
                 return Err(xdp_action::XDP_DROP);
@@ -187,6 +192,33 @@ fn new_flow(
     bump(&SERVICE_STATS, service, |s| s.flows_new += 1);
     bump(&BACKEND_STATS, backend_id, |s| s.flows_new += 1);
     Ok(flow)
+}
+
+/// Takes over the NAT entry `key` if the flow holding it is over: gone
+/// from the flow table, closing (FIN or RST seen), or no longer using this
+/// port. NAT entries are not removed when flows end (the last packets of a
+/// close still need translating), so without this a backend's ports would
+/// fill with finished flows long before the LRU tables evict them.
+#[inline(always)]
+fn reclaim(key: &NatKey, new: &NatValue) -> bool {
+    // SAFETY: copied out at once.
+    let Some(old) = (unsafe { NAT.get(key) }).copied() else {
+        return false;
+    };
+    // SAFETY: as above.
+    let owner = unsafe { FLOWS.get(&old.flow) }.copied();
+    let live = owner.is_some_and(|f| {
+        f.flags & flow_flags::CLOSING == 0
+            && f.nat_port_be == key.nat_port_be
+            && f.backend == old.backend
+    });
+    if live {
+        return false;
+    }
+    if owner.is_some_and(|f| f.nat_port_be == key.nat_port_be && f.backend == old.backend) {
+        let _ = FLOWS.remove(&old.flow);
+    }
+    NAT.insert(key, new, 0).is_ok()
 }
 
 /// Removes the NAT entry of an old flow that a new one replaces.

@@ -177,7 +177,9 @@ fn measure(args: &BenchArgs) -> Result<()> {
             f[34..36].copy_from_slice(&port.to_be_bytes());
             f
         };
-        results[1].push(time_case(prog, ifx, &mut new_flow, args.calls, 3)?);
+        let r = time_case(prog, ifx, &mut new_flow, args.calls, 3);
+        let r = r.with_context(|| format!("service counters: {:?}", env.dp.service_stats(0)))?;
+        results[1].push(r);
         results[2].push(time_case(prog, ifx, &mut |_| other.clone(), args.calls, 2)?);
         results[3].push(time_case(
             swap,

@@ -372,3 +372,36 @@ fn a_closed_flow_reused_by_a_new_syn_gets_a_new_nat_entry() {
     let id = env.dp.services[0].backend_ids[ring.iter().position(|x| *x == b2).unwrap()];
     assert_eq!(env.dp.backend_stats(id).unwrap().rsts_from, 1);
 }
+
+#[test]
+fn nat_ports_of_finished_flows_are_reused_but_live_ones_never_stolen() {
+    require_root();
+    let mut cfg = config(&[backend(0)], false);
+    cfg.nat_ports = PortRange {
+        min: 20000,
+        max: 20000,
+    };
+    let env = ProgRun::new(&unique("pr-nat"), &cfg, &[backend(0), CLIENT]).unwrap();
+    let (_, port) = open_flow(&env, 46000, &[backend(0)]);
+    assert_eq!(port, 20000);
+    // The only port is held by a live flow: a second flow is refused.
+    let (v, _) = env.run(&client_frame(46001).syn().build()).unwrap();
+    assert_eq!(v, XDP_DROP);
+    assert_eq!(env.dp.service_stats(0).unwrap().drop_nat_ports, 1);
+    // Once the first flow closes, its port serves the next flow.
+    assert_eq!(
+        env.run(&client_frame(46000).flags(FIN | ACK).build())
+            .unwrap()
+            .0,
+        XDP_TX
+    );
+    let (_, port) = open_flow(&env, 46001, &[backend(0)]);
+    assert_eq!(port, 20000);
+    // Replies on that port now belong to the new flow.
+    let reply = Frame::tcp((backend(0), 8080), (BALANCER_IP, 20000))
+        .flags(SYN | ACK)
+        .build();
+    let (v, out) = env.run(&reply).unwrap();
+    assert_eq!(v, XDP_TX);
+    assert_eq!(endpoints(&out).1, (CLIENT, 46001));
+}
