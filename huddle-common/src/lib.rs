@@ -67,7 +67,7 @@ pub const RING_CAPACITY: usize = 256;
 /// Flow table entries unless configured otherwise.
 pub const DEFAULT_FLOW_TABLE_SIZE: u32 = 131_072;
 /// Tries to find a free NAT port before a new flow is refused.
-pub const NAT_PORT_TRIES: u32 = 4;
+pub const NAT_PORT_TRIES: u32 = 8;
 /// Ring slot of `service` for generation `generation` (double buffer).
 #[inline(always)]
 #[must_use]
