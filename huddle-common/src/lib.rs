@@ -66,6 +66,9 @@ pub const MAX_BACKENDS: u32 = 1024;
 pub const RING_CAPACITY: usize = 256;
 /// Flow table entries unless configured otherwise.
 pub const DEFAULT_FLOW_TABLE_SIZE: u32 = 131_072;
+/// A closing flow keeps its NAT port this long, so its last segments
+/// (final ACKs, retransmitted FINs) are still translated to it.
+pub const NAT_LINGER_NS: u64 = 2_000_000_000;
 /// Tries to find a free NAT port before a new flow is refused.
 pub const NAT_PORT_TRIES: u32 = 8;
 /// Ring slot of `service` for generation `generation` (double buffer).
@@ -176,8 +179,9 @@ pub struct FlowValue {
     /// `flow_flags` bits.
     pub flags: u8,
     pub _pad: [u8; 5],
-    /// `bpf_ktime_get_ns()` when the flow was created.
-    pub created_ns: u64,
+    /// `bpf_ktime_get_ns()` when the flow was created, then when it started
+    /// closing.
+    pub stamp_ns: u64,
 }
 
 /// Key of `NAT`: a reply as the backend sends it.

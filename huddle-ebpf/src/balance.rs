@@ -17,7 +17,7 @@ use aya_ebpf::{
 use aya_log_ebpf::warn;
 use huddle_common::{
     addr_v4, flow_flags, Config, FlowKey, FlowValue, NatKey, NatValue, ServiceKey, FAMILY_V4,
-    NAT_PORT_TRIES,
+    NAT_LINGER_NS, NAT_PORT_TRIES,
 };
 
 const EEXIST: i32 = 17;
@@ -182,7 +182,7 @@ fn new_flow(
         flags: 0,
         _pad: [0; 5],
         // SAFETY: plain helper call.
-        created_ns: unsafe { bpf_ktime_get_ns() },
+        stamp_ns: unsafe { bpf_ktime_get_ns() },
     };
     if FLOWS.insert(fkey, flow, 0).is_err() {
         let _ = NAT.remove(nkey);
@@ -195,7 +195,7 @@ fn new_flow(
 }
 
 /// Takes over the NAT entry `key` if the flow holding it is over: gone
-/// from the flow table, closing (FIN or RST seen), or no longer using this
+/// from the flow table, closing (FIN or RST seen) for `NAT_LINGER_NS`, or no longer using this
 /// port. NAT entries are not removed when flows end (the last packets of a
 /// close still need translating), so without this a backend's ports would
 /// fill with finished flows long before the LRU tables evict them.
@@ -207,10 +207,12 @@ fn reclaim(key: &NatKey, new: &NatValue) -> bool {
     };
     // SAFETY: as above.
     let owner = unsafe { FLOWS.get(&old.flow) }.copied();
+    // SAFETY: plain helper call.
+    let now = unsafe { bpf_ktime_get_ns() };
     let live = owner.is_some_and(|f| {
-        f.flags & flow_flags::CLOSING == 0
-            && f.nat_port_be == key.nat_port_be
-            && f.backend == old.backend
+        let lingering =
+            f.flags & flow_flags::CLOSING == 0 || now.wrapping_sub(f.stamp_ns) < NAT_LINGER_NS;
+        lingering && f.nat_port_be == key.nat_port_be && f.backend == old.backend
     });
     if live {
         return false;
@@ -248,6 +250,7 @@ fn mark_closing(fkey: &FlowKey, backend: u32) {
         unsafe {
             if (*f).flags & flow_flags::CLOSING == 0 {
                 (*f).flags |= flow_flags::CLOSING;
+                (*f).stamp_ns = bpf_ktime_get_ns();
                 bump(&BACKEND_STATS, backend, |s| s.flows_closed += 1);
             }
         }

@@ -388,13 +388,19 @@ fn nat_ports_of_finished_flows_are_reused_but_live_ones_never_stolen() {
     let (v, _) = env.run(&client_frame(46001).syn().build()).unwrap();
     assert_eq!(v, XDP_DROP);
     assert_eq!(env.dp.service_stats(0).unwrap().drop_nat_ports, 1);
-    // Once the first flow closes, its port serves the next flow.
+    // Once the first flow closes and lingers for its last segments, its port
+    // serves the next flow.
     assert_eq!(
         env.run(&client_frame(46000).flags(FIN | ACK).build())
             .unwrap()
             .0,
         XDP_TX
     );
+    let (v, _) = env.run(&client_frame(46001).syn().build()).unwrap();
+    assert_eq!(v, XDP_DROP, "a just-closed flow's port must linger");
+    std::thread::sleep(std::time::Duration::from_nanos(
+        huddle_common::NAT_LINGER_NS + 100_000_000,
+    ));
     let (_, port) = open_flow(&env, 46001, &[backend(0)]);
     assert_eq!(port, 20000);
     // Replies on that port now belong to the new flow.
