@@ -65,9 +65,13 @@ fn request(ctx: &XdpContext, p: &Packet, cfg: &Config) -> u32 {
     };
     let syn = p.is_tcp() && p.has_flag(TCP_SYN);
     let existing = FLOWS.get_ptr_mut(fkey);
-    let flow = match existing {
+    // The flow's table entry, kept so a FIN or RST can mark it without a
+    // second lookup; `None` for a flow created by this packet.
+    let (flow, entry) = match existing {
         // SAFETY: map value pointer, valid for this run.
-        Some(f) if !(syn && unsafe { (*f).flags } & flow_flags::CLOSING != 0) => unsafe { *f },
+        Some(f) if !(syn && unsafe { (*f).flags } & flow_flags::CLOSING != 0) => {
+            (unsafe { *f }, Some(f))
+        }
         _ => {
             if p.is_tcp() && !syn {
                 bump(&SERVICE_STATS, service, |s| s.pass_no_flow += 1);
@@ -80,7 +84,7 @@ fn request(ctx: &XdpContext, p: &Packet, cfg: &Config) -> u32 {
                 forget_nat(cfg, unsafe { &*old }, p.proto);
             }
             match new_flow(ctx, cfg, service, &fkey) {
-                Ok(f) => f,
+                Ok(f) => (f, None),
                 Err(verdict) => return verdict,
             }
         }
@@ -89,7 +93,10 @@ fn request(ctx: &XdpContext, p: &Packet, cfg: &Config) -> u32 {
         return xdp_action::XDP_DROP;
     };
     if p.has_flag(TCP_FIN | TCP_RST) {
-        mark_closing(&fkey, flow.backend);
+        // Only a new flow (a SYN also carrying FIN or RST) needs a lookup.
+        if let Some(f) = entry.or_else(|| FLOWS.get_ptr_mut(fkey)) {
+            close(f, flow.backend);
+        }
     }
     let bytes = u64::from(p.tot_len);
     bump(&BACKEND_STATS, flow.backend, |s| {
@@ -205,20 +212,22 @@ fn reclaim(key: &NatKey, new: &NatValue) -> bool {
     let Some(old) = (unsafe { NAT.get(key) }).copied() else {
         return false;
     };
+    // The flow the entry names, if it still holds this port (its tuple may
+    // since have been reused by a flow with another port).
     // SAFETY: as above.
-    let owner = unsafe { FLOWS.get(&old.flow) }.copied();
-    // SAFETY: plain helper call.
-    let now = unsafe { bpf_ktime_get_ns() };
-    let live = owner.is_some_and(|f| {
-        let lingering =
-            f.flags & flow_flags::CLOSING == 0 || now.wrapping_sub(f.stamp_ns) < NAT_LINGER_NS;
-        lingering && f.nat_port_be == key.nat_port_be && f.backend == old.backend
-    });
-    if live {
-        return false;
-    }
-    if owner.is_some_and(|f| f.nat_port_be == key.nat_port_be && f.backend == old.backend) {
-        let _ = FLOWS.remove(&old.flow);
+    let owner = unsafe { FLOWS.get(old.flow) }
+        .copied()
+        .filter(|f| f.nat_port_be == key.nat_port_be && f.backend == old.backend);
+    if let Some(f) = owner {
+        if f.flags & flow_flags::CLOSING == 0 {
+            return false;
+        }
+        // SAFETY: plain helper call.
+        let now = unsafe { bpf_ktime_get_ns() };
+        if now.wrapping_sub(f.stamp_ns) < NAT_LINGER_NS {
+            return false;
+        }
+        let _ = FLOWS.remove(old.flow);
     }
     NAT.insert(key, new, 0).is_ok()
 }
@@ -241,18 +250,17 @@ fn forget_nat(cfg: &Config, old: &FlowValue, proto: u8) {
     let _ = NAT.remove(key);
 }
 
-/// Counts a flow closed the first time either side sends FIN or RST.
+/// Counts a flow closed the first time either side sends FIN or RST, and
+/// starts its NAT port's linger time.
 #[inline(always)]
-fn mark_closing(fkey: &FlowKey, backend: u32) {
-    if let Some(f) = FLOWS.get_ptr_mut(fkey) {
-        // SAFETY: map value pointer, valid for this run. Two CPUs racing
-        // here at most count one close twice; the flag is advisory.
-        unsafe {
-            if (*f).flags & flow_flags::CLOSING == 0 {
-                (*f).flags |= flow_flags::CLOSING;
-                (*f).stamp_ns = bpf_ktime_get_ns();
-                bump(&BACKEND_STATS, backend, |s| s.flows_closed += 1);
-            }
+fn close(f: *mut FlowValue, backend: u32) {
+    // SAFETY: a map value pointer from a lookup in this run. Two CPUs
+    // racing here at most count one close twice; the flag is advisory.
+    unsafe {
+        if (*f).flags & flow_flags::CLOSING == 0 {
+            (*f).flags |= flow_flags::CLOSING;
+            (*f).stamp_ns = bpf_ktime_get_ns();
+            bump(&BACKEND_STATS, backend, |s| s.flows_closed += 1);
         }
     }
 }
@@ -285,7 +293,9 @@ fn reply(ctx: &XdpContext, p: &Packet, cfg: &Config) -> u32 {
         }
     });
     if p.has_flag(TCP_FIN | TCP_RST) {
-        mark_closing(&nat.flow, nat.backend);
+        if let Some(f) = FLOWS.get_ptr_mut(nat.flow) {
+            close(f, nat.backend);
+        }
     }
     rewrite(
         p,
