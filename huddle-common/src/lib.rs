@@ -12,7 +12,7 @@
 
 pub mod stats;
 
-pub use stats::{BackendStats, GlobalStats, ServiceStats};
+pub use stats::{BackendStats, Counters, GlobalStats, ServiceStats};
 
 /// Map names, as the XDP program declares them (the static's identifier).
 pub mod maps {

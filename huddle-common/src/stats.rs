@@ -1,8 +1,16 @@
 //! Per-CPU counters the XDP program keeps and the control plane sums.
 //!
-//! Each struct is a flat list of `u64` counters; the macro also gives user
-//! space the field names and a way to add two snapshots, so adding a counter
+//! Each struct is a flat list of `u64` counters; the macro also implements
+//! [`Counters`], so user space can name and add them, and adding a counter
 //! is one line here.
+
+/// A flat set of named `u64` counters.
+pub trait Counters: Copy + Default {
+    /// Adds another CPU's (or snapshot's) counters to these.
+    fn accumulate(&mut self, other: &Self);
+    /// Calls `f` with each counter's field name and value, in layout order.
+    fn for_each(&self, f: impl FnMut(&'static str, u64));
+}
 
 macro_rules! counters {
     ($(#[$m:meta])* $name:ident { $($(#[$fm:meta])* $field:ident,)+ }) => {
@@ -13,19 +21,13 @@ macro_rules! counters {
             $($(#[$fm])* pub $field: u64,)+
         }
 
-        impl $name {
-            /// Field names, in layout order.
-            pub const FIELDS: &'static [&'static str] = &[$(stringify!($field)),+];
-
-            /// Counter values, in the order of `FIELDS`.
-            #[must_use]
-            pub fn values(&self) -> [u64; { [$(stringify!($field)),+].len() }] {
-                [$(self.$field),+]
+        impl Counters for $name {
+            fn accumulate(&mut self, other: &Self) {
+                $(self.$field = self.$field.wrapping_add(other.$field);)+
             }
 
-            /// Adds another CPU's (or snapshot's) counters to these.
-            pub fn accumulate(&mut self, other: &Self) {
-                $(self.$field = self.$field.wrapping_add(other.$field);)+
+            fn for_each(&self, mut f: impl FnMut(&'static str, u64)) {
+                $(f(stringify!($field), self.$field);)+
             }
         }
     };

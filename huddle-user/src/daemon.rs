@@ -9,7 +9,6 @@ use crate::{
     status::{counters, BackendStatus, ServiceStatus, Status},
 };
 use anyhow::{bail, Context, Result};
-use huddle_common::{BackendStats, GlobalStats, ServiceStats};
 use std::{
     collections::HashSet,
     net::SocketAddr,
@@ -76,7 +75,7 @@ impl Balancer {
                     in_ring: slot.ring.contains(id),
                     drained: self.drained.contains(&(si, bi)),
                     active_flows: st.flows_new.saturating_sub(st.flows_closed),
-                    counters: counters(BackendStats::FIELDS, &st.values()),
+                    counters: counters(&st),
                 });
             }
             let ring = slot
@@ -89,10 +88,7 @@ impl Balancer {
                 name: slot.service.name(),
                 ring_generation: slot.generation,
                 ring,
-                counters: counters(
-                    ServiceStats::FIELDS,
-                    &self.dp.service_stats(slot.id)?.values(),
-                ),
+                counters: counters(&self.dp.service_stats(slot.id)?),
                 backends,
             });
         }
@@ -104,7 +100,7 @@ impl Balancer {
             nat_ports: self.dp.nat_ports.to_string(),
             uptime_s: self.started.elapsed().as_secs_f64(),
             services,
-            global: counters(GlobalStats::FIELDS, &self.dp.global_stats()?.values()),
+            global: counters(&self.dp.global_stats()?),
         })
     }
 

@@ -13,8 +13,8 @@ use aya::{
     Ebpf, EbpfLoader,
 };
 use huddle_common::{
-    addr_v4, maps, ring_slot, Backend, BackendStats, Config as KernelConfig, GlobalStats, Ring,
-    ServiceKey, ServiceStats, ServiceValue, FAMILY_V4, PROGRAM_NAME, RING_CAPACITY,
+    addr_v4, maps, ring_slot, Backend, BackendStats, Config as KernelConfig, Counters, GlobalStats,
+    Ring, ServiceKey, ServiceStats, ServiceValue, FAMILY_V4, PROGRAM_NAME, RING_CAPACITY,
 };
 use std::{
     net::{IpAddr, Ipv4Addr, SocketAddr},
@@ -268,25 +268,11 @@ impl Dataplane {
     }
 }
 
-trait Accumulate: Default + Copy {
-    fn add(&mut self, other: &Self);
-}
-
-macro_rules! accumulate {
-    ($($t:ty),+) => {$(
-        impl Accumulate for $t {
-            fn add(&mut self, other: &Self) {
-                self.accumulate(other);
-            }
-        }
-    )+};
-}
-accumulate!(BackendStats, ServiceStats, GlobalStats);
-
-fn sum<T: Accumulate + aya::Pod>(per_cpu: &PerCpuValues<T>) -> T {
+/// Sum over CPUs of one per-CPU counter element.
+fn sum<T: Counters + aya::Pod>(per_cpu: &PerCpuValues<T>) -> T {
     let mut total = T::default();
     for v in per_cpu.iter() {
-        total.add(v);
+        total.accumulate(v);
     }
     total
 }

@@ -8,12 +8,12 @@ pub type Counters = BTreeMap<String, u64>;
 
 /// Counters of one stats struct, by field name.
 #[must_use]
-pub fn counters(fields: &[&str], values: &[u64]) -> Counters {
-    fields
-        .iter()
-        .zip(values)
-        .map(|(f, v)| ((*f).to_string(), *v))
-        .collect()
+pub fn counters(c: &impl huddle_common::Counters) -> Counters {
+    let mut map = Counters::new();
+    c.for_each(|name, value| {
+        map.insert(name.to_string(), value);
+    });
+    map
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize)]
