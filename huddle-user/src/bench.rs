@@ -143,60 +143,51 @@ fn measure(args: &BenchArgs) -> Result<()> {
     let other = Frame::tcp((client, 40000), (Ipv4Addr::new(10, 213, 0, 99), 80))
         .payload(&payload)
         .build();
-    let syn = Frame::tcp((client, 1), (VIP, 80)).syn().build();
-    let mut next_flow: u32 = 0;
-
-    let cases = [
-        "established flow",
-        "new flow (SYN)",
-        "non-VIP (pass)",
-        "minimal forwarder (swap+TX)",
-        "XDP_PASS floor",
+    // A fresh client address and port for every new flow over all rounds.
+    let new_flow = |n: u32| {
+        let host = n / 50_000;
+        let addr = Ipv4Addr::new(
+            10,
+            213,
+            1 + (host % 250) as u8,
+            1 + (host / 250 % 250) as u8,
+        );
+        Frame::tcp((addr, 1024 + (n % 50_000) as u16), (VIP, 80))
+            .syn()
+            .build()
+    };
+    // Fewer new flows than the others, so the tables stay below their size
+    // over all rounds (a full LRU table times evictions instead).
+    let new_calls = args.calls.min(40_000);
+    // (name, program, runs, expected verdict)
+    let cases: [(&str, &Xdp, u32, u32); 5] = [
+        ("established flow", prog, args.calls, 3),
+        ("new flow (SYN)", prog, new_calls, 3),
+        ("non-VIP (pass)", prog, args.calls, 2),
+        ("minimal forwarder (swap+TX)", swap, args.calls, 3),
+        ("XDP_PASS floor", pass, args.calls, 2),
     ];
     let mut results: Vec<Vec<f64>> = vec![Vec::new(); cases.len()];
     eprintln!(
         "timing {} runs per case, {} rounds, pinned to CPU {} ...",
         args.calls, args.rounds, args.cpu
     );
-    for _ in 0..args.rounds {
-        results[0].push(time_case(
-            prog,
-            ifx,
-            &mut |_| established.clone(),
-            args.calls,
-            3,
-        )?);
-        let mut new_flow = |_| {
-            // A fresh client address and port for every run.
-            next_flow += 1;
-            let mut f = syn.clone();
-            let host = next_flow / 50_000;
-            f[26 + 2] = 1 + (host % 250) as u8;
-            f[26 + 3] = 1 + (host / 250 % 250) as u8;
-            let port = 1024 + (next_flow % 50_000) as u16;
-            f[34..36].copy_from_slice(&port.to_be_bytes());
-            f
-        };
-        // Fewer new flows than the others, so the tables stay below their
-        // size over all rounds (a full LRU table times evictions instead).
-        let r = time_case(prog, ifx, &mut new_flow, args.calls.min(40_000), 3);
-        let r = r.with_context(|| format!("service counters: {:?}", env.dp.service_stats(0)))?;
-        results[1].push(r);
-        results[2].push(time_case(prog, ifx, &mut |_| other.clone(), args.calls, 2)?);
-        results[3].push(time_case(
-            swap,
-            ifx,
-            &mut |_| established.clone(),
-            args.calls,
-            3,
-        )?);
-        results[4].push(time_case(
-            pass,
-            ifx,
-            &mut |_| established.clone(),
-            args.calls,
-            2,
-        )?);
+    for round in 0..args.rounds {
+        for (i, (name, program, calls, want)) in cases.iter().enumerate() {
+            let mut frames = |n: u32| match i {
+                1 => new_flow(round * new_calls + n),
+                2 => other.clone(),
+                _ => established.clone(),
+            };
+            let ns = time_case(program, ifx, &mut frames, *calls, *want).with_context(|| {
+                format!(
+                    "{name}: service counters {:?}, global counters {:?}",
+                    env.dp.service_stats(0),
+                    env.dp.global_stats()
+                )
+            })?;
+            results[i].push(ns);
+        }
     }
     let med: Vec<f64> = results.into_iter().map(median).collect();
     let floor = med[4];
@@ -207,7 +198,7 @@ fn measure(args: &BenchArgs) -> Result<()> {
     );
     println!("| case | ns/packet | net of XDP_PASS floor | net vs minimal forwarder |");
     println!("|---|---:|---:|---:|");
-    for (i, name) in cases.iter().enumerate() {
+    for (i, (name, ..)) in cases.iter().enumerate() {
         let net = med[i] - floor;
         let ratio = if i == 4 {
             "-".to_string()

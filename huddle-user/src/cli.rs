@@ -116,24 +116,12 @@ impl RunArgs {
             Some(path) => ConfigFile::load(path)?,
             None => ConfigFile::default(),
         };
-        if self.iface.is_some() {
-            file.interface = self.iface;
-        }
-        if self.snat_ip.is_some() {
-            file.snat_ip = self.snat_ip;
-        }
-        if self.xdp_mode.is_some() {
-            file.xdp_mode = self.xdp_mode;
-        }
-        if self.nat_ports.is_some() {
-            file.nat_ports = self.nat_ports;
-        }
-        if self.flow_table_size.is_some() {
-            file.flow_table_size = self.flow_table_size;
-        }
-        if self.control_socket.is_some() {
-            file.control_socket = self.control_socket;
-        }
+        file.interface = self.iface.or(file.interface);
+        file.snat_ip = self.snat_ip.or(file.snat_ip);
+        file.xdp_mode = self.xdp_mode.or(file.xdp_mode);
+        file.nat_ports = self.nat_ports.or(file.nat_ports);
+        file.flow_table_size = self.flow_table_size.or(file.flow_table_size);
+        file.control_socket = self.control_socket.or(file.control_socket);
         match (self.vip, self.backends.is_empty()) {
             (Some(vip), _) => file.services.push(ServiceFile {
                 vip,

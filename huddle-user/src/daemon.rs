@@ -18,7 +18,7 @@ use std::{
     time::{Duration, Instant},
 };
 use tokio::{
-    io::{AsyncBufReadExt, AsyncWriteExt, BufReader},
+    io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader},
     net::{UnixListener, UnixStream},
     signal::unix::{signal, SignalKind},
 };
@@ -345,5 +345,3 @@ async fn client(stream: UnixStream, shared: Arc<Mutex<Balancer>>) {
         }
     }
 }
-
-use tokio::io::AsyncReadExt as _;

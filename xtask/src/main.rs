@@ -57,9 +57,16 @@ fn require_root(what: &str) -> Result<()> {
 
 /// Runs a command in the workspace root, echoing it first.
 fn run(prog: &str, args: &[&str]) -> Result<()> {
+    run_with(prog, args, &[])
+}
+
+/// Runs a command in the workspace root with extra environment variables,
+/// echoing it first.
+fn run_with(prog: &str, args: &[&str], envs: &[(&str, &std::path::Path)]) -> Result<()> {
     println!("==> {prog} {}", args.join(" "));
     let status = Command::new(prog)
         .args(args)
+        .envs(envs.iter().copied())
         .current_dir(root())
         .status()
         .with_context(|| format!("running {prog}"))?;

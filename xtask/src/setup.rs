@@ -1,11 +1,8 @@
 //! Installing build and test prerequisites, idempotently.
 
+use crate::{run, run_with};
 use anyhow::{bail, Context, Result};
-use std::{
-    env, fs,
-    path::{Path, PathBuf},
-    process::Command,
-};
+use std::{env, fs, path::PathBuf, process::Command};
 
 /// Debian packages the tests, demo and benchmarks use: `ip`, `ethtool`
 /// (checksum offload on test hosts), `setpriv` (unprivileged test).
@@ -34,19 +31,6 @@ fn output(prog: &str, args: &[&str]) -> Result<String> {
     Ok(String::from_utf8_lossy(&o.stdout).into_owned())
 }
 
-fn status(prog: &str, args: &[&str], envs: &[(&str, &Path)]) -> Result<()> {
-    let mut c = Command::new(prog);
-    c.args(args);
-    for (k, v) in envs {
-        c.env(k, v);
-    }
-    let s = c.status().with_context(|| format!("running {prog}"))?;
-    if !s.success() {
-        bail!("{prog} {} failed ({s})", args.join(" "));
-    }
-    Ok(())
-}
-
 pub fn all() -> Result<()> {
     rust_src()?;
     bpf_linker()?;
@@ -69,7 +53,7 @@ fn rust_src() -> Result<()> {
         return Ok(());
     }
     say("nightly rust-src: installing (rustup component add rust-src --toolchain nightly)");
-    status(
+    run_with(
         "rustup",
         &["component", "add", "rust-src", "--toolchain", "nightly"],
         &[],
@@ -131,7 +115,7 @@ fn bpf_linker() -> Result<()> {
             .with_context(|| format!("symlink {}", link.display()))?;
     }
     let feature = format!("llvm-{major}");
-    status(
+    run_with(
         "cargo",
         &[
             "install",
@@ -169,10 +153,10 @@ fn packages() -> Result<()> {
         "Debian packages: installing {}",
         missing.join(" ")
     ));
-    status("apt-get", &["update", "-qq"], &[])?;
+    run("apt-get", &["update", "-qq"])?;
     let mut args = vec!["install", "-y", "-qq"];
     args.extend(missing);
-    status("apt-get", &args, &[])
+    run("apt-get", &args)
 }
 
 fn bpffs() -> Result<()> {
@@ -190,5 +174,5 @@ fn bpffs() -> Result<()> {
         return Ok(());
     }
     say("bpffs: mounting at /sys/fs/bpf");
-    status("mount", &["-t", "bpf", "bpf", "/sys/fs/bpf"], &[])
+    run("mount", &["-t", "bpf", "bpf", "/sys/fs/bpf"])
 }
