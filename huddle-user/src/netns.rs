@@ -6,18 +6,13 @@ use std::{fs::File, os::fd::AsRawFd, process::Command};
 
 /// Runs `ip` with `args`, failing with its stderr.
 pub fn ip(args: &[&str]) -> Result<()> {
-    run("ip", args)
-}
-
-/// Runs a command, failing with its stderr.
-pub fn run(prog: &str, args: &[&str]) -> Result<()> {
-    let out = Command::new(prog)
+    let out = Command::new("ip")
         .args(args)
         .output()
-        .with_context(|| format!("running {prog} {}", args.join(" ")))?;
+        .with_context(|| format!("running ip {}", args.join(" ")))?;
     if !out.status.success() {
         bail!(
-            "{prog} {} failed: {}",
+            "ip {} failed: {}",
             args.join(" "),
             String::from_utf8_lossy(&out.stderr).trim()
         );

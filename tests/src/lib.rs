@@ -148,7 +148,6 @@ pub fn spawn_in(ns: &Netns, prog: &Path, args: &[&str], log: Option<&Path>) -> R
 
 /// Client, balancer and backends on one bridged segment.
 pub struct Testbed {
-    pub prefix: String,
     pub client: Netns,
     pub lb: Netns,
     pub backends: Vec<Netns>,
@@ -176,7 +175,6 @@ impl Testbed {
             procs: Vec::new(),
             dir,
             switch,
-            prefix: prefix.clone(),
         };
         bed.attach("pl", &bed.lb, LB_IP)?;
         // A frame sent with XDP_TX from a veth is only taken by a peer that

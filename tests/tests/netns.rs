@@ -246,69 +246,43 @@ fn bad_invocations_fail_with_one_line_and_attach_nothing() {
     let sock = bed.socket().display().to_string();
     let b = format!("{}:{HTTP_PORT}", backend_ip(0));
     let vip = format!("{VIP}:80");
-    let cases: Vec<(Vec<&str>, &str)> = vec![
+    // (interface, VIP, further arguments, what the error must mention)
+    let cases = [
         (
-            vec!["run", "--iface", "nosuch0", "--vip", &vip, "--backend", &b],
+            "nosuch0",
+            vip.as_str(),
+            format!("--backend {b}"),
             "does not exist",
         ),
         (
-            vec![
-                "run",
-                "--iface",
-                "eth0",
-                "--vip",
-                "10.213.100.1",
-                "--backend",
-                &b,
-            ],
+            "eth0",
+            "10.213.100.1",
+            format!("--backend {b}"),
             "not an IP:PORT",
         ),
         (
-            vec![
-                "run",
-                "--iface",
-                "eth0",
-                "--vip",
-                &vip,
-                "--backend",
-                "10.213.0.300:80",
-            ],
+            "eth0",
+            &vip,
+            "--backend 10.213.0.300:80".into(),
             "backends[0]",
         ),
         (
-            vec![
-                "run",
-                "--iface",
-                "eth0",
-                "--vip",
-                &vip,
-                "--backend",
-                &b,
-                "--backend",
-                &b,
-            ],
+            "eth0",
+            &vip,
+            format!("--backend {b} --backend {b}"),
             "listed twice",
         ),
+        ("eth0", &vip, String::new(), "has no backend"),
         (
-            vec!["run", "--iface", "eth0", "--vip", &vip],
-            "has no backend",
-        ),
-        (
-            vec![
-                "run",
-                "--iface",
-                "eth0",
-                "--vip",
-                &vip,
-                "--backend",
-                &b,
-                "--nat-ports",
-                "40000-50000",
-            ],
+            "eth0",
+            &vip,
+            format!("--backend {b} --nat-ports 40000-50000"),
             "ephemeral",
         ),
     ];
-    for (args, want) in cases {
+    for (iface, vip, extra, want) in cases {
+        let mut args = vec!["run", "--iface", iface, "--vip", vip];
+        args.extend(extra.split_whitespace());
         let mut full = args.clone();
         full.extend_from_slice(&["--control-socket", &sock]);
         let full: Vec<String> = full.iter().map(|s| s.to_string()).collect();

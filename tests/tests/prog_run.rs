@@ -26,23 +26,17 @@ fn backend(i: u8) -> Ipv4Addr {
 }
 
 fn config(backends: &[Ipv4Addr], udp: bool) -> Config {
-    let mut services = vec![Service {
-        vip: (VIP, 80).into(),
-        proto: Proto::Tcp,
+    let service = |vip_port: u16, proto, port: u16| Service {
+        vip: (VIP, vip_port).into(),
+        proto,
         backends: backends
             .iter()
-            .map(|b| SocketAddr::from((*b, 8080)))
+            .map(|b| SocketAddr::from((*b, port)))
             .collect(),
-    }];
+    };
+    let mut services = vec![service(80, Proto::Tcp, 8080)];
     if udp {
-        services.push(Service {
-            vip: (VIP, 53).into(),
-            proto: Proto::Udp,
-            backends: backends
-                .iter()
-                .map(|b| SocketAddr::from((*b, 5353)))
-                .collect(),
-        });
+        services.push(service(53, Proto::Udp, 5353));
     }
     Config {
         interface: "hb0".into(),
