@@ -10,8 +10,10 @@
 //! network order and the other 12 are zero.
 #![no_std]
 
+pub mod latency;
 pub mod stats;
 
+pub use latency::{latency_bucket, Latency, Pulse, LATENCY_BUCKETS};
 pub use stats::{BackendStats, Counters, GlobalStats, ServiceStats};
 
 /// Map names, as the XDP program declares them (the static's identifier).
@@ -38,9 +40,15 @@ pub mod maps {
     pub const SERVICE_STATS: &str = "SERVICE_STATS";
     /// `PerCpuArray<GlobalStats>` of one element.
     pub const GLOBAL_STATS: &str = "GLOBAL_STATS";
+    /// `PerCpuArray<Latency>` indexed by backend id: time-to-first-byte
+    /// histogram.
+    pub const LATENCY: &str = "LATENCY";
+    /// `Array<Pulse>` indexed by backend id: since when the backend owes an
+    /// answer (shared by all CPUs).
+    pub const PULSE: &str = "PULSE";
 
     /// Every map the control plane opens, for checks against the object.
-    pub const ALL: [&str; 11] = [
+    pub const ALL: [&str; 13] = [
         SERVICES,
         BACKENDS,
         RINGS,
@@ -52,6 +60,8 @@ pub mod maps {
         BACKEND_STATS,
         SERVICE_STATS,
         GLOBAL_STATS,
+        LATENCY,
+        PULSE,
     ];
 }
 
@@ -91,6 +101,19 @@ pub mod flow_flags {
     /// A FIN or RST was seen: the flow is counted closed; a new SYN on the
     /// same tuple starts a new flow.
     pub const CLOSING: u8 = 1;
+    /// A SYN went to the backend and no SYN-ACK or RST came back yet;
+    /// `FlowValue::turn_ns` is when.
+    pub const SYN_WAIT: u8 = 2;
+    /// The client sent data and the backend has not answered with data yet;
+    /// `FlowValue::turn_ns` is when the turn started.
+    pub const TURN_WAIT: u8 = 4;
+}
+
+/// `Backend::flags` bits.
+pub mod backend_flags {
+    /// The backend is dead and the operator asked for its flows to move:
+    /// a packet of an existing flow to it is balanced afresh.
+    pub const MOVE_FLOWS: u32 = 1;
 }
 
 /// A 16-byte address; IPv4 in the first four bytes, network order.
@@ -182,6 +205,8 @@ pub struct FlowValue {
     /// `bpf_ktime_get_ns()` when the flow was created, then when it started
     /// closing.
     pub stamp_ns: u64,
+    /// When the pending SYN or request turn started (see `flow_flags`).
+    pub turn_ns: u64,
 }
 
 /// Key of `NAT`: a reply as the backend sends it.
@@ -233,7 +258,9 @@ assert_size!(ServiceValue, 8);
 assert_size!(Backend, 24);
 assert_size!(Ring, 8 + 4 * RING_CAPACITY);
 assert_size!(FlowKey, 40);
-assert_size!(FlowValue, 24);
+assert_size!(FlowValue, 32);
+assert_size!(Latency, 8 * LATENCY_BUCKETS);
+assert_size!(Pulse, 16);
 assert_size!(NatKey, 40);
 assert_size!(NatValue, 48);
 assert_size!(Config, 28);
@@ -255,6 +282,8 @@ mod pod {
     unsafe impl aya::Pod for BackendStats {}
     unsafe impl aya::Pod for ServiceStats {}
     unsafe impl aya::Pod for GlobalStats {}
+    unsafe impl aya::Pod for Latency {}
+    unsafe impl aya::Pod for Pulse {}
 }
 
 #[cfg(test)]

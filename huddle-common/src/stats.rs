@@ -48,6 +48,25 @@ counters!(
         flows_closed,
         /// RST segments sent by the backend.
         rsts_from,
+        /// SYN-ACKs answering a SYN we forwarded, and the summed
+        /// SYN-to-SYN-ACK time of those.
+        syn_acks,
+        connect_ns,
+        /// RSTs answering a SYN (connection refused).
+        refused,
+        /// Request turns: client data that started a wait for an answer.
+        turns,
+        /// Turns answered by backend data, and their summed time to first
+        /// byte (the histogram is in `LATENCY`).
+        answered,
+        ttfb_ns,
+        /// Turns the backend reset instead of answering.
+        reset_turns,
+        /// Turns the client reset before an answer came (not the backend's
+        /// fault, but not a sample either).
+        abandoned,
+        /// Flows moved off this backend because it was marked dead.
+        flows_moved,
     }
 );
 

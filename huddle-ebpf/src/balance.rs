@@ -7,7 +7,7 @@ use crate::{
     maps::{bump, global, BACKENDS, BACKEND_STATS, CONFIG, FLOWS, NAT, SERVICES, SERVICE_STATS},
     parse::{Packet, TCP_FIN, TCP_RST, TCP_SYN},
     rewrite::{rewrite, Tuple},
-    ring,
+    ring, timing,
 };
 use aya_ebpf::{
     bindings::{xdp_action, BPF_NOEXIST},
@@ -16,8 +16,8 @@ use aya_ebpf::{
 };
 use aya_log_ebpf::warn;
 use huddle_common::{
-    addr_v4, flow_flags, Config, FlowKey, FlowValue, NatKey, NatValue, ServiceKey, FAMILY_V4,
-    NAT_LINGER_NS, NAT_PORT_TRIES,
+    addr_v4, backend_flags, flow_flags, Config, FlowKey, FlowValue, NatKey, NatValue, ServiceKey,
+    FAMILY_V4, NAT_LINGER_NS, NAT_PORT_TRIES,
 };
 
 const EEXIST: i32 = 17;
@@ -67,7 +67,7 @@ fn request(ctx: &XdpContext, p: &Packet, cfg: &Config) -> u32 {
     let existing = FLOWS.get_ptr_mut(fkey);
     // The flow's table entry, kept so a FIN or RST can mark it without a
     // second lookup; `None` for a flow created by this packet.
-    let (flow, entry) = match existing {
+    let (mut flow, mut entry) = match existing {
         // SAFETY: map value pointer, valid for this run.
         Some(f) if !(syn && unsafe { (*f).flags } & flow_flags::CLOSING != 0) => {
             (unsafe { *f }, Some(f))
@@ -83,15 +83,36 @@ fn request(ctx: &XdpContext, p: &Packet, cfg: &Config) -> u32 {
                 // SAFETY: as above.
                 forget_nat(cfg, unsafe { &*old }, p.proto);
             }
-            match new_flow(ctx, cfg, service, &fkey) {
+            match new_flow(ctx, cfg, service, &fkey, p, true) {
                 Ok(f) => (f, None),
                 Err(verdict) => return verdict,
             }
         }
     };
-    let Some(backend) = BACKENDS.get(flow.backend) else {
+    let Some(mut backend) = BACKENDS.get(flow.backend) else {
         return xdp_action::XDP_DROP;
     };
+    if let Some(f) = entry {
+        if backend.flags & backend_flags::MOVE_FLOWS != 0 {
+            // Its backend is dead: balance the flow afresh. A TCP peer then
+            // gets a RST from the new backend at once instead of waiting
+            // on a dead one; a UDP flow simply carries on there.
+            forget_nat(cfg, &flow, p.proto);
+            close(f, flow.backend);
+            bump(&BACKEND_STATS, flow.backend, |s| s.flows_moved += 1);
+            flow = match new_flow(ctx, cfg, service, &fkey, p, false) {
+                Ok(f) => f,
+                Err(verdict) => return verdict,
+            };
+            entry = None;
+            backend = match BACKENDS.get(flow.backend) {
+                Some(b) => b,
+                None => return xdp_action::XDP_DROP,
+            };
+        } else {
+            timing::request(f, p, flow.backend);
+        }
+    }
     if p.has_flag(TCP_FIN | TCP_RST) {
         // Only a new flow (a SYN also carrying FIN or RST) needs a lookup.
         if let Some(f) = entry.or_else(|| FLOWS.get_ptr_mut(fkey)) {
@@ -120,13 +141,16 @@ fn request(ctx: &XdpContext, p: &Packet, cfg: &Config) -> u32 {
 }
 
 /// Picks a backend and a NAT port for a new flow and records both
-/// directions. Errors carry the verdict for the packet.
+/// directions; `time` starts timing its first wait. Errors carry the
+/// verdict for the packet.
 #[inline(always)]
 fn new_flow(
     ctx: &XdpContext,
     cfg: &Config,
     service: u32,
     fkey: &FlowKey,
+    p: &Packet,
+    time: bool,
 ) -> Result<FlowValue, u32> {
     let Some(backend_id) = ring::pick(service) else {
         bump(&SERVICE_STATS, service, |s| s.drop_no_backend += 1);
@@ -182,14 +206,20 @@ fn new_flow(
         bump(&SERVICE_STATS, service, |s| s.drop_nat_ports += 1);
         return Err(xdp_action::XDP_DROP);
     };
+    // SAFETY: plain helper call.
+    let now = unsafe { bpf_ktime_get_ns() };
     let flow = FlowValue {
         backend: backend_id,
         service,
         nat_port_be,
-        flags: 0,
+        flags: if time {
+            timing::first_wait(p, backend_id, now)
+        } else {
+            0
+        },
         _pad: [0; 5],
-        // SAFETY: plain helper call.
-        stamp_ns: unsafe { bpf_ktime_get_ns() },
+        stamp_ns: now,
+        turn_ns: now,
     };
     if FLOWS.insert(fkey, flow, 0).is_err() {
         let _ = NAT.remove(nkey);
@@ -292,9 +322,19 @@ fn reply(ctx: &XdpContext, p: &Packet, cfg: &Config) -> u32 {
             s.rsts_from += 1;
         }
     });
-    if p.has_flag(TCP_FIN | TCP_RST) {
-        if let Some(f) = FLOWS.get_ptr_mut(nat.flow) {
-            close(f, nat.backend);
+    let closing = p.has_flag(TCP_FIN | TCP_RST);
+    if closing || p.has_flag(TCP_SYN) || p.payload_len > 0 {
+        // The flow, if it is still this backend's (it may have moved).
+        let flow = FLOWS.get_ptr_mut(nat.flow).filter(|f| {
+            // SAFETY: map value pointer, valid for this run.
+            let f = unsafe { &**f };
+            f.backend == nat.backend && f.nat_port_be == nkey.nat_port_be
+        });
+        timing::reply(flow, p, nat.backend);
+        if closing {
+            if let Some(f) = flow {
+                close(f, nat.backend);
+            }
         }
     }
     rewrite(

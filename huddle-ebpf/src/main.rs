@@ -10,6 +10,7 @@ mod maps;
 mod parse;
 mod rewrite;
 mod ring;
+mod timing;
 
 use aya_ebpf::{bindings::xdp_action, macros::xdp, programs::XdpContext};
 use parse::Skip;

@@ -6,8 +6,9 @@ use aya_ebpf::{
     maps::{Array, HashMap, LruHashMap, PerCpuArray},
 };
 use huddle_common::{
-    Backend, BackendStats, Config, FlowKey, FlowValue, GlobalStats, NatKey, NatValue, Ring,
-    ServiceKey, ServiceStats, ServiceValue, DEFAULT_FLOW_TABLE_SIZE, MAX_BACKENDS, MAX_SERVICES,
+    Backend, BackendStats, Config, FlowKey, FlowValue, GlobalStats, Latency, NatKey, NatValue,
+    Pulse, Ring, ServiceKey, ServiceStats, ServiceValue, DEFAULT_FLOW_TABLE_SIZE, MAX_BACKENDS,
+    MAX_SERVICES,
 };
 
 /// VIP:port/proto -> service id. Written only by the control plane.
@@ -54,6 +55,15 @@ pub static SERVICE_STATS: PerCpuArray<ServiceStats> =
 
 #[map]
 pub static GLOBAL_STATS: PerCpuArray<GlobalStats> = PerCpuArray::with_max_entries(1, 0);
+
+/// Backend id -> this CPU's time-to-first-byte histogram.
+#[map]
+pub static LATENCY: PerCpuArray<Latency> = PerCpuArray::with_max_entries(MAX_BACKENDS, 0);
+
+/// Backend id -> since when it owes an answer. Shared by all CPUs: it must
+/// see a request on one CPU and the answer on another.
+#[map]
+pub static PULSE: Array<Pulse> = Array::with_max_entries(MAX_BACKENDS, 0);
 
 /// Runs `f` on this CPU's counters of entry `index`, if it exists.
 #[inline(always)]

@@ -10,6 +10,7 @@ use network_types::{eth::EthHdr, ip::Ipv4Hdr, tcp::TcpHdr, udp::UdpHdr};
 pub const TCP_FIN: u8 = 0x01;
 pub const TCP_SYN: u8 = 0x02;
 pub const TCP_RST: u8 = 0x04;
+pub const TCP_ACK: u8 = 0x10;
 
 const ETH_P_IP: u16 = 0x0800;
 const IP_MF: u16 = 0x2000;
@@ -41,6 +42,8 @@ pub struct Packet {
     pub tcp_flags: u8,
     /// IPv4 total length.
     pub tot_len: u16,
+    /// Bytes of TCP or UDP payload.
+    pub payload_len: u16,
 }
 
 impl Packet {
@@ -97,7 +100,7 @@ pub fn parse(ctx: &XdpContext) -> Result<Packet, Skip> {
     let l4_len = usize::from(tot_len) - Ipv4Hdr::LEN;
     let l4_off = EthHdr::LEN + Ipv4Hdr::LEN;
     let proto = iph.proto;
-    let (sport, dport, tcp_flags, l4) = match proto {
+    let (sport, dport, tcp_flags, l4, payload_len) = match proto {
         PROTO_TCP => {
             let tcp: *mut TcpHdr = ptr_at(ctx, l4_off).ok_or(Skip::Malformed)?;
             // SAFETY: checked by `ptr_at`; the header is plain bytes.
@@ -111,6 +114,7 @@ pub fn parse(ctx: &XdpContext) -> Result<Packet, Skip> {
                 [raw[2], raw[3]],
                 raw[13],
                 tcp.cast::<u8>(),
+                (l4_len - doff) as u16,
             )
         }
         PROTO_UDP => {
@@ -121,7 +125,13 @@ pub fn parse(ctx: &XdpContext) -> Result<Packet, Skip> {
             if ulen < UdpHdr::LEN || ulen > l4_len {
                 return Err(Skip::Malformed);
             }
-            (u.src, u.dst, 0, udp.cast::<u8>())
+            (
+                u.src,
+                u.dst,
+                0,
+                udp.cast::<u8>(),
+                (ulen - UdpHdr::LEN) as u16,
+            )
         }
         _ => return Err(Skip::NotTcpUdp),
     };
@@ -136,5 +146,6 @@ pub fn parse(ctx: &XdpContext) -> Result<Packet, Skip> {
         dport,
         tcp_flags,
         tot_len,
+        payload_len,
     })
 }

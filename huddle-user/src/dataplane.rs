@@ -14,7 +14,8 @@ use aya::{
 };
 use huddle_common::{
     addr_v4, maps, ring_slot, Backend, BackendStats, Config as KernelConfig, Counters, GlobalStats,
-    Ring, ServiceKey, ServiceStats, ServiceValue, FAMILY_V4, PROGRAM_NAME, RING_CAPACITY,
+    Latency, Pulse, Ring, ServiceKey, ServiceStats, ServiceValue, FAMILY_V4, PROGRAM_NAME,
+    RING_CAPACITY,
 };
 use std::{
     net::{IpAddr, Ipv4Addr, SocketAddr},
@@ -71,6 +72,8 @@ pub struct Dataplane {
     backend_stats: PerCpuArray<MapData, BackendStats>,
     service_stats: PerCpuArray<MapData, ServiceStats>,
     global_stats: PerCpuArray<MapData, GlobalStats>,
+    latency: PerCpuArray<MapData, Latency>,
+    pulse: Array<MapData, Pulse>,
     pub services: Vec<ServiceSlot>,
 }
 
@@ -130,6 +133,8 @@ impl Dataplane {
             backend_stats: take(&mut ebpf, maps::BACKEND_STATS)?,
             service_stats: take(&mut ebpf, maps::SERVICE_STATS)?,
             global_stats: take(&mut ebpf, maps::GLOBAL_STATS)?,
+            latency: take(&mut ebpf, maps::LATENCY)?,
+            pulse: take(&mut ebpf, maps::PULSE)?,
             ebpf,
             link: None,
             mode: None,
@@ -250,6 +255,32 @@ impl Dataplane {
 
     pub fn global_stats(&self) -> Result<GlobalStats> {
         Ok(sum(&self.global_stats.get(&0, 0)?))
+    }
+
+    /// Sum over CPUs of one backend's time-to-first-byte histogram.
+    pub fn latency(&self, id: u32) -> Result<Latency> {
+        let mut total = Latency::default();
+        for cpu in self.latency.get(&id, 0)?.iter() {
+            for (t, v) in total.buckets.iter_mut().zip(cpu.buckets.iter()) {
+                *t = t.wrapping_add(*v);
+            }
+        }
+        Ok(total)
+    }
+
+    /// Since when backend `id` owes an answer (kernel monotonic ns, 0: none).
+    pub fn pulse(&self, id: u32) -> Result<Pulse> {
+        Ok(self.pulse.get(&id, 0)?)
+    }
+
+    /// Sets `huddle_common::backend_flags` on backend `id`. The address and
+    /// port are rewritten with them: one element, replaced whole.
+    pub fn set_backend_flags(&mut self, id: u32, addr: SocketAddr, flags: u32) -> Result<()> {
+        let mut b = backend_value(addr);
+        b.flags = flags;
+        self.backends_map
+            .set(id, b, 0)
+            .with_context(|| format!("writing backend {addr}"))
     }
 
     /// The loaded program (for BPF_PROG_TEST_RUN).

@@ -1,0 +1,130 @@
+//! Request latency as the XDP program measures it: a per-backend, per-CPU
+//! histogram of time-to-first-byte, and a shared "owes an answer since"
+//! record that lets the control plane see a hung backend before any reply.
+//!
+//! Buckets are log-linear: four per power of two from 1 µs, so a bucket is
+//! at most 25% wide and percentiles read from it are within that.
+
+/// Histogram buckets. Bucket 0 is below 1 µs; the last one is open-ended
+/// (from about 36 minutes).
+pub const LATENCY_BUCKETS: usize = 128;
+
+/// log2 of the smallest bucketed latency (1024 ns).
+const MIN_SHIFT: u32 = 10;
+
+/// Per backend, per CPU: counts of time-to-first-byte samples by bucket.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Latency {
+    pub buckets: [u64; LATENCY_BUCKETS],
+}
+
+impl Default for Latency {
+    fn default() -> Self {
+        Latency {
+            buckets: [0; LATENCY_BUCKETS],
+        }
+    }
+}
+
+/// Per backend, shared by all CPUs: `bpf_ktime_get_ns()` since when the
+/// backend owes an answer, 0 when it owes none. Plain stores: a lost race
+/// only delays detection until the next request.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Pulse {
+    /// First request turn not followed by any answer data from the backend.
+    pub turn_wait_ns: u64,
+    /// First SYN not followed by any SYN-ACK or RST from the backend.
+    pub syn_wait_ns: u64,
+}
+
+/// Index of the most significant set bit (0 for 0), without a loop or a
+/// count-leading-zeros instruction (BPF has none).
+#[inline(always)]
+#[must_use]
+pub const fn msb(mut v: u64) -> u32 {
+    let mut r = 0;
+    if v >> 32 != 0 {
+        v >>= 32;
+        r += 32;
+    }
+    if v >> 16 != 0 {
+        v >>= 16;
+        r += 16;
+    }
+    if v >> 8 != 0 {
+        v >>= 8;
+        r += 8;
+    }
+    if v >> 4 != 0 {
+        v >>= 4;
+        r += 4;
+    }
+    if v >> 2 != 0 {
+        v >>= 2;
+        r += 2;
+    }
+    if v >> 1 != 0 {
+        r += 1;
+    }
+    r
+}
+
+/// The bucket of a latency in nanoseconds.
+#[inline(always)]
+#[must_use]
+pub const fn latency_bucket(ns: u64) -> usize {
+    if ns < (1 << MIN_SHIFT) {
+        return 0;
+    }
+    let m = msb(ns);
+    let sub = (ns >> (m - 2)) & 3;
+    let b = ((m - MIN_SHIFT) * 4) as usize + sub as usize + 1;
+    if b < LATENCY_BUCKETS {
+        b
+    } else {
+        LATENCY_BUCKETS - 1
+    }
+}
+
+/// The latencies bucket `b` holds, in nanoseconds: `[low, high)`.
+#[must_use]
+pub const fn bucket_bounds(b: usize) -> (u64, u64) {
+    if b == 0 {
+        return (0, 1 << MIN_SHIFT);
+    }
+    let m = (b as u32 - 1) / 4 + MIN_SHIFT;
+    let sub = (b as u64 - 1) % 4;
+    ((4 + sub) << (m - 2), (5 + sub) << (m - 2))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn msb_matches_leading_zeros() {
+        for v in [1u64, 2, 3, 1023, 1024, 1 << 40, u64::MAX, 12345678] {
+            assert_eq!(msb(v), 63 - v.leading_zeros(), "{v}");
+        }
+        assert_eq!(msb(0), 0);
+    }
+
+    #[test]
+    fn every_latency_falls_inside_its_bucket() {
+        let mut v = 1u64;
+        while v < 1 << 41 {
+            for x in [v, v + v / 3, v * 2 - 1] {
+                let b = latency_bucket(x);
+                let (lo, hi) = bucket_bounds(b);
+                assert!(lo <= x && x < hi, "{x} in bucket {b} [{lo}, {hi})");
+                if b > 0 {
+                    assert!(hi - lo <= lo / 4, "bucket {b} too wide");
+                }
+            }
+            v *= 2;
+        }
+        assert_eq!(latency_bucket(u64::MAX), LATENCY_BUCKETS - 1);
+    }
+}
