@@ -13,4 +13,6 @@ pub mod netns;
 pub mod object;
 pub mod packet;
 pub mod prog_run;
+pub mod rotation;
 pub mod status;
+pub mod thermal;
