@@ -45,13 +45,14 @@ fn bench_config() -> Config {
         },
         flow_table_size: 1 << 18,
         control_socket: "/dev/null".into(),
-        services: vec![Service {
-            vip: (VIP, 80).into(),
-            proto: Proto::Tcp,
-            backends: (0..BACKENDS)
+        services: vec![Service::plain(
+            (VIP, 80).into(),
+            Proto::Tcp,
+            (0..BACKENDS)
                 .map(|i| (Ipv4Addr::new(10, 213, 0, 10 + i), 8080).into())
                 .collect(),
-        }],
+        )],
+        huddle: crate::config::Huddle::default(),
     }
 }
 

@@ -41,6 +41,13 @@ enum Cmd {
         /// TOML configuration file.
         config: PathBuf,
     },
+    /// Serve this host's CPU and memory as node_exporter-style Prometheus
+    /// metrics, for backends without a node_exporter.
+    Agent {
+        /// Address to listen on.
+        #[arg(long, default_value = "0.0.0.0:9100")]
+        listen: std::net::SocketAddr,
+    },
     /// Time the XDP program per packet under BPF_PROG_TEST_RUN, next to
     /// baseline programs in the same run.
     Bench(crate::bench::BenchArgs),
@@ -108,6 +115,15 @@ struct RunArgs {
     /// Control socket path (default /run/huddle/IFACE.sock).
     #[arg(long)]
     control_socket: Option<PathBuf>,
+    /// Turn rotation off: plain round robin (temperatures still shown).
+    #[arg(long)]
+    no_rotation: bool,
+    /// Huddle tick in milliseconds.
+    #[arg(long)]
+    tick_ms: Option<u64>,
+    /// Prometheus endpoint address, or "off" (default 127.0.0.1:9477).
+    #[arg(long)]
+    metrics_listen: Option<String>,
 }
 
 impl RunArgs {
@@ -122,6 +138,11 @@ impl RunArgs {
         file.nat_ports = self.nat_ports.or(file.nat_ports);
         file.flow_table_size = self.flow_table_size.or(file.flow_table_size);
         file.control_socket = self.control_socket.or(file.control_socket);
+        if self.no_rotation {
+            file.huddle.rotation = Some(false);
+        }
+        file.huddle.tick_ms = self.tick_ms.or(file.huddle.tick_ms);
+        file.huddle.metrics_listen = self.metrics_listen.or(file.huddle.metrics_listen);
         match (self.vip, self.backends.is_empty()) {
             (Some(vip), _) => file.services.push(ServiceFile {
                 vip,
@@ -214,6 +235,12 @@ fn dispatch(cmd: Cmd) -> Result<()> {
             Ok(())
         }
         Cmd::Bench(args) => crate::bench::run(&args),
+        Cmd::Agent { listen } => {
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()?;
+            rt.block_on(crate::agent::run(listen))
+        }
     }
 }
 

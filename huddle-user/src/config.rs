@@ -2,6 +2,7 @@
 //! the validation both go through. Every error names the field (and, for a
 //! file, the line) so a bad config never gets as far as the kernel.
 
+use crate::{rotation::RotationParams, thermal::ThermalParams};
 use anyhow::{bail, Context, Result};
 use huddle_common::{MAX_BACKENDS, MAX_SERVICES, RING_CAPACITY};
 use serde::Deserialize;
@@ -11,6 +12,7 @@ use std::{
     net::{IpAddr, Ipv4Addr, SocketAddr},
     path::{Path, PathBuf},
     str::FromStr,
+    time::Duration,
 };
 
 /// Transport protocol of a service.
@@ -134,6 +136,75 @@ pub enum BackendEntry {
 pub struct BackendTable {
     /// `IP:PORT` of the backend.
     pub addr: String,
+    /// Scales the heat threshold: 2.0 is twice as hard to evict.
+    pub weight: Option<f64>,
+    /// Prometheus text endpoint of the backend's host (node_exporter or
+    /// `huddle agent`), e.g. `http://10.0.0.11:9100/metrics`.
+    pub metrics: Option<String>,
+    /// Active flows at which its connection load counts as full.
+    pub capacity: Option<u64>,
+}
+
+/// How resting and unhealthy backends are probed.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ProbeKind {
+    /// TCP connect.
+    Tcp,
+    /// HTTP GET of `path`; a 2xx or 3xx status passes.
+    #[default]
+    Http,
+}
+
+#[derive(Clone, Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ProbeFile {
+    pub kind: Option<ProbeKind>,
+    pub path: Option<String>,
+    pub interval_ms: Option<u64>,
+    pub timeout_ms: Option<u64>,
+    /// Failed probes in a row that make a backend unhealthy.
+    pub fall: Option<u32>,
+    /// Passed probes in a row that make it healthy again.
+    pub rise: Option<u32>,
+}
+
+/// The `[huddle]` table: temperatures and rotation. Every field optional.
+#[derive(Clone, Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct HuddleFile {
+    /// Turn rotation off: plain round robin over every backend.
+    pub rotation: Option<bool>,
+    pub tick_ms: Option<u64>,
+    pub alpha: Option<f64>,
+    pub heat: Option<f64>,
+    pub cool: Option<f64>,
+    pub min_inner: Option<usize>,
+    pub cooldown_ms: Option<u64>,
+    pub min_rest_ms: Option<u64>,
+    pub max_rest_ms: Option<u64>,
+    pub warmup_ms: Option<u64>,
+    pub full_anomaly_ratio: Option<f64>,
+    pub latency_ceiling_ms: Option<f64>,
+    pub weights: Option<crate::thermal::Weights>,
+    /// A backend owing answers this long (two or more requests, or one
+    /// for five times as long) is hung.
+    pub hung_after_ms: Option<u64>,
+    /// SYNs unanswered this long make a backend unreachable.
+    pub syn_timeout_ms: Option<u64>,
+    /// Failed share of a tick's attempts that makes a backend unhealthy.
+    pub error_threshold: Option<f64>,
+    /// Request samples wanted before a tick's latency is trusted alone.
+    pub min_samples: Option<u64>,
+    /// Default backend capacity (active flows).
+    pub capacity: Option<u64>,
+    /// Also move existing flows off a backend found dead.
+    pub move_flows_off_dead: Option<bool>,
+    /// Address of the Prometheus endpoint, or "off".
+    pub metrics_listen: Option<String>,
+    pub metrics_interval_ms: Option<u64>,
+    pub metrics_timeout_ms: Option<u64>,
+    pub probe: Option<ProbeFile>,
 }
 
 /// One `[[service]]` table.
@@ -164,17 +235,88 @@ pub struct ConfigFile {
     pub control_socket: Option<PathBuf>,
     #[serde(default, rename = "service")]
     pub services: Vec<ServiceFile>,
+    #[serde(default)]
+    pub huddle: HuddleFile,
 }
 
 /// A validated service.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq)]
 pub struct Service {
     pub vip: SocketAddr,
     pub proto: Proto,
     pub backends: Vec<SocketAddr>,
+    /// Per backend, parallel to `backends`.
+    pub options: Vec<BackendOptions>,
+}
+
+/// What the huddle knows about a backend beyond its address.
+#[derive(Clone, Debug, PartialEq)]
+pub struct BackendOptions {
+    pub weight: f64,
+    pub metrics: Option<String>,
+    pub capacity: u64,
+}
+
+/// Validated probe settings.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Probe {
+    pub kind: ProbeKind,
+    pub path: String,
+    pub interval: Duration,
+    pub timeout: Duration,
+    pub fall: u32,
+    pub rise: u32,
+}
+
+/// Validated huddle settings.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Huddle {
+    pub rotation: bool,
+    pub tick: Duration,
+    pub thermal: ThermalParams,
+    pub rotation_params: RotationParams,
+    pub hung_after: Duration,
+    pub syn_timeout: Duration,
+    pub error_threshold: f64,
+    pub min_samples: u64,
+    pub move_flows_off_dead: bool,
+    pub metrics_listen: Option<SocketAddr>,
+    pub metrics_interval: Duration,
+    pub metrics_timeout: Duration,
+    pub probe: Probe,
+}
+
+/// Default capacity of a backend, in active flows.
+pub const DEFAULT_CAPACITY: u64 = 10_000;
+/// Default address of the Prometheus endpoint.
+pub const DEFAULT_METRICS_LISTEN: &str = "127.0.0.1:9477";
+
+impl Default for Huddle {
+    fn default() -> Self {
+        validate_huddle(&HuddleFile::default()).expect("the default huddle settings are valid")
+    }
 }
 
 impl Service {
+    /// A service whose backends all have default options.
+    #[must_use]
+    pub fn plain(vip: SocketAddr, proto: Proto, backends: Vec<SocketAddr>) -> Service {
+        let options = backends
+            .iter()
+            .map(|_| BackendOptions {
+                weight: 1.0,
+                metrics: None,
+                capacity: DEFAULT_CAPACITY,
+            })
+            .collect();
+        Service {
+            vip,
+            proto,
+            backends,
+            options,
+        }
+    }
+
     /// `10.0.0.1:80/tcp`.
     #[must_use]
     pub fn name(&self) -> String {
@@ -192,6 +334,7 @@ pub struct Config {
     pub flow_table_size: u32,
     pub control_socket: PathBuf,
     pub services: Vec<Service>,
+    pub huddle: Huddle,
 }
 
 pub const MIN_FLOW_TABLE: u32 = 1024;
@@ -288,6 +431,11 @@ impl ConfigFile {
                 self.services.len()
             );
         }
+        let huddle = validate_huddle(&self.huddle)?;
+        let default_capacity = self.huddle.capacity.unwrap_or(DEFAULT_CAPACITY);
+        if default_capacity == 0 {
+            bail!("huddle.capacity: must be at least 1");
+        }
         let mut services = Vec::new();
         let mut seen = HashSet::new();
         let mut total_backends = 0usize;
@@ -308,12 +456,27 @@ impl ConfigFile {
                 );
             }
             let mut backends = Vec::new();
+            let mut options = Vec::new();
             for (j, b) in s.backends.iter().enumerate() {
-                let raw = match b {
-                    BackendEntry::Addr(a) => a,
-                    BackendEntry::Table(t) => &t.addr,
+                let bfield = format!("{field}.backends[{j}]");
+                let (raw, opts) = match b {
+                    BackendEntry::Addr(a) => (
+                        a,
+                        backend_options(None, None, None, default_capacity, &bfield)?,
+                    ),
+                    BackendEntry::Table(t) => (
+                        &t.addr,
+                        backend_options(
+                            t.weight,
+                            t.metrics.clone(),
+                            t.capacity,
+                            default_capacity,
+                            &bfield,
+                        )?,
+                    ),
                 };
-                let addr = parse_endpoint(raw).with_context(|| format!("{field}.backends[{j}]"))?;
+                options.push(opts);
+                let addr = parse_endpoint(raw).with_context(|| bfield.clone())?;
                 if backends.contains(&addr) {
                     bail!("{field}.backends[{j}]: backend {addr} is listed twice");
                 }
@@ -330,6 +493,7 @@ impl ConfigFile {
                 vip,
                 proto,
                 backends,
+                options,
             });
         }
         if total_backends > MAX_BACKENDS as usize {
@@ -348,8 +512,156 @@ impl ConfigFile {
             flow_table_size,
             control_socket,
             services,
+            huddle,
         })
     }
+}
+
+fn backend_options(
+    weight: Option<f64>,
+    metrics: Option<String>,
+    capacity: Option<u64>,
+    default_capacity: u64,
+    field: &str,
+) -> Result<BackendOptions> {
+    let weight = weight.unwrap_or(1.0);
+    if !weight.is_finite() || weight <= 0.0 || weight > 100.0 {
+        bail!("{field}.weight: {weight} must be a number in (0, 100]");
+    }
+    if let Some(url) = &metrics {
+        crate::http::Url::parse(url).with_context(|| format!("{field}.metrics"))?;
+    }
+    let capacity = capacity.unwrap_or(default_capacity);
+    if capacity == 0 {
+        bail!("{field}.capacity: must be at least 1");
+    }
+    Ok(BackendOptions {
+        weight,
+        metrics,
+        capacity,
+    })
+}
+
+fn millis(v: Option<u64>, default: u64, field: &str, min: u64, max: u64) -> Result<Duration> {
+    let v = v.unwrap_or(default);
+    if !(min..=max).contains(&v) {
+        bail!("{field}: {v} is outside {min}..={max}");
+    }
+    Ok(Duration::from_millis(v))
+}
+
+fn fraction(v: Option<f64>, default: f64, field: &str, lo_open: bool) -> Result<f64> {
+    let v = v.unwrap_or(default);
+    let ok = v.is_finite() && v <= 1.0 && if lo_open { v > 0.0 } else { v >= 0.0 };
+    if !ok {
+        let lo = if lo_open { "(0" } else { "[0" };
+        bail!("{field}: {v} must be in {lo}, 1]");
+    }
+    Ok(v)
+}
+
+fn validate_huddle(h: &HuddleFile) -> Result<Huddle> {
+    let rd = RotationParams::default();
+    let td = ThermalParams::default();
+    let tick = millis(h.tick_ms, 100, "huddle.tick_ms", 10, 60_000)?;
+    let heat = fraction(h.heat, rd.heat, "huddle.heat", true)?;
+    let cool = fraction(h.cool, rd.cool, "huddle.cool", false)?;
+    if cool >= heat {
+        bail!("huddle.cool: {cool} must be below huddle.heat ({heat}), or backends would flap");
+    }
+    let min_inner = h.min_inner.unwrap_or(rd.min_inner);
+    if min_inner == 0 {
+        bail!("huddle.min_inner: must be at least 1 (the inner ring is never empty)");
+    }
+    let min_rest = millis(h.min_rest_ms, 10_000, "huddle.min_rest_ms", 0, 86_400_000)?;
+    let max_rest = millis(h.max_rest_ms, 160_000, "huddle.max_rest_ms", 0, 86_400_000)?;
+    if max_rest < min_rest {
+        bail!("huddle.max_rest_ms: below huddle.min_rest_ms");
+    }
+    let weights = h.weights.unwrap_or_default();
+    for (name, w) in [
+        ("latency", weights.latency),
+        ("cpu", weights.cpu),
+        ("memory", weights.memory),
+        ("load", weights.load),
+    ] {
+        if !w.is_finite() || !(0.0..=10.0).contains(&w) {
+            bail!("huddle.weights.{name}: {w} must be in [0, 10]");
+        }
+    }
+    let ratio = h.full_anomaly_ratio.unwrap_or(td.full_anomaly_ratio);
+    if !ratio.is_finite() || ratio <= 1.0 || ratio > 1000.0 {
+        bail!("huddle.full_anomaly_ratio: {ratio} must be above 1");
+    }
+    if let Some(c) = h.latency_ceiling_ms {
+        if !c.is_finite() || c <= 0.0 {
+            bail!("huddle.latency_ceiling_ms: {c} must be a positive number");
+        }
+    }
+    let metrics_listen =
+        match h
+            .metrics_listen
+            .as_deref()
+            .unwrap_or(DEFAULT_METRICS_LISTEN)
+        {
+            "off" | "" => None,
+            a => Some(a.parse::<SocketAddr>().with_context(|| {
+                format!("huddle.metrics_listen: {a:?} is not IP:PORT or \"off\"")
+            })?),
+        };
+    let pf = h.probe.clone().unwrap_or_default();
+    let path = pf.path.unwrap_or_else(|| "/".into());
+    if !path.starts_with('/') || path.contains(char::is_whitespace) {
+        bail!("huddle.probe.path: {path:?} must start with / and hold no spaces");
+    }
+    let probe = Probe {
+        kind: pf.kind.unwrap_or_default(),
+        path,
+        interval: millis(pf.interval_ms, 250, "huddle.probe.interval_ms", 10, 600_000)?,
+        timeout: millis(pf.timeout_ms, 1000, "huddle.probe.timeout_ms", 10, 60_000)?,
+        fall: pf.fall.unwrap_or(2).max(1),
+        rise: pf.rise.unwrap_or(2).max(1),
+    };
+    Ok(Huddle {
+        rotation: h.rotation.unwrap_or(true),
+        tick,
+        thermal: ThermalParams {
+            weights,
+            alpha: fraction(h.alpha, td.alpha, "huddle.alpha", true)?,
+            full_anomaly_ratio: ratio,
+            ceiling_ms: h.latency_ceiling_ms,
+        },
+        rotation_params: RotationParams {
+            heat,
+            cool,
+            min_inner,
+            cooldown: millis(h.cooldown_ms, 5000, "huddle.cooldown_ms", 0, 86_400_000)?,
+            min_rest,
+            max_rest,
+            warmup: millis(h.warmup_ms, 0, "huddle.warmup_ms", 0, 86_400_000)?,
+        },
+        hung_after: millis(h.hung_after_ms, 200, "huddle.hung_after_ms", 10, 600_000)?,
+        syn_timeout: millis(h.syn_timeout_ms, 300, "huddle.syn_timeout_ms", 10, 600_000)?,
+        error_threshold: fraction(h.error_threshold, 0.5, "huddle.error_threshold", true)?,
+        min_samples: h.min_samples.unwrap_or(3).max(1),
+        move_flows_off_dead: h.move_flows_off_dead.unwrap_or(false),
+        metrics_listen,
+        metrics_interval: millis(
+            h.metrics_interval_ms,
+            1000,
+            "huddle.metrics_interval_ms",
+            50,
+            600_000,
+        )?,
+        metrics_timeout: millis(
+            h.metrics_timeout_ms,
+            500,
+            "huddle.metrics_timeout_ms",
+            10,
+            60_000,
+        )?,
+        probe,
+    })
 }
 
 #[cfg(test)]
@@ -425,6 +737,11 @@ backends = ["10.213.0.11:5353"]
             ("[[service]]\nvip = \"10.0.0.1:80\"\nbackends = [\"10.0.0.2:80\"]\n[[service]]\nvip = \"10.0.0.1:80/tcp\"\nbackends = [\"10.0.0.3:80\"]\n", "service[1].vip: 10.0.0.1:80/tcp is configured twice"),
             ("flow_table_size = 10\n[[service]]\nvip = \"10.0.0.1:80\"\nbackends = [\"10.0.0.2:80\"]\n", "flow_table_size"),
             ("", "no service configured"),
+            ("[huddle]\ncool = 0.6\n[[service]]\nvip = \"10.0.0.1:80\"\nbackends = [\"10.0.0.2:80\"]\n", "huddle.cool: 0.6 must be below huddle.heat"),
+            ("[huddle]\ntick_ms = 0\n[[service]]\nvip = \"10.0.0.1:80\"\nbackends = [\"10.0.0.2:80\"]\n", "huddle.tick_ms"),
+            ("[huddle]\nmin_inner = 0\n[[service]]\nvip = \"10.0.0.1:80\"\nbackends = [\"10.0.0.2:80\"]\n", "huddle.min_inner"),
+            ("[[service]]\nvip = \"10.0.0.1:80\"\nbackends = [{ addr = \"10.0.0.2:80\", weight = -1.0 }]\n", "service[0].backends[0].weight"),
+            ("[[service]]\nvip = \"10.0.0.1:80\"\nbackends = [{ addr = \"10.0.0.2:80\", metrics = \"ftp://x\" }]\n", "service[0].backends[0].metrics"),
         ];
         for (body, want) in cases {
             let got = err_of(&format!("{base}{body}"));

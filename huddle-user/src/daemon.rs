@@ -2,15 +2,18 @@
 //! and on SIGINT/SIGTERM detach and undo everything.
 
 use crate::{
-    config::{Config, Service},
+    config::Config,
     control::{Reply, Request, MAX_REQUEST},
     dataplane::Dataplane,
     host,
-    status::{counters, BackendStatus, ServiceStatus, Status},
+    huddle::ServiceHuddle,
+    rotation::Place,
+    status::{counters, BackendStatus, RotationEvent, ServiceStatus, Status},
 };
 use anyhow::{bail, Context, Result};
+use huddle_common::{backend_flags, Pulse};
 use std::{
-    collections::HashSet,
+    collections::{HashSet, VecDeque},
     net::SocketAddr,
     os::unix::net::UnixStream as StdUnixStream,
     path::{Path, PathBuf},
@@ -19,7 +22,7 @@ use std::{
 };
 use tokio::{
     io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader},
-    net::{UnixListener, UnixStream},
+    net::{TcpListener, UnixListener, UnixStream},
     signal::unix::{signal, SignalKind},
 };
 use tracing::{info, warn};
@@ -31,20 +34,46 @@ const NEIGHBOUR_REFRESH: Duration = Duration::from_secs(15);
 pub struct Balancer {
     pub dp: Dataplane,
     pub cfg: Config,
-    /// (service index, backend index) pairs taken out by an operator.
-    drained: HashSet<(usize, usize)>,
+    /// One per service, parallel to `cfg.services`.
+    pub huddles: Vec<ServiceHuddle>,
+    /// Recent rotations, newest last.
+    pub events: VecDeque<RotationEvent>,
+    /// Backends whose flows the kernel is moving off (marked dead).
+    moving: HashSet<u32>,
     started: Instant,
 }
+
+/// Rotations kept for `huddle status`.
+const EVENTS_KEPT: usize = 50;
 
 impl Balancer {
     #[must_use]
     pub fn new(dp: Dataplane, cfg: Config) -> Balancer {
-        Balancer {
+        let huddles = cfg
+            .services
+            .iter()
+            .zip(&dp.services)
+            .map(|(s, slot)| ServiceHuddle::new(s, &slot.backend_ids, &cfg.huddle, Duration::ZERO))
+            .collect();
+        let mut b = Balancer {
             dp,
             cfg,
-            drained: HashSet::new(),
+            huddles,
+            events: VecDeque::new(),
+            moving: HashSet::new(),
             started: Instant::now(),
+        };
+        // A warm-up may have started some backends resting.
+        for si in 0..b.huddles.len() {
+            if let Err(e) = b.publish(si) {
+                warn!("{e:#}");
+            }
         }
+        b
+    }
+
+    fn now(&self) -> Duration {
+        self.started.elapsed()
     }
 
     /// Every backend address, for neighbour resolution.
@@ -57,9 +86,147 @@ impl Balancer {
             .collect()
     }
 
+    /// Writes service `si`'s inner ring into the kernel if it changed.
+    fn publish(&mut self, si: usize) -> Result<()> {
+        let ring = self.huddles[si].ring();
+        if ring != self.dp.services[si].ring {
+            self.dp.swap_ring(si, &ring).with_context(|| {
+                format!("swapping the ring of {}", self.cfg.services[si].name())
+            })?;
+        }
+        Ok(())
+    }
+
+    /// One huddle tick: read the kernel's counters, update temperatures,
+    /// rotate, and swap changed rings in. Errors are logged, never fatal.
+    pub fn tick(&mut self) {
+        let now = self.now();
+        let now_ns = host::monotonic_ns();
+        for si in 0..self.huddles.len() {
+            for bi in 0..self.huddles[si].trackers.len() {
+                let id = self.huddles[si].trackers[bi].id;
+                let read = (|| -> Result<_> {
+                    let mut pulse = self.dp.pulse(id)?;
+                    if std::mem::take(&mut self.huddles[si].trackers[bi].clear_pulse) {
+                        self.dp.clear_pulse(id)?;
+                        pulse = Pulse::default();
+                    }
+                    Ok((self.dp.backend_stats(id)?, self.dp.latency(id)?, pulse))
+                })();
+                match read {
+                    Ok((st, lat, pulse)) => self.huddles[si].trackers[bi].observe(
+                        &st,
+                        &lat,
+                        &pulse,
+                        now_ns,
+                        &self.cfg.huddle,
+                    ),
+                    Err(e) => warn!("reading counters of backend {id}: {e:#}"),
+                }
+            }
+            let was_panic = self.huddles[si].engine.panic;
+            let moves = self.huddles[si].step(&self.cfg.huddle, now);
+            let service = self.cfg.services[si].name();
+            for m in moves {
+                let backend = self.cfg.services[si].backends[m.member];
+                let ev = RotationEvent {
+                    at_s: now.as_secs_f64(),
+                    service: service.clone(),
+                    backend: backend.to_string(),
+                    to: m.to,
+                    reason: m.reason.to_string(),
+                    temperature: m.temperature,
+                };
+                info!(
+                    "rotation: {service} backend {backend} -> {} ring ({}), temperature {:.2}",
+                    if m.to == Place::Inner {
+                        "inner"
+                    } else {
+                        "outer"
+                    },
+                    ev.reason,
+                    m.temperature
+                );
+                self.events.push_back(ev);
+                if self.events.len() > EVENTS_KEPT {
+                    self.events.pop_front();
+                }
+            }
+            let panic = self.huddles[si].engine.panic;
+            if panic && !was_panic {
+                warn!("{service}: panic mode: too few healthy backends; keeping the least hot ones in the ring");
+            } else if was_panic && !panic {
+                info!("{service}: panic mode over");
+            }
+            if let Err(e) = self.publish(si) {
+                warn!("{e:#}");
+            }
+            if self.cfg.huddle.move_flows_off_dead {
+                self.mark_dead(si);
+            }
+        }
+    }
+
+    /// Flags backends that left for being unhealthy so the kernel moves
+    /// their flows; unflags them once healthy.
+    fn mark_dead(&mut self, si: usize) {
+        for bi in 0..self.huddles[si].trackers.len() {
+            let h = &self.huddles[si];
+            let id = h.trackers[bi].id;
+            let dead = h.out_sick(bi) && h.trackers[bi].unhealthy.is_some();
+            if dead == self.moving.contains(&id) {
+                continue;
+            }
+            let addr = self.cfg.services[si].backends[bi];
+            let flags = if dead { backend_flags::MOVE_FLOWS } else { 0 };
+            match self.dp.set_backend_flags(id, addr, flags) {
+                Ok(()) if dead => {
+                    info!("moving existing flows off dead backend {addr}");
+                    self.moving.insert(id);
+                }
+                Ok(()) => {
+                    self.moving.remove(&id);
+                }
+                Err(e) => warn!("{e:#}"),
+            }
+        }
+    }
+
+    /// (service, backend, address) of every backend, for probes.
+    #[must_use]
+    pub fn probe_targets(&self) -> Vec<(usize, usize, SocketAddr)> {
+        self.cfg
+            .services
+            .iter()
+            .enumerate()
+            .flat_map(|(si, s)| {
+                s.backends
+                    .iter()
+                    .enumerate()
+                    .map(move |(bi, a)| (si, bi, *a))
+            })
+            .collect()
+    }
+
+    /// (service, backend, URL) of every backend with a metrics endpoint.
+    #[must_use]
+    pub fn scrape_targets(&self) -> Vec<(usize, usize, String)> {
+        let mut v = Vec::new();
+        for (si, s) in self.cfg.services.iter().enumerate() {
+            for (bi, o) in s.options.iter().enumerate() {
+                if let Some(url) = &o.metrics {
+                    v.push((si, bi, url.clone()));
+                }
+            }
+        }
+        v
+    }
+
     pub fn status(&self) -> Result<Status> {
+        let now = self.now();
         let mut services = Vec::new();
         for (si, slot) in self.dp.services.iter().enumerate() {
+            let h = &self.huddles[si];
             let mut backends = Vec::new();
             for (bi, (addr, id)) in slot
                 .service
@@ -69,12 +236,42 @@ impl Balancer {
                 .enumerate()
             {
                 let st = self.dp.backend_stats(*id)?;
+                let t = &h.trackers[bi];
+                let m = &h.engine.members[bi];
+                let place = match (m.drained, m.place) {
+                    (true, _) => "drained",
+                    (false, Place::Inner) => "inner",
+                    (false, Place::Outer) => "outer",
+                };
                 backends.push(BackendStatus {
                     addr: addr.to_string(),
                     id: *id,
+                    place: place.into(),
                     in_ring: slot.ring.contains(id),
-                    drained: self.drained.contains(&(si, bi)),
-                    active_flows: st.flows_new.saturating_sub(st.flows_closed),
+                    drained: m.drained,
+                    temperature: t.temperature,
+                    components: t.components,
+                    latency_source: t.latency_source.into(),
+                    samples: t.window.samples,
+                    mean_ms: t.window.mean_ms,
+                    p50_ms: t.window.p50_ms,
+                    p99_ms: t.window.p99_ms,
+                    probe_ms: t.probe.as_ref().map(|p| p.latency_ms),
+                    probe_error: t.probe.as_ref().and_then(|p| p.error.clone()),
+                    error_rate: t.error_rate,
+                    cpu: t.host.cpu,
+                    memory: t.host.memory,
+                    host_note: match (&t.opts.metrics, &t.host_error) {
+                        (None, _) => Some("no metrics URL: cpu and memory count as 0".into()),
+                        (Some(_), Some(e)) => Some(e.clone()),
+                        (Some(_), None) => None,
+                    },
+                    unhealthy: t.unhealthy.clone(),
+                    weight: t.opts.weight,
+                    rotations: m.rotations,
+                    last_reason: m.last_reason.as_ref().map(ToString::to_string),
+                    last_move_s_ago: m.moved_at.map(|at| now.saturating_sub(at).as_secs_f64()),
+                    active_flows: t.active_flows,
                     counters: counters(&st),
                 });
             }
@@ -84,12 +281,21 @@ impl Balancer {
                 .filter_map(|id| slot.backend_ids.iter().position(|b| b == id))
                 .map(|i| slot.service.backends[i].to_string())
                 .collect();
+            let name = slot.service.name();
             services.push(ServiceStatus {
-                name: slot.service.name(),
+                rotation: h.rotation,
+                panic: h.engine.panic,
                 ring_generation: slot.generation,
                 ring,
                 counters: counters(&self.dp.service_stats(slot.id)?),
                 backends,
+                recent: self
+                    .events
+                    .iter()
+                    .filter(|e| e.service == name)
+                    .cloned()
+                    .collect(),
+                name,
             });
         }
         Ok(Status {
@@ -98,7 +304,8 @@ impl Balancer {
             program_id: self.dp.program_id(),
             snat: self.dp.snat.to_string(),
             nat_ports: self.dp.nat_ports.to_string(),
-            uptime_s: self.started.elapsed().as_secs_f64(),
+            uptime_s: now.as_secs_f64(),
+            tick_ms: self.cfg.huddle.tick.as_secs_f64() * 1e3,
             services,
             global: counters(&self.dp.global_stats()?),
         })
@@ -135,34 +342,21 @@ impl Balancer {
     /// rings. Refuses to empty a ring.
     pub fn set_drained(&mut self, backend: &str, vip: Option<&str>, drain: bool) -> Result<String> {
         let targets = self.locate(backend, vip)?;
-        let mut next = self.drained.clone();
-        for t in &targets {
-            if drain {
-                next.insert(*t);
-            } else {
-                next.remove(t);
+        if drain {
+            for &(si, bi) in &targets {
+                if self.huddles[si].engine.inner() == [bi] {
+                    bail!(
+                        "refusing to drain the last backend of {}",
+                        self.cfg.services[si].name()
+                    );
+                }
             }
         }
-        let mut rings = Vec::new();
-        for &(si, _) in &targets {
-            let ring = ring_of(
-                &self.cfg.services[si],
-                &self.dp.services[si].backend_ids,
-                si,
-                &next,
-            );
-            if ring.is_empty() {
-                bail!(
-                    "refusing to drain the last backend of {}",
-                    self.cfg.services[si].name()
-                );
-            }
-            rings.push((si, ring));
+        let now = self.now();
+        for &(si, bi) in &targets {
+            self.huddles[si].engine.set_drained(bi, drain, now);
+            self.publish(si)?;
         }
-        for (si, ring) in rings {
-            self.dp.swap_ring(si, &ring)?;
-        }
-        self.drained = next;
         let verb = if drain { "drained" } else { "restored" };
         let msg = format!("{backend} {verb} in {} service(s)", targets.len());
         info!("{msg}");
@@ -186,19 +380,6 @@ impl Balancer {
         };
         result.unwrap_or_else(|e| Reply::error(&e))
     }
-}
-
-/// The ring of a service: its backends in configured order, less drained.
-fn ring_of(
-    service: &Service,
-    ids: &[u32],
-    si: usize,
-    drained: &HashSet<(usize, usize)>,
-) -> Vec<u32> {
-    (0..service.backends.len())
-        .filter(|bi| !drained.contains(&(si, *bi)))
-        .map(|bi| ids[bi])
-        .collect()
 }
 
 /// Claims the control socket path, refusing if a live daemon owns it.
@@ -260,6 +441,12 @@ pub async fn run(cfg: Config) -> Result<()> {
     }
     let listener = bind_control(&cfg.control_socket)?;
     let _socket_file = SocketFile(cfg.control_socket.clone());
+    let metrics_listener = match cfg.huddle.metrics_listen {
+        Some(addr) => Some(TcpListener::bind(addr).await.with_context(|| {
+            format!("binding the metrics endpoint {addr} (set huddle.metrics_listen, or \"off\")")
+        })?),
+        None => None,
+    };
 
     let dp = Dataplane::load(&cfg, snat)?;
     let sysctls = host::Sysctls::apply(&cfg.interface)?;
@@ -277,16 +464,51 @@ pub async fn run(cfg: Config) -> Result<()> {
         info!("service {} -> {} backends", s.name(), s.backends.len());
     }
     let backends = balancer.backend_addrs();
+    let h = &cfg.huddle;
+    info!(
+        "huddle: rotation {}, tick {:?}, heat {} cool {}, min inner {}, {} probes every {:?}",
+        if h.rotation {
+            "on"
+        } else {
+            "off (round robin)"
+        },
+        h.tick,
+        h.rotation_params.heat,
+        h.rotation_params.cool,
+        h.rotation_params.min_inner,
+        match h.probe.kind {
+            crate::config::ProbeKind::Tcp => "TCP".to_string(),
+            crate::config::ProbeKind::Http => format!("HTTP GET {}", h.probe.path),
+        },
+        h.probe.interval
+    );
     let shared = Arc::new(Mutex::new(balancer));
 
-    let server = tokio::spawn(serve(listener, shared.clone()));
-    let refresher = tokio::spawn(async move {
-        let mut tick = tokio::time::interval(NEIGHBOUR_REFRESH);
-        loop {
-            tick.tick().await;
-            host::warm_neighbours(&backends);
-        }
-    });
+    let mut tasks = vec![
+        tokio::spawn(serve(listener, shared.clone())),
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(NEIGHBOUR_REFRESH);
+            loop {
+                tick.tick().await;
+                host::warm_neighbours(&backends);
+            }
+        }),
+        tokio::spawn(ticker(shared.clone(), cfg.huddle.tick)),
+        tokio::spawn(prober(shared.clone(), cfg.huddle.probe.clone())),
+        tokio::spawn(scraper(
+            shared.clone(),
+            cfg.huddle.metrics_interval,
+            cfg.huddle.metrics_timeout,
+        )),
+    ];
+    if let Some(l) = metrics_listener {
+        info!("Prometheus metrics on http://{}/metrics", l.local_addr()?);
+        let shared = shared.clone();
+        tasks.push(tokio::spawn(crate::http::serve(l, move |path| {
+            let shared = shared.clone();
+            async move { crate::metrics::route(&shared, &path) }
+        })));
+    }
 
     let mut term = signal(SignalKind::terminate())?;
     let mut int = signal(SignalKind::interrupt())?;
@@ -294,10 +516,12 @@ pub async fn run(cfg: Config) -> Result<()> {
         _ = term.recv() => info!("SIGTERM: detaching"),
         _ = int.recv() => info!("SIGINT: detaching"),
     }
-    server.abort();
-    refresher.abort();
-    let _ = server.await;
-    let _ = refresher.await;
+    for t in &tasks {
+        t.abort();
+    }
+    for t in tasks {
+        let _ = t.await;
+    }
     // Dropping the last reference detaches the program and frees the maps.
     match Arc::try_unwrap(shared) {
         Ok(m) => drop(m.into_inner()),
@@ -309,6 +533,102 @@ pub async fn run(cfg: Config) -> Result<()> {
         cfg.interface
     );
     Ok(())
+}
+
+/// Locks the balancer; a panic elsewhere must not stop the data plane's
+/// control.
+pub fn lock(shared: &Mutex<Balancer>) -> std::sync::MutexGuard<'_, Balancer> {
+    shared
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+async fn ticker(shared: Arc<Mutex<Balancer>>, every: Duration) {
+    let mut tick = tokio::time::interval(every);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tick.tick().await;
+        lock(&shared).tick();
+    }
+}
+
+/// Probes every backend concurrently, every `p.interval`.
+async fn prober(shared: Arc<Mutex<Balancer>>, p: crate::config::Probe) {
+    let mut tick = tokio::time::interval(p.interval);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tick.tick().await;
+        let targets = lock(&shared).probe_targets();
+        let addrs: Vec<SocketAddr> = targets.iter().map(|t| t.2).collect();
+        let results = crate::probe::probe_all(&addrs, &p).await;
+        let mut b = lock(&shared);
+        for ((si, bi, _), r) in targets.into_iter().zip(results) {
+            b.huddles[si].trackers[bi].probed(r);
+        }
+    }
+}
+
+/// Largest metrics page read from a backend.
+const MAX_METRICS_BYTES: usize = 4 << 20;
+
+/// Scrapes every backend's metrics URL concurrently, every `every`.
+async fn scraper(shared: Arc<Mutex<Balancer>>, every: Duration, timeout: Duration) {
+    let mut tick = tokio::time::interval(every);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tick.tick().await;
+        let targets = lock(&shared).scrape_targets();
+        if targets.is_empty() {
+            continue;
+        }
+        let mut set = tokio::task::JoinSet::new();
+        for (i, (_, _, url)) in targets.iter().enumerate() {
+            let url = url.clone();
+            set.spawn(async move {
+                let r = async {
+                    let u = crate::http::Url::parse(&url)?;
+                    let addr = tokio::time::timeout(timeout, crate::http::resolve(&u))
+                        .await
+                        .map_err(|_| anyhow::anyhow!("resolving {} timed out", u.host))??;
+                    let resp = crate::http::get(addr, &u.host, &u.path, timeout, MAX_METRICS_BYTES)
+                        .await?;
+                    if resp.status != 200 {
+                        bail!("HTTP status {}", resp.status);
+                    }
+                    Ok(crate::scrape::parse(&String::from_utf8_lossy(&resp.body)))
+                }
+                .await;
+                (
+                    i,
+                    r.map_err(|e: anyhow::Error| format!("metrics {url}: {e:#}")),
+                )
+            });
+        }
+        let mut results = Vec::new();
+        while let Some(r) = set.join_next().await {
+            if let Ok(r) = r {
+                results.push(r);
+            }
+        }
+        let mut b = lock(&shared);
+        for (i, r) in results {
+            let (si, bi, _) = &targets[i];
+            let t = &mut b.huddles[*si].trackers[*bi];
+            match r {
+                Ok(sample) => {
+                    t.host.update(sample);
+                    t.host_error = None;
+                }
+                Err(e) => {
+                    if t.host_error.is_none() {
+                        warn!("{e}; its cpu and memory count as unknown (0)");
+                    }
+                    t.host.clear();
+                    t.host_error = Some(e);
+                }
+            }
+        }
+    }
 }
 
 async fn serve(listener: UnixListener, shared: Arc<Mutex<Balancer>>) {
@@ -330,12 +650,7 @@ async fn client(stream: UnixStream, shared: Arc<Mutex<Balancer>>) {
     let mut lines = BufReader::new(read.take(MAX_REQUEST as u64)).lines();
     while let Ok(Some(line)) = lines.next_line().await {
         let reply = match serde_json::from_str::<Request>(&line) {
-            Ok(req) => {
-                let mut b = shared
-                    .lock()
-                    .unwrap_or_else(std::sync::PoisonError::into_inner);
-                b.handle(req)
-            }
+            Ok(req) => lock(&shared).handle(req),
             Err(e) => Reply::error(&anyhow::anyhow!("bad request: {e}")),
         };
         let mut out = serde_json::to_string(&reply).unwrap_or_else(|_| "{\"ok\":false}".into());

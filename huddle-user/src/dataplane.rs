@@ -273,6 +273,11 @@ impl Dataplane {
         Ok(self.pulse.get(&id, 0)?)
     }
 
+    /// Forgets what backend `id` owed: a probe showed it answers again.
+    pub fn clear_pulse(&mut self, id: u32) -> Result<()> {
+        Ok(self.pulse.set(id, Pulse::default(), 0)?)
+    }
+
     /// Sets `huddle_common::backend_flags` on backend `id`. The address and
     /// port are rewritten with them: one element, replaced whole.
     pub fn set_backend_flags(&mut self, id: u32, addr: SocketAddr, flags: u32) -> Result<()> {

@@ -145,3 +145,15 @@ pub fn warm_neighbours(backends: &[SocketAddr]) {
         }
     }
 }
+
+/// CLOCK_MONOTONIC in nanoseconds: the clock of `bpf_ktime_get_ns`.
+#[must_use]
+pub fn monotonic_ns() -> u64 {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: clock_gettime writes into the timespec we own.
+    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
+    (ts.tv_sec as u64).saturating_mul(1_000_000_000) + ts.tv_nsec as u64
+}

@@ -18,7 +18,7 @@
 //!   coolest healthy resting ones are called back early, and failing
 //!   those the least hot unhealthy ones (panic mode): never an empty ring.
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 use std::time::Duration;
 
 /// Settings of the rotation.
@@ -50,7 +50,7 @@ impl Default for RotationParams {
     }
 }
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Place {
     Inner,
@@ -230,7 +230,6 @@ impl Engine {
         self.members[i].drained = drained;
         if drained && self.members[i].place == Place::Inner {
             self.shift(i, Place::Outer, Reason::Drained, now, &mut moves);
-            moves.extend(self.tick(now));
         } else if !drained && self.members[i].place == Place::Outer {
             self.members[i].rest_until = now;
             self.shift(i, Place::Inner, Reason::Undrained, now, &mut moves);

@@ -1,6 +1,7 @@
 //! What `huddle status` shows: a snapshot of services, rings and counters,
 //! as JSON for scripts or as a table for people.
 
+use crate::{rotation::Place, thermal::Components};
 use serde::{Deserialize, Serialize};
 use std::{collections::BTreeMap, fmt::Write as _};
 
@@ -24,6 +25,8 @@ pub struct Status {
     pub snat: String,
     pub nat_ports: String,
     pub uptime_s: f64,
+    /// Length of a huddle tick.
+    pub tick_ms: f64,
     pub services: Vec<ServiceStatus>,
     pub global: Counters,
 }
@@ -31,19 +34,63 @@ pub struct Status {
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct ServiceStatus {
     pub name: String,
+    /// False: plain round robin over every (undrained) backend.
+    pub rotation: bool,
+    /// Too few healthy backends: the least hot unhealthy ones are kept.
+    pub panic: bool,
     pub ring_generation: u64,
     /// The live ring, in order.
     pub ring: Vec<String>,
     pub counters: Counters,
     pub backends: Vec<BackendStatus>,
+    /// Recent rotations, oldest first.
+    pub recent: Vec<RotationEvent>,
+}
+
+/// One backend moving between the rings.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct RotationEvent {
+    /// Seconds since the daemon started.
+    pub at_s: f64,
+    pub service: String,
+    pub backend: String,
+    pub to: Place,
+    pub reason: String,
+    pub temperature: f64,
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct BackendStatus {
     pub addr: String,
     pub id: u32,
+    /// "inner", "outer" or "drained".
+    pub place: String,
+    /// In the kernel's live ring.
     pub in_ring: bool,
     pub drained: bool,
+    pub temperature: f64,
+    /// The terms of the last raw score.
+    pub components: Components,
+    /// Which latency the anomaly used: "request", "probe" or "none".
+    pub latency_source: String,
+    /// Request latency (time to first byte) over the newest ticks.
+    pub samples: u64,
+    pub mean_ms: Option<f64>,
+    pub p50_ms: Option<f64>,
+    pub p99_ms: Option<f64>,
+    pub probe_ms: Option<f64>,
+    pub probe_error: Option<String>,
+    /// Failed share of last tick's connections, requests and probes.
+    pub error_rate: f64,
+    pub cpu: Option<f64>,
+    pub memory: Option<f64>,
+    /// Why cpu and memory are missing, if they are.
+    pub host_note: Option<String>,
+    pub unhealthy: Option<String>,
+    pub weight: f64,
+    pub rotations: u64,
+    pub last_reason: Option<String>,
+    pub last_move_s_ago: Option<f64>,
     /// Flows assigned minus flows seen closing.
     pub active_flows: u64,
     pub counters: Counters,
@@ -56,53 +103,86 @@ impl Status {
         let mut out = String::new();
         let _ = writeln!(
             out,
-            "huddle on {} ({} XDP, program id {}), SNAT {} ports {}, up {:.0}s",
+            "huddle on {} ({} XDP, program id {}), SNAT {} ports {}, up {:.0}s, tick {} ms",
             self.interface,
             self.xdp_mode,
             self.program_id.map_or("?".into(), |i| i.to_string()),
             self.snat,
             self.nat_ports,
-            self.uptime_s
+            self.uptime_s,
+            self.tick_ms
         );
         for s in &self.services {
             let _ = writeln!(
                 out,
-                "\nservice {}  ring generation {}",
-                s.name, s.ring_generation
+                "\nservice {}  ring generation {}  rotation {}{}",
+                s.name,
+                s.ring_generation,
+                if s.rotation { "on" } else { "off" },
+                if s.panic {
+                    "  PANIC: too few healthy backends"
+                } else {
+                    ""
+                }
             );
-            let _ = writeln!(out, "  ring: [{}]", s.ring.join(", "));
+            let _ = writeln!(out, "  inner ring: [{}]", s.ring.join(", "));
             let _ = writeln!(
                 out,
-                "  {:<22} {:<8} {:>7} {:>9} {:>10} {:>10} {:>12} {:>12} {:>6}",
-                "backend",
-                "ring",
-                "active",
-                "flows",
-                "pkts to",
-                "pkts from",
-                "bytes to",
-                "bytes from",
-                "rsts"
+                "  {:<20} {:<7} {:>5} | {:>5} {:>4} {:>4} {:>4} {:>4} | {:>8} {:>8} {:>8} {:>5} {:>6} {:>8} {:>4}  {}",
+                "backend", "ring", "temp", "anom", "cpu", "mem", "err", "load", "p50 ms", "p99 ms", "probe ms", "err%", "active", "flows", "rot", "last reason / health"
             );
             for b in &s.backends {
-                let c = |k: &str| b.counters.get(k).copied().unwrap_or(0);
-                let ring = match (b.in_ring, b.drained) {
-                    (true, _) => "inner",
-                    (false, true) => "drained",
-                    (false, false) => "outer",
+                let c = &b.components;
+                let ms = |v: Option<f64>| v.map_or("-".into(), |v| format!("{v:.1}"));
+                let health = match (&b.unhealthy, &b.last_reason) {
+                    (Some(u), _) => format!("UNHEALTHY {u}"),
+                    (None, Some(r)) => {
+                        format!("{r} ({:.0}s ago)", b.last_move_s_ago.unwrap_or(0.0))
+                    }
+                    (None, None) => String::new(),
                 };
                 let _ = writeln!(
                     out,
-                    "  {:<22} {:<8} {:>7} {:>9} {:>10} {:>10} {:>12} {:>12} {:>6}",
+                    "  {:<20} {:<7} {:>5.2} | {:>5.2} {:>4.2} {:>4.2} {:>4.2} {:>4.2} | {:>8} {:>8} {:>8} {:>5.1} {:>6} {:>8} {:>4}  {}",
                     b.addr,
-                    ring,
+                    b.place,
+                    b.temperature,
+                    c.anomaly,
+                    c.cpu,
+                    c.memory,
+                    c.errors,
+                    c.load,
+                    ms(b.p50_ms),
+                    ms(b.p99_ms),
+                    ms(b.probe_ms),
+                    b.error_rate * 100.0,
                     b.active_flows,
-                    c("flows_new"),
-                    c("pkts_to"),
-                    c("pkts_from"),
-                    c("bytes_to"),
-                    c("bytes_from"),
-                    c("rsts_from")
+                    b.counters.get("flows_new").copied().unwrap_or(0),
+                    b.rotations,
+                    health
+                );
+            }
+            let notes: Vec<String> = s
+                .backends
+                .iter()
+                .filter_map(|b| b.host_note.as_ref().map(|n| format!("{}: {n}", b.addr)))
+                .collect();
+            for n in notes {
+                let _ = writeln!(out, "  note {n}");
+            }
+            for e in s
+                .recent
+                .iter()
+                .rev()
+                .take(5)
+                .collect::<Vec<_>>()
+                .into_iter()
+                .rev()
+            {
+                let _ = writeln!(
+                    out,
+                    "  at {:>8.1}s  {} -> {:?} ring ({}), temperature {:.2}",
+                    e.at_s, e.backend, e.to, e.reason, e.temperature
                 );
             }
             let _ = writeln!(out, "  service counters: {}", nonzero(&s.counters));

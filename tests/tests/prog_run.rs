@@ -3,7 +3,7 @@
 
 use huddle_common::{BackendStats, GlobalStats};
 use huddle_user::{
-    config::{Config, PortRange, Proto, Service, XdpMode},
+    config::{Config, Huddle, PortRange, Proto, Service, XdpMode},
     packet::{checksums_valid, endpoints, Frame, ACK, ETH_LEN, FIN, PSH, RST, SYN},
     prog_run::{mac_of, ProgRun, BALANCER_IP, BALANCER_MAC},
 };
@@ -26,13 +26,15 @@ fn backend(i: u8) -> Ipv4Addr {
 }
 
 fn config(backends: &[Ipv4Addr], udp: bool) -> Config {
-    let service = |vip_port: u16, proto, port: u16| Service {
-        vip: (VIP, vip_port).into(),
-        proto,
-        backends: backends
-            .iter()
-            .map(|b| SocketAddr::from((*b, port)))
-            .collect(),
+    let service = |vip_port: u16, proto, port: u16| {
+        Service::plain(
+            (VIP, vip_port).into(),
+            proto,
+            backends
+                .iter()
+                .map(|b| SocketAddr::from((*b, port)))
+                .collect(),
+        )
     };
     let mut services = vec![service(80, Proto::Tcp, 8080)];
     if udp {
@@ -46,6 +48,7 @@ fn config(backends: &[Ipv4Addr], udp: bool) -> Config {
         flow_table_size: 4096,
         control_socket: "/dev/null".into(),
         services,
+        huddle: Huddle::default(),
     }
 }
 

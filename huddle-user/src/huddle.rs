@@ -1,0 +1,476 @@
+//! The huddle of one balancer: per backend, turn the kernel's counters,
+//! probes and host metrics into one reading per tick; per service, turn
+//! readings into temperatures and the rotation engine's moves.
+//!
+//! Latency is compared like with like: a backend with enough request
+//! samples in its window is judged on request latency against the median
+//! request latency of the inner ring; any other backend (resting, idle) on
+//! its probe latency against the inner ring's median probe latency.
+
+use crate::{
+    config::{BackendOptions, Huddle as Settings, Service},
+    probe::ProbeResult,
+    rotation::{Engine, Move, Place, Reason},
+    scrape::HostTracker,
+    thermal::{self, Components, Reading},
+};
+use huddle_common::{latency::bucket_bounds, BackendStats, Latency, Pulse, LATENCY_BUCKETS};
+use std::{collections::VecDeque, time::Duration};
+
+/// Ticks of request samples a backend's latency may draw on.
+const WINDOW_TICKS: usize = 10;
+
+/// One tick's new request samples of a backend.
+#[derive(Clone)]
+struct TickSamples {
+    count: u64,
+    sum_ns: u64,
+    hist: Box<[u64; LATENCY_BUCKETS]>,
+}
+
+/// Latency over the newest ticks that hold enough samples.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct Window {
+    pub samples: u64,
+    pub mean_ms: Option<f64>,
+    pub p50_ms: Option<f64>,
+    pub p99_ms: Option<f64>,
+}
+
+/// Everything the huddle tracks about one backend.
+pub struct Tracker {
+    pub id: u32,
+    pub opts: BackendOptions,
+    prev: Option<(BackendStats, Latency)>,
+    ticks: VecDeque<TickSamples>,
+    pub window: Window,
+    /// Failed over attempted (connections, requests, probes) last tick.
+    pub error_rate: f64,
+    pub active_flows: u64,
+    pub host: HostTracker,
+    pub host_error: Option<String>,
+    pub probe: Option<ProbeResult>,
+    probe_fresh: bool,
+    fails: u32,
+    passes: u32,
+    /// A fault the kernel's counters show this tick.
+    pub kernel_fault: Option<String>,
+    /// (pulse value, turns counted when it was first seen).
+    wait_seen: Option<(u64, u64)>,
+    syn_seen: Option<(u64, u64)>,
+    pub unhealthy: Option<String>,
+    pub temperature: f64,
+    pub components: Components,
+    /// Which latency the temperature used: "request", "probe" or "none".
+    pub latency_source: &'static str,
+    /// Set when a successful probe proves the backend answers again: the
+    /// daemon then clears the kernel's stale "owes an answer" record.
+    pub clear_pulse: bool,
+}
+
+impl Tracker {
+    #[must_use]
+    pub fn new(id: u32, opts: BackendOptions) -> Tracker {
+        Tracker {
+            id,
+            opts,
+            prev: None,
+            ticks: VecDeque::new(),
+            window: Window::default(),
+            error_rate: 0.0,
+            active_flows: 0,
+            host: HostTracker::default(),
+            host_error: None,
+            probe: None,
+            probe_fresh: false,
+            fails: 0,
+            passes: 0,
+            kernel_fault: None,
+            wait_seen: None,
+            syn_seen: None,
+            unhealthy: None,
+            temperature: 0.0,
+            components: Components::default(),
+            latency_source: "none",
+            clear_pulse: false,
+        }
+    }
+
+    /// Records a probe result.
+    pub fn probed(&mut self, r: ProbeResult) {
+        if r.error.is_some() {
+            self.fails += 1;
+            self.passes = 0;
+        } else {
+            self.passes += 1;
+            self.fails = 0;
+            if self.wait_seen.is_some() || self.syn_seen.is_some() {
+                self.clear_pulse = true;
+            }
+        }
+        self.probe = Some(r);
+        self.probe_fresh = true;
+    }
+
+    /// Takes this tick's kernel figures. `now_ns` is CLOCK_MONOTONIC, the
+    /// kernel's `bpf_ktime_get_ns` clock.
+    pub fn observe(
+        &mut self,
+        stats: &BackendStats,
+        hist: &Latency,
+        pulse: &Pulse,
+        now_ns: u64,
+        s: &Settings,
+    ) {
+        let (ps, ph) = self.prev.take().unwrap_or((*stats, *hist));
+        let d = |now: u64, before: u64| now.wrapping_sub(before);
+        let mut tick = TickSamples {
+            count: d(stats.answered, ps.answered),
+            sum_ns: d(stats.ttfb_ns, ps.ttfb_ns),
+            hist: Box::new([0; LATENCY_BUCKETS]),
+        };
+        for (i, b) in tick.hist.iter_mut().enumerate() {
+            *b = d(hist.buckets[i], ph.buckets[i]);
+        }
+        self.prev = Some((*stats, *hist));
+        self.ticks.push_front(tick);
+        self.ticks.truncate(WINDOW_TICKS);
+        self.window = window(&self.ticks, s.min_samples);
+        self.active_flows = stats
+            .flows_new
+            .saturating_sub(stats.flows_closed)
+            .min(u64::MAX / 2);
+
+        // Errors over attempts this tick.
+        let refused = d(stats.refused, ps.refused);
+        let resets = d(stats.reset_turns, ps.reset_turns);
+        let conns = d(stats.flows_new, ps.flows_new);
+        let turns = d(stats.turns, ps.turns);
+        let mut errors = refused + resets;
+        let mut attempts = conns + turns;
+        if self.probe_fresh {
+            attempts += 1;
+            if self.probe.as_ref().is_some_and(|p| p.error.is_some()) {
+                errors += 1;
+            }
+        }
+        self.error_rate = if attempts == 0 {
+            0.0
+        } else {
+            (errors as f64 / attempts as f64).min(1.0)
+        };
+
+        // Faults: refusing, hung (owes answers, none come), unreachable.
+        self.kernel_fault = None;
+        if refused >= 2 && refused as f64 >= s.error_threshold * conns.max(1) as f64 {
+            self.kernel_fault = Some(format!("refused {refused} of {conns} connections"));
+        }
+        let hung_ns = s.hung_after.as_nanos() as u64;
+        if let Some(age) = owed(pulse.turn_wait_ns, now_ns, stats.turns, &mut self.wait_seen) {
+            let (_, turns_then) = self.wait_seen.unwrap_or_default();
+            let piled = stats.turns.wrapping_sub(turns_then) >= 1;
+            if (age > hung_ns && piled) || age > hung_ns.saturating_mul(5) {
+                self.kernel_fault = Some(format!("hung: no answer for {} ms", age / 1_000_000));
+            }
+        }
+        let syn_ns = s.syn_timeout.as_nanos() as u64;
+        if let Some(age) = owed(
+            pulse.syn_wait_ns,
+            now_ns,
+            stats.flows_new,
+            &mut self.syn_seen,
+        ) {
+            let (_, conns_then) = self.syn_seen.unwrap_or_default();
+            let piled = stats.flows_new.wrapping_sub(conns_then) >= 1;
+            if (age > syn_ns && piled) || age > syn_ns.saturating_mul(5) {
+                self.kernel_fault = Some(format!(
+                    "unreachable: SYNs unanswered for {} ms",
+                    age / 1_000_000
+                ));
+            }
+        }
+    }
+
+    /// Health after this tick's kernel figures and probes.
+    fn judge(&mut self, s: &Settings) {
+        let probe_fault = (self.fails >= s.probe.fall).then(|| {
+            let why = self
+                .probe
+                .as_ref()
+                .and_then(|p| p.error.clone())
+                .unwrap_or_default();
+            format!("{} probes failed: {why}", self.fails)
+        });
+        if let Some(f) = self.kernel_fault.clone().or(probe_fault) {
+            if self.kernel_fault.is_some() {
+                self.passes = 0;
+            }
+            self.unhealthy = Some(f);
+        } else if self.unhealthy.is_some() && self.passes >= s.probe.rise {
+            self.unhealthy = None;
+        }
+    }
+
+    fn reading(&self) -> Reading {
+        Reading {
+            latency_ms: None,
+            cpu: self.host.cpu,
+            memory: self.host.memory,
+            error_rate: self.error_rate,
+            load: self.active_flows as f64 / self.opts.capacity.max(1) as f64,
+        }
+    }
+
+    fn probe_ms(&self) -> Option<f64> {
+        self.probe
+            .as_ref()
+            .filter(|p| p.error.is_none())
+            .map(|p| p.latency_ms)
+    }
+}
+
+/// How long a backend has owed an answer, if it does. Remembers, per
+/// distinct wait, the counter value when it was first seen.
+fn owed(since: u64, now_ns: u64, counter: u64, seen: &mut Option<(u64, u64)>) -> Option<u64> {
+    if since == 0 {
+        *seen = None;
+        return None;
+    }
+    if seen.is_none_or(|(s, _)| s != since) {
+        *seen = Some((since, counter));
+    }
+    Some(now_ns.saturating_sub(since))
+}
+
+/// Mean and percentiles over the newest ticks holding `min_samples`.
+fn window(ticks: &VecDeque<TickSamples>, min_samples: u64) -> Window {
+    let mut count = 0;
+    let mut sum = 0u64;
+    let mut hist = [0u64; LATENCY_BUCKETS];
+    for t in ticks {
+        count += t.count;
+        sum = sum.wrapping_add(t.sum_ns);
+        for (h, v) in hist.iter_mut().zip(t.hist.iter()) {
+            *h += v;
+        }
+        if count >= min_samples {
+            break;
+        }
+    }
+    if count == 0 {
+        return Window::default();
+    }
+    let total: u64 = hist.iter().sum();
+    Window {
+        samples: count,
+        mean_ms: Some(sum as f64 / count as f64 / 1e6),
+        p50_ms: percentile(&hist, total, 0.50),
+        p99_ms: percentile(&hist, total, 0.99),
+    }
+}
+
+/// The `q` quantile of a histogram, interpolated within its bucket, in ms.
+fn percentile(hist: &[u64; LATENCY_BUCKETS], total: u64, q: f64) -> Option<f64> {
+    if total == 0 {
+        return None;
+    }
+    let rank = q * total as f64;
+    let mut below = 0.0;
+    for (b, n) in hist.iter().enumerate() {
+        let n = *n as f64;
+        if n > 0.0 && below + n >= rank {
+            let (lo, hi) = bucket_bounds(b);
+            let frac = ((rank - below) / n).clamp(0.0, 1.0);
+            return Some((lo as f64 + frac * (hi - lo) as f64) / 1e6);
+        }
+        below += n;
+    }
+    None
+}
+
+/// The huddle of one service.
+pub struct ServiceHuddle {
+    pub engine: Engine,
+    pub trackers: Vec<Tracker>,
+    pub rotation: bool,
+}
+
+impl ServiceHuddle {
+    #[must_use]
+    pub fn new(service: &Service, ids: &[u32], s: &Settings, now: Duration) -> ServiceHuddle {
+        let weights: Vec<f64> = service.options.iter().map(|o| o.weight).collect();
+        let mut params = s.rotation_params;
+        if !s.rotation {
+            params.warmup = Duration::ZERO;
+        }
+        ServiceHuddle {
+            engine: Engine::new(params, &weights, now),
+            trackers: ids
+                .iter()
+                .zip(&service.options)
+                .map(|(id, o)| Tracker::new(*id, o.clone()))
+                .collect(),
+            rotation: s.rotation,
+        }
+    }
+
+    /// Temperatures from this tick's observations, then (with rotation on)
+    /// the engine's moves.
+    pub fn step(&mut self, s: &Settings, now: Duration) -> Vec<Move> {
+        for t in &mut self.trackers {
+            t.judge(s);
+        }
+        let inner = self.engine.inner();
+        let use_requests: Vec<bool> = self
+            .trackers
+            .iter()
+            .enumerate()
+            .map(|(i, t)| {
+                self.engine.members[i].place == Place::Inner && t.window.samples >= s.min_samples
+            })
+            .collect();
+        let req_median = thermal::median(
+            inner
+                .iter()
+                .filter(|i| use_requests[**i])
+                .filter_map(|i| self.trackers[*i].window.mean_ms),
+        );
+        let probe_median =
+            thermal::median(inner.iter().filter_map(|i| self.trackers[*i].probe_ms()));
+        for (i, t) in self.trackers.iter_mut().enumerate() {
+            let mut r = t.reading();
+            let median = if use_requests[i] {
+                t.latency_source = "request";
+                r.latency_ms = t.window.mean_ms;
+                req_median
+            } else if let Some(p) = t.probe_ms() {
+                t.latency_source = "probe";
+                r.latency_ms = Some(p);
+                probe_median
+            } else {
+                t.latency_source = "none";
+                None
+            };
+            let c = thermal::score(&r, median, &s.thermal);
+            t.components = c;
+            t.temperature = thermal::ema(t.temperature, c.raw, s.thermal.alpha);
+            t.probe_fresh = false;
+            let m = &mut self.engine.members[i];
+            m.temperature = t.temperature;
+            m.unhealthy = t.unhealthy.clone();
+        }
+        if self.rotation {
+            self.engine.tick(now)
+        } else {
+            Vec::new()
+        }
+    }
+
+    /// The inner ring as backend ids, in configured order.
+    #[must_use]
+    pub fn ring(&self) -> Vec<u32> {
+        self.engine
+            .inner()
+            .into_iter()
+            .map(|i| self.trackers[i].id)
+            .collect()
+    }
+
+    /// Whether the last move of member `i` was for being unhealthy.
+    #[must_use]
+    pub fn out_sick(&self, i: usize) -> bool {
+        let m = &self.engine.members[i];
+        m.place == Place::Outer && matches!(m.last_reason, Some(Reason::Unhealthy(_)))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn settings() -> Settings {
+        Settings::default()
+    }
+
+    fn stats(answered: u64, ttfb_ms: u64, turns: u64) -> BackendStats {
+        BackendStats {
+            answered,
+            ttfb_ns: ttfb_ms * 1_000_000,
+            turns,
+            flows_new: turns,
+            ..BackendStats::default()
+        }
+    }
+
+    fn hist_of(samples_ms: &[u64]) -> Latency {
+        let mut h = Latency::default();
+        for ms in samples_ms {
+            h.buckets[huddle_common::latency_bucket(ms * 1_000_000)] += 1;
+        }
+        h
+    }
+
+    #[test]
+    fn window_takes_newest_ticks_until_enough_samples() {
+        let s = settings();
+        let mut t = Tracker::new(
+            0,
+            Service::plain(
+                "1.1.1.1:1".parse().unwrap(),
+                crate::config::Proto::Tcp,
+                vec!["2.2.2.2:2".parse().unwrap()],
+            )
+            .options[0]
+                .clone(),
+        );
+        let p = Pulse::default();
+        t.observe(&stats(0, 0, 0), &Latency::default(), &p, 0, &s);
+        // 5 samples of 10 ms.
+        t.observe(&stats(5, 50, 5), &hist_of(&[10; 5]), &p, 0, &s);
+        assert_eq!(t.window.samples, 5);
+        assert!((t.window.mean_ms.unwrap() - 10.0).abs() < 1e-9);
+        // Then 3 of 50 ms: enough alone (min_samples 3), old ones ignored.
+        let mut all = vec![10; 5];
+        all.extend([50; 3]);
+        t.observe(&stats(8, 200, 8), &hist_of(&all), &p, 0, &s);
+        assert_eq!(t.window.samples, 3);
+        assert!((t.window.mean_ms.unwrap() - 50.0).abs() < 1e-9);
+        let p50 = t.window.p50_ms.unwrap();
+        assert!((40.0..=62.5).contains(&p50), "{p50}");
+    }
+
+    #[test]
+    fn a_backend_owing_answers_too_long_is_hung() {
+        let s = settings();
+        let opts = Service::plain(
+            "1.1.1.1:1".parse().unwrap(),
+            crate::config::Proto::Tcp,
+            vec!["2.2.2.2:2".parse().unwrap()],
+        )
+        .options[0]
+            .clone();
+        let mut t = Tracker::new(0, opts);
+        let ms = 1_000_000u64;
+        let owes = Pulse {
+            turn_wait_ns: 1000 * ms,
+            syn_wait_ns: 0,
+        };
+        t.observe(&stats(0, 0, 1), &Latency::default(), &owes, 1100 * ms, &s);
+        assert_eq!(t.kernel_fault, None);
+        // One turn, 250 ms: a slow request, not yet hung.
+        t.observe(&stats(0, 0, 1), &Latency::default(), &owes, 1250 * ms, &s);
+        assert_eq!(t.kernel_fault, None);
+        // Another request piled up behind it: hung.
+        t.observe(&stats(0, 0, 2), &Latency::default(), &owes, 1260 * ms, &s);
+        assert!(t.kernel_fault.as_deref().unwrap().starts_with("hung"));
+        // Any answer clears the pulse, and the fault.
+        t.observe(
+            &stats(1, 300, 2),
+            &hist_of(&[300]),
+            &Pulse::default(),
+            1300 * ms,
+            &s,
+        );
+        assert_eq!(t.kernel_fault, None);
+    }
+}
