@@ -224,22 +224,18 @@ impl Testbed {
     /// Starts `hc-backend` in every backend namespace and waits until each
     /// answers.
     pub fn start_backends(&mut self, bin: &Path) -> Result<()> {
+        self.start_backends_with(bin, &[])
+    }
+
+    /// As `start_backends`, with `extra` arguments for every backend.
+    pub fn start_backends_with(&mut self, bin: &Path, extra: &[&str]) -> Result<()> {
         for i in 0..self.backends.len() {
             let id = format!("b{i}");
             let log = self.dir.join(format!("{id}.log"));
-            let p = spawn_in(
-                &self.backends[i],
-                bin,
-                &[
-                    "--id",
-                    &id,
-                    "--http",
-                    &HTTP_PORT.to_string(),
-                    "--udp",
-                    &UDP_PORT.to_string(),
-                ],
-                Some(&log),
-            )?;
+            let (http, udp) = (HTTP_PORT.to_string(), UDP_PORT.to_string());
+            let mut args = vec!["--id", &id, "--http", &http, "--udp", &udp];
+            args.extend_from_slice(extra);
+            let p = spawn_in(&self.backends[i], bin, &args, Some(&log))?;
             self.procs.push(p);
         }
         for i in 0..self.backends.len() {
@@ -252,6 +248,28 @@ impl Testbed {
             .with_context(|| format!("backend b{i} did not start"))?;
         }
         Ok(())
+    }
+
+    /// Changes backend `i`'s behaviour (`hc-backend`'s `/admin` query,
+    /// e.g. `delay_ms=50`).
+    pub fn backend_admin(&self, i: usize, query: &str) -> Result<String> {
+        let addr = SocketAddr::from((backend_ip(i), HTTP_PORT));
+        let path = format!("/admin?{query}");
+        in_ns(&self.backends[i], move || {
+            let mut s = TcpStream::connect_timeout(&addr, Duration::from_secs(2))?;
+            s.set_read_timeout(Some(Duration::from_secs(2)))?;
+            s.write_all(format!("GET {path} HTTP/1.0\r\n\r\n").as_bytes())?;
+            let mut resp = String::new();
+            s.read_to_string(&mut resp)?;
+            Ok(resp)
+        })
+    }
+
+    /// Sends `sig` to backend `i`'s server process (started first, so its
+    /// index in `procs`; `ip netns exec` execs in place, same pid).
+    pub fn signal_backend(&self, i: usize, sig: i32) {
+        // SAFETY: signalling our own child by pid.
+        unsafe { libc::kill(self.procs[i].child.id() as i32, sig) };
     }
 
     /// Control socket path for a balancer of this testbed.
@@ -304,6 +322,76 @@ impl Drop for Testbed {
             let _ = p.terminate(Duration::from_secs(5));
         }
         let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// One request of an open-loop run.
+#[derive(Clone, Debug)]
+pub struct Outcome {
+    /// When it was sent, since the run started.
+    pub at: Duration,
+    pub latency: Duration,
+    /// The backend that answered, or the error.
+    pub result: Result<String, String>,
+}
+
+/// An open-loop load: a new connection and request at a fixed rate,
+/// whatever the answers do, so a slow backend cannot hide by slowing the
+/// client down.
+pub struct OpenLoop {
+    pub start: Instant,
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    handle: thread::JoinHandle<Vec<Outcome>>,
+}
+
+impl OpenLoop {
+    /// Starts `rate` requests per second from namespace `ns` to `addr`.
+    #[must_use]
+    pub fn start(ns: &Netns, addr: SocketAddr, rate: f64, timeout: Duration) -> OpenLoop {
+        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let flag = stop.clone();
+        let name = ns.name.clone();
+        let start = Instant::now();
+        let handle = thread::spawn(move || {
+            huddle_user::netns::enter(&name).expect("enter client namespace");
+            let (tx, rx) = std::sync::mpsc::channel();
+            let gap = Duration::from_secs_f64(1.0 / rate);
+            let mut n = 0u32;
+            // Bounded: stops on the flag, or after an hour's worth at most.
+            while !flag.load(Ordering::Relaxed) && n < (rate * 3600.0) as u32 {
+                let due = start + gap * n;
+                if let Some(wait) = due.checked_duration_since(Instant::now()) {
+                    thread::sleep(wait);
+                }
+                let tx = tx.clone();
+                // Threads inherit the namespace of the thread creating them.
+                thread::spawn(move || {
+                    let sent = Instant::now();
+                    let r = http_get(addr, timeout).map_err(|e| format!("{e:#}"));
+                    let _ = tx.send(Outcome {
+                        at: sent - start,
+                        latency: sent.elapsed(),
+                        result: r,
+                    });
+                });
+                n += 1;
+            }
+            drop(tx);
+            let mut v: Vec<Outcome> = rx.iter().collect();
+            v.sort_by_key(|o| o.at);
+            v
+        });
+        OpenLoop {
+            start,
+            stop,
+            handle,
+        }
+    }
+
+    /// Stops sending, waits for the answers still due, returns them all.
+    pub fn stop(self) -> Vec<Outcome> {
+        self.stop.store(true, Ordering::Relaxed);
+        self.handle.join().expect("load thread")
     }
 }
 

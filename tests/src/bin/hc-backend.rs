@@ -1,14 +1,35 @@
 //! A test backend: an HTTP/1.1 server (keep-alive aware) whose body names
 //! the backend, and a UDP echo that prefixes the backend's name.
 //!
-//! `hc-backend --id NAME [--http PORT] [--udp PORT]`
+//! `hc-backend --id NAME [--http PORT] [--udp PORT] [--delay-ms N]`
+//!
+//! Its behaviour changes while it runs, through its own HTTP port:
+//! - `GET /admin?delay_ms=N` sets the service time of every other request;
+//! - `GET /admin?status=N` sets the status it answers with (500: failing);
+//! - `GET /admin?cpu=F` sets the CPU utilisation (0..1) its `/metrics`
+//!   reports, under node_exporter's names, next to its real memory.
+//!
+//! Killing it (connections refused) and SIGSTOP (the kernel still completes
+//! handshakes, nothing answers) are done from outside.
 
 use std::{
     io::{BufRead, BufReader, Write},
     net::{TcpListener, TcpStream, UdpSocket},
+    sync::{
+        atomic::{AtomicU64, Ordering},
+        Mutex,
+    },
     thread,
-    time::Duration,
+    time::{Duration, Instant},
 };
+
+static DELAY_US: AtomicU64 = AtomicU64::new(0);
+static STATUS: AtomicU64 = AtomicU64::new(200);
+/// CPU utilisation in parts per million.
+static CPU_PPM: AtomicU64 = AtomicU64::new(100_000);
+
+/// Synthetic CPU seconds: (busy, idle, last update).
+static CPU: Mutex<Option<(f64, f64, Instant)>> = Mutex::new(None);
 
 fn arg(args: &[String], name: &str) -> Option<String> {
     args.iter()
@@ -21,6 +42,8 @@ fn main() {
     let id = arg(&args, "--id").unwrap_or_else(|| "backend".into());
     let http: u16 = arg(&args, "--http").map_or(8080, |p| p.parse().expect("--http PORT"));
     let udp: u16 = arg(&args, "--udp").map_or(5353, |p| p.parse().expect("--udp PORT"));
+    let delay_ms: f64 = arg(&args, "--delay-ms").map_or(0.0, |d| d.parse().expect("--delay-ms N"));
+    DELAY_US.store((delay_ms * 1000.0) as u64, Ordering::Relaxed);
 
     let uid = id.clone();
     let sock = UdpSocket::bind(("0.0.0.0", udp)).expect("bind UDP");
@@ -40,6 +63,71 @@ fn main() {
     }
 }
 
+/// Applies `key=value` settings of an admin query.
+fn admin(query: &str) -> String {
+    for kv in query.split('&') {
+        let Some((k, v)) = kv.split_once('=') else {
+            continue;
+        };
+        let Ok(x) = v.parse::<f64>() else {
+            continue;
+        };
+        match k {
+            "delay_ms" => DELAY_US.store((x * 1000.0) as u64, Ordering::Relaxed),
+            "status" => STATUS.store(x as u64, Ordering::Relaxed),
+            "cpu" => {
+                advance_cpu();
+                CPU_PPM.store((x.clamp(0.0, 1.0) * 1e6) as u64, Ordering::Relaxed);
+            }
+            _ => {}
+        }
+    }
+    format!(
+        "delay_ms={} status={} cpu={}\n",
+        DELAY_US.load(Ordering::Relaxed) as f64 / 1000.0,
+        STATUS.load(Ordering::Relaxed),
+        CPU_PPM.load(Ordering::Relaxed) as f64 / 1e6
+    )
+}
+
+/// Brings the synthetic CPU counters up to now at the current utilisation.
+fn advance_cpu() -> (f64, f64) {
+    let mut g = CPU
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    let now = Instant::now();
+    let (busy, idle, last) = g.unwrap_or((1000.0, 1000.0, now));
+    let dt = now.duration_since(last).as_secs_f64();
+    let u = CPU_PPM.load(Ordering::Relaxed) as f64 / 1e6;
+    let next = (busy + dt * u, idle + dt * (1.0 - u), now);
+    *g = Some(next);
+    (next.0, next.1)
+}
+
+fn metrics() -> String {
+    let (busy, idle) = advance_cpu();
+    let mem = std::fs::read_to_string("/proc/meminfo").unwrap_or_default();
+    let kb = |key: &str| {
+        mem.lines()
+            .find_map(|l| l.strip_prefix(key))
+            .and_then(|r| r.split_whitespace().next())
+            .and_then(|v| v.parse::<u64>().ok())
+            .unwrap_or(0)
+            * 1024
+    };
+    format!(
+        "# TYPE node_cpu_seconds_total counter\n\
+         node_cpu_seconds_total{{cpu=\"0\",mode=\"idle\"}} {idle:.3}\n\
+         node_cpu_seconds_total{{cpu=\"0\",mode=\"user\"}} {busy:.3}\n\
+         # TYPE node_memory_MemTotal_bytes gauge\n\
+         node_memory_MemTotal_bytes {}\n\
+         # TYPE node_memory_MemAvailable_bytes gauge\n\
+         node_memory_MemAvailable_bytes {}\n",
+        kb("MemTotal:"),
+        kb("MemAvailable:")
+    )
+}
+
 fn serve(stream: TcpStream, id: &str) {
     let _ = stream.set_read_timeout(Some(Duration::from_secs(120)));
     let _ = stream.set_nodelay(true);
@@ -54,6 +142,7 @@ fn serve(stream: TcpStream, id: &str) {
             return;
         }
         let mut http11 = line.contains("HTTP/1.1");
+        let target = line.split_whitespace().nth(1).unwrap_or("/").to_string();
         loop {
             let mut h = String::new();
             match reader.read_line(&mut h) {
@@ -72,9 +161,20 @@ fn serve(stream: TcpStream, id: &str) {
             }
         }
         let keep = keep_alive || http11;
-        let body = format!("{id}\n");
+        let (path, query) = target.split_once('?').unwrap_or((&target, ""));
+        let (status, body) = match path {
+            "/admin" => (200, admin(query)),
+            "/metrics" => (200, metrics()),
+            _ => {
+                let d = DELAY_US.load(Ordering::Relaxed);
+                if d > 0 {
+                    thread::sleep(Duration::from_micros(d));
+                }
+                (STATUS.load(Ordering::Relaxed), format!("{id}\n"))
+            }
+        };
         let resp = format!(
-            "HTTP/1.1 200 OK\r\nContent-Length: {}\r\nConnection: {}\r\n\r\n{body}",
+            "HTTP/1.1 {status} X\r\nContent-Length: {}\r\nConnection: {}\r\n\r\n{body}",
             body.len(),
             if keep { "keep-alive" } else { "close" }
         );

@@ -1,0 +1,330 @@
+//! The huddle with real traffic: four HTTP backends whose service time,
+//! liveness and reported CPU change while an open-loop client opens about
+//! 200 connections per second through the XDP path. Each test states the
+//! bound it holds the balancer to and prints what it measured.
+//!
+//! The tests take turns (one lock): they time reactions in milliseconds
+//! and must not compete for the machine's two cores.
+
+use huddle_user::status::{BackendStatus, Status};
+use std::{
+    collections::BTreeMap,
+    net::SocketAddr,
+    path::Path,
+    sync::{Mutex, MutexGuard},
+    thread,
+    time::{Duration, Instant},
+};
+use testbed::{backend_ip, in_ns, require_root, OpenLoop, Outcome, Testbed, HTTP_PORT, VIP};
+
+const HUDDLE: &str = env!("CARGO_BIN_EXE_hc-huddle");
+const BACKEND: &str = env!("CARGO_BIN_EXE_hc-backend");
+const N: usize = 4;
+/// New connections per second.
+const RATE: f64 = 200.0;
+/// Normal service time of a backend, and 5x that.
+const BASE_MS: u32 = 10;
+/// The acceptance bound: out of the inner ring this soon after the fault.
+const BOUND: Duration = Duration::from_millis(500);
+
+fn serial() -> MutexGuard<'static, ()> {
+    static LOCK: Mutex<()> = Mutex::new(());
+    LOCK.lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+fn addr(i: usize) -> String {
+    format!("{}:{HTTP_PORT}", backend_ip(i))
+}
+
+/// A testbed with four backends and the balancer, rotation on with default
+/// settings except shorter rests (so a test sees a return), plus
+/// `extra_huddle` lines in `[huddle]` and `backend_extra` in each backend
+/// table.
+fn bed(tag: &str, extra_huddle: &str, metrics: bool) -> Testbed {
+    require_root();
+    let mut bed = Testbed::new(tag, N).expect("build testbed");
+    bed.start_backends_with(Path::new(BACKEND), &["--delay-ms", &BASE_MS.to_string()])
+        .expect("start backends");
+    let backends: Vec<String> = (0..N)
+        .map(|i| {
+            if metrics {
+                format!(
+                    "{{ addr = \"{}\", metrics = \"http://{}/metrics\" }}",
+                    addr(i),
+                    addr(i)
+                )
+            } else {
+                format!("\"{}\"", addr(i))
+            }
+        })
+        .collect();
+    let text = format!(
+        "[huddle]\nmin_rest_ms = 2000\ncooldown_ms = 1000\n{extra_huddle}\n\n[[service]]\nvip = \"{VIP}:80\"\nbackends = [{}]\n",
+        backends.join(", ")
+    );
+    let config = bed.dir.join("huddle.toml");
+    std::fs::write(&config, text).unwrap();
+    let config = config.display().to_string();
+    bed.start_huddle(Path::new(HUDDLE), &["--config", &config])
+        .expect("start huddle");
+    bed
+}
+
+fn backend<'a>(st: &'a Status, i: usize) -> &'a BackendStatus {
+    let a = addr(i);
+    st.services[0]
+        .backends
+        .iter()
+        .find(|b| b.addr == a)
+        .expect("backend in status")
+}
+
+/// Polls status every 5 ms until backend `i` is in `place`; returns how
+/// long after `since` that was seen.
+fn wait_place(bed: &Testbed, i: usize, place: &str, since: Instant, limit: Duration) -> Duration {
+    loop {
+        let st = bed.status().expect("status");
+        if backend(&st, i).place == place {
+            return since.elapsed();
+        }
+        assert!(
+            since.elapsed() < limit,
+            "backend b{i} not {place} within {limit:?}:\n{}\n{}",
+            st.render(),
+            bed.huddle_log()
+        );
+        thread::sleep(Duration::from_millis(5));
+    }
+}
+
+/// The balancer's Prometheus page, fetched inside its namespace.
+fn metrics_page(bed: &Testbed) -> String {
+    let addr: SocketAddr = "127.0.0.1:9477".parse().unwrap();
+    in_ns(&bed.lb, move || {
+        use std::io::{Read, Write};
+        let mut s = std::net::TcpStream::connect_timeout(&addr, Duration::from_secs(2))
+            .expect("connect to the metrics endpoint");
+        s.set_read_timeout(Some(Duration::from_secs(2))).unwrap();
+        s.write_all(b"GET /metrics HTTP/1.0\r\n\r\n").unwrap();
+        let mut page = String::new();
+        s.read_to_string(&mut page).unwrap();
+        page
+    })
+}
+
+fn metric(page: &str, name: &str, i: usize) -> Option<f64> {
+    let key = format!(
+        "{name}{{service=\"{VIP}:80/tcp\",backend=\"{}\"}} ",
+        addr(i)
+    );
+    page.lines()
+        .find_map(|l| l.strip_prefix(&key))
+        .and_then(|v| v.trim().parse().ok())
+}
+
+/// Answers per backend and failures among `outcomes` sent in [from, to).
+fn tally(
+    outcomes: &[Outcome],
+    from: Duration,
+    to: Duration,
+) -> (BTreeMap<String, u32>, Vec<String>) {
+    let mut by = BTreeMap::new();
+    let mut failed = Vec::new();
+    for o in outcomes.iter().filter(|o| o.at >= from && o.at < to) {
+        match &o.result {
+            Ok(b) => *by.entry(b.clone()).or_default() += 1,
+            Err(e) => failed.push(format!("at {:?}: {e}", o.at)),
+        }
+    }
+    (by, failed)
+}
+
+#[test]
+fn a_backend_made_5x_slower_rests_within_the_bound_and_returns_when_fast() {
+    let _turn = serial();
+    let bed = bed("hslow", "", false);
+    let load = OpenLoop::start(&bed.client, (VIP, 80).into(), RATE, Duration::from_secs(3));
+    thread::sleep(Duration::from_secs(2));
+    let st = bed.status().unwrap();
+    assert_eq!(
+        st.services[0].ring.len(),
+        N,
+        "all inner before the fault:\n{}",
+        st.render()
+    );
+
+    let slow_at = load.start.elapsed();
+    let t0 = Instant::now();
+    bed.backend_admin(2, &format!("delay_ms={}", BASE_MS * 5))
+        .unwrap();
+    let out = wait_place(&bed, 2, "outer", t0, Duration::from_secs(5));
+    let st = bed.status().unwrap();
+    println!(
+        "5x slow backend b2 left the inner ring {} ms after it became slow",
+        out.as_millis()
+    );
+    print!("{}", st.render());
+    assert!(
+        !st.services[0].ring.contains(&addr(2)),
+        "kernel ring still has b2"
+    );
+    let b2 = backend(&st, 2);
+    assert!(b2.temperature >= 0.55, "evicted hot: {b2:?}");
+
+    // Status and /metrics show it live.
+    let page = metrics_page(&bed);
+    assert_eq!(
+        metric(&page, "huddle_backend_inner", 2),
+        Some(0.0),
+        "{page}"
+    );
+    assert_eq!(metric(&page, "huddle_backend_inner", 0), Some(1.0));
+    assert!(metric(&page, "huddle_backend_temperature", 2).unwrap() >= 0.5);
+    assert!(page.contains("huddle_backend_flows_new_total{"));
+
+    thread::sleep(Duration::from_secs(1));
+    let evicted_at = slow_at + out;
+    let fast_at = load.start.elapsed();
+    let t1 = Instant::now();
+    bed.backend_admin(2, &format!("delay_ms={BASE_MS}"))
+        .unwrap();
+    let back = wait_place(&bed, 2, "inner", t1, Duration::from_secs(15));
+    println!(
+        "b2 back in the inner ring {} ms after it was made fast again (min rest 2 s)",
+        back.as_millis()
+    );
+    thread::sleep(Duration::from_millis(500));
+    let outcomes = load.stop();
+
+    let (before, f0) = tally(&outcomes, Duration::ZERO, slow_at);
+    let (resting, f1) = tally(&outcomes, evicted_at + Duration::from_millis(50), fast_at);
+    let (all, failed) = tally(&outcomes, Duration::ZERO, Duration::MAX);
+    println!(
+        "before: {before:?}\nwhile b2 rested: {resting:?}\nall {} requests: {all:?}, failed {}",
+        outcomes.len(),
+        failed.len()
+    );
+    assert!(
+        failed.is_empty() && f0.is_empty() && f1.is_empty(),
+        "failed requests: {failed:?}"
+    );
+    assert_eq!(
+        resting.get("b2"),
+        None,
+        "new connections went to the resting backend"
+    );
+    assert!(
+        resting.len() == 3,
+        "the other three keep serving: {resting:?}"
+    );
+    assert!(
+        out <= BOUND,
+        "5x slow backend took {out:?} to leave (bound {BOUND:?})"
+    );
+}
+
+#[test]
+fn a_killed_backend_leaves_within_the_bound() {
+    let _turn = serial();
+    let bed = bed("hkill", "", false);
+    let load = OpenLoop::start(&bed.client, (VIP, 80).into(), RATE, Duration::from_secs(2));
+    thread::sleep(Duration::from_secs(2));
+    let t0 = Instant::now();
+    bed.signal_backend(1, libc::SIGKILL);
+    let out = wait_place(&bed, 1, "outer", t0, Duration::from_secs(5));
+    thread::sleep(Duration::from_secs(1));
+    let st = bed.status().unwrap();
+    let outcomes = load.stop();
+    let (all, failed) = tally(&outcomes, Duration::ZERO, Duration::MAX);
+    println!(
+        "killed backend b1 left the inner ring {} ms after SIGKILL; {} of {} requests failed (refused before it left): {all:?}",
+        out.as_millis(),
+        failed.len(),
+        outcomes.len()
+    );
+    print!("{}", st.render());
+    let b1 = backend(&st, 1);
+    assert!(
+        b1.unhealthy.is_some(),
+        "a refusing backend is unhealthy: {b1:?}"
+    );
+    assert!(
+        out <= BOUND,
+        "killed backend took {out:?} to leave (bound {BOUND:?})"
+    );
+    // Only the window before it left may fail: about RATE/4 per second.
+    assert!(failed.len() <= 40, "too many failures: {failed:?}");
+}
+
+#[test]
+fn a_hung_backend_leaves_within_the_bound() {
+    let _turn = serial();
+    let bed = bed("hhung", "", false);
+    let load = OpenLoop::start(&bed.client, (VIP, 80).into(), RATE, Duration::from_secs(2));
+    thread::sleep(Duration::from_secs(2));
+    let t0 = Instant::now();
+    bed.signal_backend(3, libc::SIGSTOP);
+    let out = wait_place(&bed, 3, "outer", t0, Duration::from_secs(5));
+    thread::sleep(Duration::from_secs(1));
+    let st = bed.status().unwrap();
+    bed.signal_backend(3, libc::SIGCONT);
+    let outcomes = load.stop();
+    let (all, failed) = tally(&outcomes, Duration::ZERO, Duration::MAX);
+    println!(
+        "hung backend b3 (SIGSTOP) left the inner ring {} ms after it stopped; {} of {} requests failed (stuck on it before it left): {all:?}",
+        out.as_millis(),
+        failed.len(),
+        outcomes.len()
+    );
+    print!("{}", st.render());
+    let b3 = backend(&st, 3);
+    assert!(
+        b3.unhealthy
+            .as_deref()
+            .is_some_and(|u| u.contains("hung") || u.contains("probe")),
+        "{b3:?}"
+    );
+    assert!(
+        out <= BOUND,
+        "hung backend took {out:?} to leave (bound {BOUND:?})"
+    );
+    assert!(failed.len() <= 40, "too many failures: {failed:?}");
+}
+
+#[test]
+fn a_backend_reporting_high_cpu_warms_up() {
+    let _turn = serial();
+    let bed = bed("hcpu", "metrics_interval_ms = 200", true);
+    bed.backend_admin(0, "cpu=0.95").unwrap();
+    let t0 = Instant::now();
+    loop {
+        let st = bed.status().unwrap();
+        let hot = backend(&st, 0);
+        let others = (1..N)
+            .map(|i| backend(&st, i).temperature)
+            .fold(0.0, f64::max);
+        if hot.cpu.is_some_and(|c| c > 0.9) && hot.temperature > others + 0.05 {
+            println!(
+                "b0 reports cpu {:.2}: temperature {:.3} (cpu term {:.2}) vs at most {others:.3} for the others, after {} ms",
+                hot.cpu.unwrap(),
+                hot.temperature,
+                hot.components.cpu,
+                t0.elapsed().as_millis()
+            );
+            assert!(
+                backend(&st, 1).cpu.is_some_and(|c| c < 0.2),
+                "{:?}",
+                backend(&st, 1)
+            );
+            assert!(hot.host_note.is_none(), "{hot:?}");
+            break;
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(10),
+            "b0 never warmed up:\n{}",
+            st.render()
+        );
+        thread::sleep(Duration::from_millis(100));
+    }
+}
