@@ -128,8 +128,8 @@ impl Status {
             let _ = writeln!(out, "  inner ring: [{}]", s.ring.join(", "));
             let _ = writeln!(
                 out,
-                "  {:<20} {:<7} {:>5} | {:>5} {:>4} {:>4} {:>4} {:>4} | {:>8} {:>8} {:>8} {:>5} {:>6} {:>8} {:>4}  {}",
-                "backend", "ring", "temp", "anom", "cpu", "mem", "err", "load", "p50 ms", "p99 ms", "probe ms", "err%", "active", "flows", "rot", "last reason / health"
+                "  {:<20} {:<7} {:>5} | {:>5} {:>4} {:>4} {:>4} {:>4} | {:>8} {:>8} {:>8} {:>5} {:>6} {:>8} {:>4}  last reason / health",
+                "backend", "ring", "temp", "anom", "cpu", "mem", "err", "load", "p50 ms", "p99 ms", "probe ms", "err%", "active", "flows", "rot"
             );
             for b in &s.backends {
                 let c = &b.components;

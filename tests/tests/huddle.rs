@@ -71,7 +71,7 @@ fn bed(tag: &str, extra_huddle: &str, metrics: bool) -> Testbed {
     bed
 }
 
-fn backend<'a>(st: &'a Status, i: usize) -> &'a BackendStatus {
+fn backend(st: &Status, i: usize) -> &BackendStatus {
     let a = addr(i);
     st.services[0]
         .backends

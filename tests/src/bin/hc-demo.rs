@@ -1,16 +1,25 @@
 //! The README's demo: four backends, a client and the balancer in network
 //! namespaces, real HTTP through the XDP path, a ring swap (one backend
-//! drained and restored), and the balancer's per-backend table at the end.
-//! Everything it creates is removed when it ends.
+//! drained and restored), then the huddle at work: one backend is made 5x
+//! slower under an open-loop load, rests in the outer ring, and returns
+//! once fast again. Everything it creates is removed when it ends.
 //!
 //! `hc-demo [--huddle PATH]` (default: `huddle` next to this binary).
 
 use anyhow::{Context, Result};
 use huddle_user::control::Request;
-use std::{collections::BTreeMap, net::SocketAddr, path::PathBuf, thread, time::Duration};
-use testbed::{backend_ip, http_get, Testbed, HTTP_PORT, VIP};
+use std::{
+    collections::BTreeMap,
+    net::SocketAddr,
+    path::PathBuf,
+    thread,
+    time::{Duration, Instant},
+};
+use testbed::{backend_ip, http_get, OpenLoop, Outcome, Testbed, HTTP_PORT, VIP};
 
 const BACKENDS: usize = 4;
+/// Normal service time of a backend (ms); the slow one gets 5x.
+const BASE_MS: u32 = 10;
 
 fn main() {
     if let Err(e) = run() {
@@ -73,6 +82,86 @@ fn show(title: &str, counts: &BTreeMap<String, u32>, failed: u32) {
     println!("  failed requests: {failed}");
 }
 
+/// Polls the balancer until backend `addr` is in `place`.
+fn wait_place(bed: &Testbed, addr: &str, place: &str, limit: Duration) -> Result<Duration> {
+    let start = Instant::now();
+    loop {
+        let st = bed.status()?;
+        let b = st.services[0]
+            .backends
+            .iter()
+            .find(|b| b.addr == addr)
+            .context("backend missing from status")?;
+        if b.place == place {
+            return Ok(start.elapsed());
+        }
+        if start.elapsed() > limit {
+            anyhow::bail!("{addr} not {place} within {limit:?}:\n{}", st.render());
+        }
+        thread::sleep(Duration::from_millis(5));
+    }
+}
+
+fn tally(outcomes: &[Outcome], from: Duration, to: Duration) -> (BTreeMap<String, u32>, u32) {
+    let mut by = BTreeMap::new();
+    let mut failed = 0;
+    for o in outcomes.iter().filter(|o| o.at >= from && o.at < to) {
+        match &o.result {
+            Ok(b) => *by.entry(b.clone()).or_default() += 1,
+            Err(_) => failed += 1,
+        }
+    }
+    (by, failed)
+}
+
+/// One backend made 5x slower under load: it rests, then returns.
+fn rotation_demo(bed: &Testbed) -> Result<()> {
+    let slow = 2;
+    let addr = format!("{}:{HTTP_PORT}", backend_ip(slow));
+    println!("\nthe huddle: an open-loop client opens 200 connections per second; after 2 s backend b{slow} becomes 5x slower ({} ms)", BASE_MS * 5);
+    let load = OpenLoop::start(&bed.client, (VIP, 80).into(), 200.0, Duration::from_secs(3));
+    thread::sleep(Duration::from_secs(2));
+    let slow_at = load.start.elapsed();
+    bed.backend_admin(slow, &format!("delay_ms={}", BASE_MS * 5))?;
+    let out = wait_place(bed, &addr, "outer", Duration::from_secs(10))?;
+    println!(
+        "\n>>> b{slow} ({addr}) moved to the outer ring {} ms after it became slow",
+        out.as_millis()
+    );
+    thread::sleep(Duration::from_millis(300));
+    print!("{}", bed.status()?.render());
+    thread::sleep(Duration::from_secs(1));
+    let fast_at = load.start.elapsed();
+    bed.backend_admin(slow, &format!("delay_ms={BASE_MS}"))?;
+    println!("\nb{slow} is fast again; it rests at least 3 s in all, and returns once its probes show it has cooled");
+    let back = wait_place(bed, &addr, "inner", Duration::from_secs(20))?;
+    println!(
+        ">>> b{slow} returned to the inner ring {} ms after it was made fast again",
+        back.as_millis()
+    );
+    thread::sleep(Duration::from_millis(500));
+    let outcomes = load.stop();
+    let evicted = slow_at + out;
+    for (title, from, to) in [
+        ("before the slowdown", Duration::ZERO, slow_at),
+        ("from the slowdown until it left", slow_at, evicted),
+        ("while it rested", evicted, fast_at + back),
+        ("after it returned", fast_at + back, Duration::MAX),
+    ] {
+        let (c, f) = tally(&outcomes, from, to);
+        show(&format!("requests sent {title}:"), &c, f);
+    }
+    let st = bed.status()?;
+    println!("\nrotations logged by the balancer:");
+    for e in &st.services[0].recent {
+        println!(
+            "  at {:>6.1}s  {} -> {:?} ring ({}), temperature {:.2}",
+            e.at_s, e.backend, e.to, e.reason, e.temperature
+        );
+    }
+    Ok(())
+}
+
 fn run() -> Result<()> {
     let args: Vec<String> = std::env::args().collect();
     let huddle = match args.iter().position(|a| a == "--huddle") {
@@ -82,15 +171,31 @@ fn run() -> Result<()> {
     testbed::require_root();
     println!("building the testbed: client, balancer and {BACKENDS} backends in network namespaces (10.213.0.0/24, VIP {VIP}:80)");
     let mut bed = Testbed::new("demo", BACKENDS)?;
-    bed.start_backends(&sibling("hc-backend")?)?;
-    let mut flags = vec!["--vip".to_string(), format!("{VIP}:80")];
+    bed.start_backends_with(
+        &sibling("hc-backend")?,
+        &["--delay-ms", &BASE_MS.to_string()],
+    )?;
+    println!("each backend answers HTTP in about {BASE_MS} ms");
+    let config = bed.dir.join("huddle.toml");
+    // Defaults everywhere except shorter rests, so the return is seen.
+    std::fs::write(
+        &config,
+        "[huddle]\nmin_rest_ms = 3000\ncooldown_ms = 1000\n",
+    )?;
+    let config_s = config.display().to_string();
+    let mut flags = vec![
+        "--config".to_string(),
+        config_s,
+        "--vip".to_string(),
+        format!("{VIP}:80"),
+    ];
     for i in 0..BACKENDS {
         flags.push("--backend".into());
         flags.push(format!("{}:{HTTP_PORT}", backend_ip(i)));
     }
     let flags: Vec<&str> = flags.iter().map(String::as_str).collect();
     println!(
-        "starting `huddle run --iface eth0 {}` in the balancer namespace",
+        "starting `huddle run --iface eth0 {}` in the balancer namespace\n(config: min_rest_ms = 3000, cooldown_ms = 1000; all else default: tick 100 ms, heat 0.55, cool 0.30)",
         flags.join(" ")
     );
     bed.start_huddle(&huddle, &flags)?;
@@ -126,7 +231,9 @@ fn run() -> Result<()> {
     })?;
     println!("\nring swap: {}", r.message.or(r.error).unwrap_or_default());
 
-    println!("\nthe balancer's own view (`huddle status`), from kernel counters:\n");
+    rotation_demo(&bed)?;
+
+    println!("\nthe balancer's own view now (`huddle status`), from kernel counters:\n");
     print!("{}", bed.status()?.render());
     println!("\ncleaning up: stopping the balancer (it detaches), the backends, and removing the namespaces");
     drop(bed);
