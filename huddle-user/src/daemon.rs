@@ -139,11 +139,7 @@ impl Balancer {
                 };
                 info!(
                     "rotation: {service} backend {backend} -> {} ring ({}), temperature {:.2}",
-                    if m.to == Place::Inner {
-                        "inner"
-                    } else {
-                        "outer"
-                    },
+                    m.to.as_str(),
                     ev.reason,
                     m.temperature
                 );

@@ -57,6 +57,16 @@ pub enum Place {
     Outer,
 }
 
+impl Place {
+    #[must_use]
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Place::Inner => "inner",
+            Place::Outer => "outer",
+        }
+    }
+}
+
 /// Why a member moved.
 #[derive(Clone, Debug, PartialEq, Serialize)]
 #[serde(tag = "kind", content = "detail", rename_all = "snake_case")]

@@ -162,27 +162,26 @@ impl Status {
                     health
                 );
             }
-            let notes: Vec<String> = s
-                .backends
-                .iter()
-                .filter_map(|b| b.host_note.as_ref().map(|n| format!("{}: {n}", b.addr)))
-                .collect();
-            for n in notes {
-                let _ = writeln!(out, "  note {n}");
+            // One line per distinct note, naming the backends it is about.
+            let mut notes: BTreeMap<&str, Vec<&str>> = BTreeMap::new();
+            for b in &s.backends {
+                if let Some(n) = &b.host_note {
+                    notes.entry(n).or_default().push(&b.addr);
+                }
             }
-            for e in s
-                .recent
-                .iter()
-                .rev()
-                .take(5)
-                .collect::<Vec<_>>()
-                .into_iter()
-                .rev()
-            {
+            for (n, addrs) in notes {
+                let _ = writeln!(out, "  note ({}): {n}", addrs.join(", "));
+            }
+            let skip = s.recent.len().saturating_sub(5);
+            for e in s.recent.iter().skip(skip) {
                 let _ = writeln!(
                     out,
-                    "  at {:>8.1}s  {} -> {:?} ring ({}), temperature {:.2}",
-                    e.at_s, e.backend, e.to, e.reason, e.temperature
+                    "  at {:>8.1}s  {} -> {} ring ({}), temperature {:.2}",
+                    e.at_s,
+                    e.backend,
+                    e.to.as_str(),
+                    e.reason,
+                    e.temperature
                 );
             }
             let _ = writeln!(out, "  service counters: {}", nonzero(&s.counters));

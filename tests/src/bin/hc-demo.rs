@@ -155,8 +155,12 @@ fn rotation_demo(bed: &Testbed) -> Result<()> {
     println!("\nrotations logged by the balancer:");
     for e in &st.services[0].recent {
         println!(
-            "  at {:>6.1}s  {} -> {:?} ring ({}), temperature {:.2}",
-            e.at_s, e.backend, e.to, e.reason, e.temperature
+            "  at {:>6.1}s  {} -> {} ring ({}), temperature {:.2}",
+            e.at_s,
+            e.backend,
+            e.to.as_str(),
+            e.reason,
+            e.temperature
         );
     }
     Ok(())
