@@ -447,6 +447,58 @@ fn ring_swap_steers_new_flows_and_keeps_established_ones() {
 }
 
 #[test]
+fn flows_of_a_backend_marked_dead_move_to_the_ring() {
+    let mut env = env("pr-move");
+    let ids = env.dp.services[0].backend_ids.clone();
+    env.dp.swap_ring(0, &ids[..1]).unwrap();
+    let (b, _) = open_flow(&env, 42500, &[backend(0)]);
+    assert_eq!(b, backend(0));
+    // Backend 0 dies: out of the ring, and marked so its flows move.
+    env.dp.swap_ring(0, &ids[1..2]).unwrap();
+    env.dp
+        .set_backend_flags(
+            ids[0],
+            (backend(0), 8080).into(),
+            huddle_common::backend_flags::MOVE_FLOWS,
+        )
+        .unwrap();
+    let data = client_frame(42500).flags(ACK | PSH).payload(b"more");
+    let (verdict, out) = env.run(&data.build()).unwrap();
+    assert_eq!(verdict, XDP_TX);
+    let ((src, port), (dst, _)) = endpoints(&out);
+    assert_eq!(
+        (src, dst),
+        (BALANCER_IP, backend(1)),
+        "the flow moved to the ring"
+    );
+    assert!(checksums_valid(&out));
+    assert_eq!(env.dp.backend_stats(ids[0]).unwrap().flows_moved, 1);
+    // The new backend's answer (a RST, for TCP) reaches the client.
+    let rst = Frame::tcp((backend(1), 8080), (BALANCER_IP, port))
+        .flags(RST | ACK)
+        .macs(mac_of(backend(1)), BALANCER_MAC)
+        .build();
+    let (verdict, out) = env.run(&rst).unwrap();
+    assert_eq!(verdict, XDP_TX);
+    assert_eq!(endpoints(&out), ((VIP, 80), (CLIENT, 42500)));
+    // It stays there: the next packet does not move again.
+    let (_, out) = env.run(&data.build()).unwrap();
+    assert_eq!(endpoints(&out).1 .0, backend(1));
+    assert_eq!(env.dp.backend_stats(ids[0]).unwrap().flows_moved, 1);
+    // Without the mark, an established flow stays on a backend out of the ring.
+    env.dp
+        .set_backend_flags(ids[0], (backend(0), 8080).into(), 0)
+        .unwrap();
+    let (b2, _) = {
+        env.dp.swap_ring(0, &ids[..1]).unwrap();
+        open_flow(&env, 42501, &[backend(0)])
+    };
+    env.dp.swap_ring(0, &ids[1..2]).unwrap();
+    let (_, out) = env.run(&client_frame(42501).flags(ACK).build()).unwrap();
+    assert_eq!(endpoints(&out).1 .0, b2);
+}
+
+#[test]
 fn a_closed_flow_reused_by_a_new_syn_gets_a_new_nat_entry() {
     let env = env("pr-reuse");
     let ring = [backend(0), backend(1), backend(2)];
