@@ -186,6 +186,8 @@ pub struct HuddleFile {
     pub warmup_ms: Option<u64>,
     pub full_anomaly_ratio: Option<f64>,
     pub latency_ceiling_ms: Option<f64>,
+    /// The inner ring's median latency counts as at least this (ms).
+    pub latency_floor_ms: Option<f64>,
     pub weights: Option<crate::thermal::Weights>,
     /// A backend owing answers this long (two or more requests, or one
     /// for five times as long) is hung.
@@ -609,6 +611,10 @@ fn validate_huddle(h: &HuddleFile) -> Result<Huddle> {
                 format!("huddle.metrics_listen: {a:?} is not IP:PORT or \"off\"")
             })?),
         };
+    let floor_ms = h.latency_floor_ms.unwrap_or(td.floor_ms);
+    if !floor_ms.is_finite() || floor_ms < 0.0 {
+        bail!("huddle.latency_floor_ms: {floor_ms} must be a number >= 0");
+    }
     let pf = h.probe.clone().unwrap_or_default();
     let path = pf.path.unwrap_or_else(|| "/".into());
     if !path.starts_with('/') || path.contains(char::is_whitespace) {
@@ -630,6 +636,7 @@ fn validate_huddle(h: &HuddleFile) -> Result<Huddle> {
             alpha: fraction(h.alpha, td.alpha, "huddle.alpha", true)?,
             full_anomaly_ratio: ratio,
             ceiling_ms: h.latency_ceiling_ms,
+            floor_ms,
         },
         rotation_params: RotationParams {
             heat,

@@ -42,6 +42,9 @@ pub struct ThermalParams {
     /// Above this mean latency a backend is fully anomalous whatever the
     /// median (covers the whole cluster slowing down).
     pub ceiling_ms: Option<f64>,
+    /// The median is taken as at least this: below a millisecond, a 3x
+    /// ratio is scheduler noise, not a slow server.
+    pub floor_ms: f64,
 }
 
 impl Default for ThermalParams {
@@ -51,6 +54,7 @@ impl Default for ThermalParams {
             alpha: 0.6,
             full_anomaly_ratio: 3.0,
             ceiling_ms: None,
+            floor_ms: 1.0,
         }
     }
 }
@@ -103,7 +107,8 @@ pub fn anomaly(latency_ms: f64, median_ms: f64, p: &ThermalParams) -> f64 {
         return 0.0;
     }
     let span = (p.full_anomaly_ratio - 1.0).max(f64::EPSILON);
-    unit((latency_ms / median_ms - 1.0) / span)
+    let base = median_ms.max(p.floor_ms);
+    unit((latency_ms / base - 1.0) / span)
 }
 
 /// The raw score of `r` against the inner ring's median latency.
@@ -166,6 +171,12 @@ mod tests {
         assert_eq!(anomaly(30.0, 10.0, &p), 1.0);
         assert_eq!(anomaly(300.0, 100.0, &p), 1.0, "scale free");
         assert_eq!(anomaly(5.0, 10.0, &p), 0.0, "faster than median");
+        assert_eq!(
+            anomaly(0.9, 0.1, &p),
+            0.0,
+            "sub-millisecond jitter is no anomaly"
+        );
+        assert_eq!(anomaly(3.0, 0.1, &p), 1.0, "3 ms against the 1 ms floor");
         let c = ThermalParams {
             ceiling_ms: Some(50.0),
             ..p

@@ -26,6 +26,7 @@ const RATE: f64 = 200.0;
 const BASE_MS: u32 = 10;
 /// The acceptance bound: out of the inner ring this soon after the fault.
 const BOUND: Duration = Duration::from_millis(500);
+const AGENT_PORT: u16 = 9100;
 
 fn serial() -> MutexGuard<'static, ()> {
     static LOCK: Mutex<()> = Mutex::new(());
@@ -49,9 +50,14 @@ fn bed(tag: &str, extra_huddle: &str, metrics: bool) -> Testbed {
     let backends: Vec<String> = (0..N)
         .map(|i| {
             if metrics {
+                // The last backend's host metrics come from `huddle agent`.
+                let url = if i == N - 1 {
+                    format!("{}:{AGENT_PORT}", backend_ip(i))
+                } else {
+                    addr(i)
+                };
                 format!(
-                    "{{ addr = \"{}\", metrics = \"http://{}/metrics\" }}",
-                    addr(i),
+                    "{{ addr = \"{}\", metrics = \"http://{url}/metrics\" }}",
                     addr(i)
                 )
             } else {
@@ -295,7 +301,16 @@ fn a_hung_backend_leaves_within_the_bound() {
 #[test]
 fn a_backend_reporting_high_cpu_warms_up() {
     let _turn = serial();
-    let bed = bed("hcpu", "metrics_interval_ms = 200", true);
+    let mut bed = bed("hcpu", "metrics_interval_ms = 200", true);
+    let listen = format!("0.0.0.0:{AGENT_PORT}");
+    let agent = testbed::spawn_in(
+        &bed.backends[N - 1],
+        Path::new(HUDDLE),
+        &["agent", "--listen", &listen],
+        None,
+    )
+    .expect("start huddle agent");
+    bed.procs.push(agent);
     bed.backend_admin(0, "cpu=0.95").unwrap();
     let t0 = Instant::now();
     loop {
@@ -304,7 +319,12 @@ fn a_backend_reporting_high_cpu_warms_up() {
         let others = (1..N)
             .map(|i| backend(&st, i).temperature)
             .fold(0.0, f64::max);
-        if hot.cpu.is_some_and(|c| c > 0.9) && hot.temperature > others + 0.05 {
+        let by_agent = backend(&st, N - 1);
+        if hot.cpu.is_some_and(|c| c > 0.9)
+            && hot.temperature > others + 0.05
+            && by_agent.cpu.is_some()
+            && by_agent.memory.is_some()
+        {
             println!(
                 "b0 reports cpu {:.2}: temperature {:.3} (cpu term {:.2}) vs at most {others:.3} for the others, after {} ms",
                 hot.cpu.unwrap(),
@@ -318,6 +338,15 @@ fn a_backend_reporting_high_cpu_warms_up() {
                 backend(&st, 1)
             );
             assert!(hot.host_note.is_none(), "{hot:?}");
+            let (c, m) = (
+                by_agent.cpu.unwrap_or(-1.0),
+                by_agent.memory.unwrap_or(-1.0),
+            );
+            println!(
+                "b{} via `huddle agent` (this host's /proc): cpu {c:.2}, memory {m:.2}",
+                N - 1
+            );
+            assert!((0.0..=1.0).contains(&m) && m > 0.0);
             break;
         }
         assert!(
