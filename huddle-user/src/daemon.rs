@@ -188,13 +188,15 @@ impl Balancer {
         }
     }
 
-    /// (service, backend, address) of every backend, for probes.
+    /// (service, backend, address) of every backend of a TCP service, for
+    /// probes (a UDP service's protocol is unknown to us).
     #[must_use]
     pub fn probe_targets(&self) -> Vec<(usize, usize, SocketAddr)> {
         self.cfg
             .services
             .iter()
             .enumerate()
+            .filter(|(_, s)| s.proto == crate::config::Proto::Tcp)
             .flat_map(|(si, s)| {
                 s.backends
                     .iter()

@@ -8,7 +8,7 @@
 //! its probe latency against the inner ring's median probe latency.
 
 use crate::{
-    config::{BackendOptions, Huddle as Settings, Service},
+    config::{BackendOptions, Huddle as Settings, Proto, Service},
     probe::ProbeResult,
     rotation::{Engine, Move, Place, Reason},
     scrape::HostTracker,
@@ -41,6 +41,9 @@ pub struct Window {
 pub struct Tracker {
     pub id: u32,
     pub opts: BackendOptions,
+    /// A UDP backend: may be one-way, so owing an answer proves nothing,
+    /// and it is not probed.
+    pub udp: bool,
     prev: Option<(BackendStats, Latency)>,
     ticks: VecDeque<TickSamples>,
     pub window: Window,
@@ -70,10 +73,11 @@ pub struct Tracker {
 
 impl Tracker {
     #[must_use]
-    pub fn new(id: u32, opts: BackendOptions) -> Tracker {
+    pub fn new(id: u32, opts: BackendOptions, udp: bool) -> Tracker {
         Tracker {
             id,
             opts,
+            udp,
             prev: None,
             ticks: VecDeque::new(),
             window: Window::default(),
@@ -164,6 +168,9 @@ impl Tracker {
         self.kernel_fault = None;
         if refused >= 2 && refused as f64 >= s.error_threshold * conns.max(1) as f64 {
             self.kernel_fault = Some(format!("refused {refused} of {conns} connections"));
+        }
+        if self.udp {
+            return;
         }
         let hung_ns = s.hung_after.as_nanos() as u64;
         if let Some(age) = owed(pulse.turn_wait_ns, now_ns, stats.turns, &mut self.wait_seen) {
@@ -308,7 +315,7 @@ impl ServiceHuddle {
             trackers: ids
                 .iter()
                 .zip(&service.options)
-                .map(|(id, o)| Tracker::new(*id, o.clone()))
+                .map(|(id, o)| Tracker::new(*id, o.clone(), service.proto == Proto::Udp))
                 .collect(),
             rotation: s.rotation,
         }
@@ -392,6 +399,15 @@ mod tests {
         Settings::default()
     }
 
+    fn tracker() -> Tracker {
+        let s = Service::plain(
+            "1.1.1.1:1".parse().unwrap(),
+            Proto::Tcp,
+            vec!["2.2.2.2:2".parse().unwrap()],
+        );
+        Tracker::new(0, s.options[0].clone(), false)
+    }
+
     fn stats(answered: u64, ttfb_ms: u64, turns: u64) -> BackendStats {
         BackendStats {
             answered,
@@ -413,16 +429,7 @@ mod tests {
     #[test]
     fn window_takes_newest_ticks_until_enough_samples() {
         let s = settings();
-        let mut t = Tracker::new(
-            0,
-            Service::plain(
-                "1.1.1.1:1".parse().unwrap(),
-                crate::config::Proto::Tcp,
-                vec!["2.2.2.2:2".parse().unwrap()],
-            )
-            .options[0]
-                .clone(),
-        );
+        let mut t = tracker();
         let p = Pulse::default();
         t.observe(&stats(0, 0, 0), &Latency::default(), &p, 0, &s);
         // 5 samples of 10 ms.
@@ -442,14 +449,7 @@ mod tests {
     #[test]
     fn a_backend_owing_answers_too_long_is_hung() {
         let s = settings();
-        let opts = Service::plain(
-            "1.1.1.1:1".parse().unwrap(),
-            crate::config::Proto::Tcp,
-            vec!["2.2.2.2:2".parse().unwrap()],
-        )
-        .options[0]
-            .clone();
-        let mut t = Tracker::new(0, opts);
+        let mut t = tracker();
         let ms = 1_000_000u64;
         let owes = Pulse {
             turn_wait_ns: 1000 * ms,
