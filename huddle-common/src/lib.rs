@@ -156,8 +156,11 @@ pub struct ServiceValue {
 pub struct Backend {
     pub addr: Addr,
     pub port_be: u16,
+    /// 0 for an unused slot.
     pub family: u8,
-    pub _pad: u8,
+    /// The service the backend belongs to: lets a restarted control plane
+    /// find each backend's id again (ids must not change under live flows).
+    pub service: u8,
     pub flags: u32,
 }
 

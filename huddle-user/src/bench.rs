@@ -45,6 +45,9 @@ fn bench_config() -> Config {
         },
         flow_table_size: 1 << 18,
         control_socket: "/dev/null".into(),
+        pin_dir: None,
+        state_file: "/dev/null".into(),
+        detach_on_exit: true,
         services: vec![Service::plain(
             (VIP, 80).into(),
             Proto::Tcp,

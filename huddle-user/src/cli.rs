@@ -34,6 +34,18 @@ enum Cmd {
     },
     /// Take a backend out of its rings; its existing flows finish normally.
     Drain(DrainArgs),
+    /// Detach the balancer from an interface and remove its pinned maps
+    /// (through its daemon if one runs, else directly).
+    Stop {
+        #[command(flatten)]
+        target: Target,
+        /// Pin folder (default: the interface's).
+        #[arg(long)]
+        pin_dir: Option<PathBuf>,
+        /// State file (default: next to the control socket).
+        #[arg(long)]
+        state_file: Option<PathBuf>,
+    },
     /// Put a drained backend back into its rings.
     Undrain(DrainArgs),
     /// Check a configuration file and exit.
@@ -124,6 +136,14 @@ struct RunArgs {
     /// Prometheus endpoint address, or "off" (default 127.0.0.1:9477).
     #[arg(long)]
     metrics_listen: Option<String>,
+    /// bpffs folder for the pinned maps and link
+    /// (default /sys/fs/bpf/huddle/IFACE).
+    #[arg(long)]
+    pin_dir: Option<PathBuf>,
+    /// Remove the data plane when the daemon exits (default: it keeps
+    /// running and the next `huddle run` takes it over).
+    #[arg(long)]
+    detach_on_exit: bool,
 }
 
 impl RunArgs {
@@ -143,6 +163,10 @@ impl RunArgs {
         }
         file.huddle.tick_ms = self.tick_ms.or(file.huddle.tick_ms);
         file.huddle.metrics_listen = self.metrics_listen.or(file.huddle.metrics_listen);
+        file.pin_dir = self.pin_dir.or(file.pin_dir);
+        if self.detach_on_exit {
+            file.detach_on_exit = Some(true);
+        }
         match (self.vip, self.backends.is_empty()) {
             (Some(vip), _) => file.services.push(ServiceFile {
                 vip,
@@ -206,6 +230,21 @@ fn dispatch(cmd: Cmd) -> Result<()> {
             } else {
                 print!("{}", status.render());
             }
+            Ok(())
+        }
+        Cmd::Stop {
+            target,
+            pin_dir,
+            state_file,
+        } => {
+            let socket = target.socket()?;
+            let pins = match (pin_dir, &target.iface) {
+                (Some(p), _) => p,
+                (None, Some(i)) => crate::host::default_pin_dir(i),
+                (None, None) => bail!("say which pin folder: --iface IFACE or --pin-dir PATH"),
+            };
+            let state_file = state_file.unwrap_or_else(|| socket.with_extension("state"));
+            println!("{}", crate::daemon::stop(&socket, &pins, &state_file)?);
             Ok(())
         }
         Cmd::Drain(a) => control_message(

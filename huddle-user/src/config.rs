@@ -235,6 +235,14 @@ pub struct ConfigFile {
     pub flow_table_size: Option<u32>,
     /// Path of the control socket `huddle status` talks to.
     pub control_socket: Option<PathBuf>,
+    /// bpffs folder where the maps and the XDP link are pinned, so the
+    /// data plane outlives the daemon (default /sys/fs/bpf/huddle/IFACE).
+    pub pin_dir: Option<PathBuf>,
+    /// Where temperatures are kept across restarts (default: the control
+    /// socket's path with extension `.state`).
+    pub state_file: Option<PathBuf>,
+    /// Remove the data plane when the daemon exits (default: keep it).
+    pub detach_on_exit: Option<bool>,
     #[serde(default, rename = "service")]
     pub services: Vec<ServiceFile>,
     #[serde(default)]
@@ -335,6 +343,10 @@ pub struct Config {
     pub nat_ports: PortRange,
     pub flow_table_size: u32,
     pub control_socket: PathBuf,
+    /// `None`: the default for the interface (see `host::default_pin_dir`).
+    pub pin_dir: Option<PathBuf>,
+    pub state_file: PathBuf,
+    pub detach_on_exit: bool,
     pub services: Vec<Service>,
     pub huddle: Huddle,
 }
@@ -506,12 +518,26 @@ impl ConfigFile {
         let control_socket = self
             .control_socket
             .unwrap_or_else(|| default_control_socket(&interface));
+        let state_file = self
+            .state_file
+            .unwrap_or_else(|| control_socket.with_extension("state"));
+        if let Some(p) = &self.pin_dir {
+            if !p.is_absolute() {
+                bail!(
+                    "pin_dir: {} must be an absolute path on a bpffs",
+                    p.display()
+                );
+            }
+        }
         Ok(Config {
             interface,
             snat_ip: self.snat_ip,
             xdp_mode: self.xdp_mode.unwrap_or_default(),
             nat_ports,
             flow_table_size,
+            pin_dir: self.pin_dir,
+            state_file,
+            detach_on_exit: self.detach_on_exit.unwrap_or(false),
             control_socket,
             services,
             huddle,

@@ -24,6 +24,8 @@ pub enum Request {
         backend: String,
         vip: Option<String>,
     },
+    /// Detach, remove the pinned data plane, restore sysctls, exit.
+    Stop,
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize)]

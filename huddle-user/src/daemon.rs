@@ -4,11 +4,15 @@
 use crate::{
     config::Config,
     control::{Reply, Request, MAX_REQUEST},
-    dataplane::Dataplane,
+    dataplane::{self, Dataplane},
     host,
     huddle::ServiceHuddle,
     rotation::Place,
     status::{counters, BackendStatus, RotationEvent, ServiceStatus, Status},
+};
+use crate::{
+    state::{self, Saved, SavedBackend, SavedService},
+    thermal,
 };
 use anyhow::{bail, Context, Result};
 use huddle_common::{backend_flags, Pulse};
@@ -41,14 +45,22 @@ pub struct Balancer {
     /// Backends whose flows the kernel is moving off (marked dead).
     moving: HashSet<u32>,
     started: Instant,
+    /// Told when an operator asks the daemon to stop and remove everything.
+    pub stop: Arc<tokio::sync::Notify>,
+    /// Set with `stop`: remove the data plane on the way out.
+    pub remove_on_exit: bool,
+    /// Sysctl values from before the first start, kept in the state file.
+    pub sysctl_originals: Vec<(PathBuf, String)>,
 }
 
 /// Rotations kept for `huddle status`.
 const EVENTS_KEPT: usize = 50;
 
 impl Balancer {
+    /// The balancer over a loaded data plane, carrying on from `saved` if
+    /// given.
     #[must_use]
-    pub fn new(dp: Dataplane, cfg: Config) -> Balancer {
+    pub fn new(dp: Dataplane, cfg: Config, saved: Option<&Saved>) -> Balancer {
         let huddles = cfg
             .services
             .iter()
@@ -62,8 +74,14 @@ impl Balancer {
             events: VecDeque::new(),
             moving: HashSet::new(),
             started: Instant::now(),
+            stop: Arc::new(tokio::sync::Notify::new()),
+            remove_on_exit: false,
+            sysctl_originals: Vec::new(),
         };
-        // A warm-up may have started some backends resting.
+        if let Some(saved) = saved {
+            b.restore(saved);
+        }
+        // A warm-up or the saved state may have some backends resting.
         for si in 0..b.huddles.len() {
             if let Err(e) = b.publish(si) {
                 warn!("{e:#}");
@@ -74,6 +92,79 @@ impl Balancer {
 
     fn now(&self) -> Duration {
         self.started.elapsed()
+    }
+
+    /// Writes the state file; a failure is logged, never fatal.
+    pub fn save_state(&self) {
+        if let Err(e) = state::save(&self.cfg.state_file, &self.snapshot()) {
+            warn!("{e:#}");
+        }
+    }
+
+    /// Temperatures and places, for the state file.
+    #[must_use]
+    pub fn snapshot(&self) -> Saved {
+        let now = self.now();
+        let mut saved = Saved::new(&self.cfg.interface);
+        saved.sysctls = self.sysctl_originals.clone();
+        for (si, s) in self.cfg.services.iter().enumerate() {
+            let h = &self.huddles[si];
+            saved.services.push(SavedService {
+                name: s.name(),
+                backends: s
+                    .backends
+                    .iter()
+                    .enumerate()
+                    .map(|(bi, a)| {
+                        let m = &h.engine.members[bi];
+                        SavedBackend {
+                            addr: a.to_string(),
+                            temperature: m.temperature,
+                            place: m.place,
+                            drained: m.drained,
+                            unhealthy: m.unhealthy.clone(),
+                            strikes: m.strikes,
+                            rotations: m.rotations,
+                            rest_left_ms: m.rest_until.saturating_sub(now).as_millis() as u64,
+                        }
+                    })
+                    .collect(),
+            });
+        }
+        saved
+    }
+
+    /// Carries on from a saved state: temperatures, places, rests. Backends
+    /// and services not in it start fresh.
+    pub fn restore(&mut self, saved: &Saved) {
+        let now = self.now();
+        let mut n = 0;
+        for (si, s) in self.cfg.services.iter().enumerate() {
+            let Some(ss) = saved.services.iter().find(|x| x.name == s.name()) else {
+                continue;
+            };
+            for (bi, a) in s.backends.iter().enumerate() {
+                let Some(sb) = ss.backends.iter().find(|b| b.addr == a.to_string()) else {
+                    continue;
+                };
+                let h = &mut self.huddles[si];
+                let t = thermal::unit(sb.temperature);
+                h.trackers[bi].temperature = t;
+                h.trackers[bi].unhealthy = sb.unhealthy.clone();
+                let m = &mut h.engine.members[bi];
+                m.temperature = t;
+                m.place = sb.place;
+                m.drained = sb.drained;
+                m.unhealthy = sb.unhealthy.clone();
+                m.strikes = sb.strikes;
+                m.rotations = sb.rotations;
+                m.rest_until = now + Duration::from_millis(sb.rest_left_ms);
+                n += 1;
+            }
+            // The engine's floor holds at once, whatever the file said.
+            let _ = self.huddles[si].engine.tick(now);
+        }
+        info!("carried on the temperatures and places of {n} backend(s) from the last run");
     }
 
     /// Every backend address, for neighbour resolution.
@@ -102,6 +193,7 @@ impl Balancer {
     pub fn tick(&mut self) {
         let now = self.now();
         let now_ns = host::monotonic_ns();
+        let mut rotated = false;
         for si in 0..self.huddles.len() {
             for bi in 0..self.huddles[si].trackers.len() {
                 let id = self.huddles[si].trackers[bi].id;
@@ -126,6 +218,7 @@ impl Balancer {
             }
             let was_panic = self.huddles[si].engine.panic;
             let moves = self.huddles[si].step(&self.cfg.huddle, now);
+            rotated |= !moves.is_empty();
             let service = self.cfg.services[si].name();
             for m in moves {
                 let backend = self.cfg.services[si].backends[m.member];
@@ -160,6 +253,10 @@ impl Balancer {
             if self.cfg.huddle.move_flows_off_dead {
                 self.mark_dead(si);
             }
+        }
+        // A restart must not undo a rotation: save it at once.
+        if rotated {
+            self.save_state();
         }
     }
 
@@ -355,6 +452,7 @@ impl Balancer {
             self.huddles[si].engine.set_drained(bi, drain, now);
             self.publish(si)?;
         }
+        self.save_state();
         let verb = if drain { "drained" } else { "restored" };
         let msg = format!("{backend} {verb} in {} service(s)", targets.len());
         info!("{msg}");
@@ -375,6 +473,14 @@ impl Balancer {
             Request::Undrain { backend, vip } => self
                 .set_drained(&backend, vip.as_deref(), false)
                 .map(Reply::message),
+            Request::Stop => {
+                self.remove_on_exit = true;
+                self.stop.notify_one();
+                Ok(Reply::message(format!(
+                    "stopping: detaching from {} and removing its pinned maps",
+                    self.cfg.interface
+                )))
+            }
         };
         result.unwrap_or_else(|e| Reply::error(&e))
     }
@@ -446,18 +552,56 @@ pub async fn run(cfg: Config) -> Result<()> {
         None => None,
     };
 
-    let dp = Dataplane::load(&cfg, snat)?;
-    let sysctls = host::Sysctls::apply(&cfg.interface)?;
-    let mut balancer = Balancer::new(dp, cfg.clone());
-    host::warm_neighbours(&balancer.backend_addrs());
-    let mode = balancer.dp.attach(ifindex, cfg.xdp_mode)?;
+    let pins = cfg
+        .pin_dir
+        .clone()
+        .unwrap_or_else(|| host::default_pin_dir(&cfg.interface));
+    host::ensure_bpffs(&pins)?;
+    let saved = state::load(&cfg.state_file);
+    // A start that fails must leave nothing behind: pins it created go.
+    let existed = pins.join(huddle_common::maps::FLOWS).exists();
+    let started = (|| -> Result<_> {
+        let dp = Dataplane::load(&cfg, snat, Some(&pins))?;
+        let sysctls = host::Sysctls::apply(
+            &cfg.interface,
+            saved
+                .as_ref()
+                .map(|s| s.sysctls.clone())
+                .unwrap_or_default(),
+        )?;
+        let mut balancer = Balancer::new(dp, cfg.clone(), saved.as_ref());
+        host::warm_neighbours(&balancer.backend_addrs());
+        let mode = balancer.dp.attach(ifindex, cfg.xdp_mode)?;
+        Ok((balancer, sysctls, mode))
+    })();
+    let (balancer, mut sysctls, mode) = match started {
+        Ok(s) => s,
+        Err(e) => {
+            if !existed {
+                let _ = dataplane::unpin(&pins);
+            }
+            return Err(e);
+        }
+    };
+    let adopted = balancer.dp.adopted;
+    if adopted {
+        info!(
+            "took over the running data plane on {} (pinned under {}): flows, NAT entries and counters carry on",
+            cfg.interface,
+            pins.display()
+        );
+    }
     info!(
-        "attached to {} in {} mode; SNAT {snat}, NAT ports {}; control socket {}",
+        "attached to {} in {} mode; SNAT {snat}, NAT ports {}; control socket {}; pinned under {}",
         cfg.interface,
         mode.as_str(),
         cfg.nat_ports,
-        cfg.control_socket.display()
+        cfg.control_socket.display(),
+        pins.display()
     );
+    let mut balancer = balancer;
+    balancer.sysctl_originals = sysctls.saved.clone();
+    balancer.save_state();
     for s in &cfg.services {
         info!("service {} -> {} backends", s.name(), s.backends.len());
     }
@@ -480,6 +624,7 @@ pub async fn run(cfg: Config) -> Result<()> {
         },
         h.probe.interval
     );
+    let stop = balancer.stop.clone();
     let shared = Arc::new(Mutex::new(balancer));
 
     let mut tasks = vec![
@@ -492,6 +637,7 @@ pub async fn run(cfg: Config) -> Result<()> {
             }
         }),
         tokio::spawn(ticker(shared.clone(), cfg.huddle.tick)),
+        tokio::spawn(saver(shared.clone())),
         tokio::spawn(prober(shared.clone(), cfg.huddle.probe.clone())),
         tokio::spawn(scraper(
             shared.clone(),
@@ -511,8 +657,9 @@ pub async fn run(cfg: Config) -> Result<()> {
     let mut term = signal(SignalKind::terminate())?;
     let mut int = signal(SignalKind::interrupt())?;
     tokio::select! {
-        _ = term.recv() => info!("SIGTERM: detaching"),
-        _ = int.recv() => info!("SIGINT: detaching"),
+        _ = term.recv() => info!("SIGTERM"),
+        _ = int.recv() => info!("SIGINT"),
+        () = stop.notified() => info!("stop requested"),
     }
     for t in &tasks {
         t.abort();
@@ -520,17 +667,94 @@ pub async fn run(cfg: Config) -> Result<()> {
     for t in tasks {
         let _ = t.await;
     }
-    // Dropping the last reference detaches the program and frees the maps.
+    let remove = cfg.detach_on_exit || lock(&shared).remove_on_exit;
+    if !remove {
+        lock(&shared).save_state();
+        sysctls.keep();
+        info!(
+            "exiting; the data plane keeps running on {} (pinned under {}); `huddle run` again takes it over, `huddle stop --iface {}` removes it",
+            cfg.interface,
+            pins.display(),
+            cfg.interface
+        );
+        return Ok(());
+    }
+    // Unpin first, then close our descriptors: the link goes with the last.
+    match dataplane::unpin(&pins) {
+        Ok(n) => info!("removed {n} pinned objects under {}", pins.display()),
+        Err(e) => warn!("{e:#}"),
+    }
     match Arc::try_unwrap(shared) {
         Ok(m) => drop(m.into_inner()),
         Err(_) => warn!("control connections still open; the program detaches as they close"),
     }
     drop(sysctls);
+    let _ = std::fs::remove_file(&cfg.state_file);
     info!(
         "detached from {}; maps freed and sysctls restored",
         cfg.interface
     );
     Ok(())
+}
+
+/// Writes the state file every second (and `tick` after any rotation).
+async fn saver(shared: Arc<Mutex<Balancer>>) {
+    let mut tick = tokio::time::interval(Duration::from_secs(1));
+    loop {
+        tick.tick().await;
+        lock(&shared).save_state();
+    }
+}
+
+/// Stops the balancer of `cfg`'s interface: through its daemon if one
+/// answers, else by removing what a daemon left pinned. Returns what was
+/// done.
+pub fn stop(socket: &Path, pins: &Path, state_file: &Path) -> Result<String> {
+    if let Ok(reply) = crate::control::call(socket, &Request::Stop) {
+        if !reply.ok {
+            bail!("{}", reply.error.unwrap_or_default());
+        }
+        // Wait for the daemon to finish (it removes its socket last).
+        for _ in 0..100 {
+            if !socket.exists() {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        return Ok(reply.message.unwrap_or_default());
+    }
+    let saved = state::load(state_file);
+    let n = dataplane::unpin(pins)?;
+    let mut restored = false;
+    if let Some(s) = &saved {
+        // The sysctls are per namespace: restore only in the daemon's own.
+        if s.netns == state::netns_inode() {
+            host::Sysctls::restore_saved(&s.sysctls);
+            restored = true;
+        } else {
+            warn!(
+                "the daemon ran in another network namespace: its sysctls on {} are left as they are",
+                s.interface
+            );
+        }
+    }
+    let _ = std::fs::remove_file(state_file);
+    if n == 0 && saved.is_none() {
+        bail!(
+            "nothing to stop: no daemon answers on {} and nothing is pinned under {}",
+            socket.display(),
+            pins.display()
+        );
+    }
+    Ok(format!(
+        "no daemon was running; removed {n} pinned objects under {} (the program detached){}",
+        pins.display(),
+        if restored {
+            " and restored the sysctls"
+        } else {
+            ""
+        }
+    ))
 }
 
 /// Locks the balancer; a panic elsewhere must not stop the data plane's

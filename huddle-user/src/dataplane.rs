@@ -9,7 +9,11 @@ use crate::{
 use anyhow::{bail, Context, Result};
 use aya::{
     maps::{Array, HashMap, MapData, PerCpuArray, PerCpuValues},
-    programs::{xdp::XdpLinkId, Xdp},
+    programs::{
+        links::{FdLink, PinnedLink},
+        xdp::{XdpLink, XdpLinkId},
+        Xdp,
+    },
     Ebpf, EbpfLoader,
 };
 use huddle_common::{
@@ -17,22 +21,48 @@ use huddle_common::{
     Latency, Pulse, Ring, ServiceKey, ServiceStats, ServiceValue, FAMILY_V4, PROGRAM_NAME,
     RING_CAPACITY,
 };
+use huddle_common::{MAX_BACKENDS, MAX_SERVICES};
 use std::{
+    collections::{HashMap as StdHashMap, HashSet},
     net::{IpAddr, Ipv4Addr, SocketAddr},
+    path::{Path, PathBuf},
     time::{Duration, Instant},
 };
-use tracing::warn;
+use tracing::{info, warn};
 
 /// How long a retired ring slot is left alone before it is rewritten. A
 /// packet reads a ring within microseconds; this is orders of magnitude
 /// more, and the kernel side re-checks the generation anyway.
 pub const SLOT_REUSE_GUARD: Duration = Duration::from_millis(2);
 
+/// Name of the pinned XDP link in the pin folder.
+pub const LINK_PIN: &str = "link";
+
+/// Removes everything pinned in `dir`: the link (the program detaches once
+/// no process holds it) and the maps (freed with their last user). Returns
+/// what was removed.
+pub fn unpin(dir: &Path) -> Result<usize> {
+    let mut n = 0;
+    for name in std::iter::once(LINK_PIN).chain(maps::ALL) {
+        let p = dir.join(name);
+        if p.exists() {
+            std::fs::remove_file(&p).with_context(|| format!("removing {}", p.display()))?;
+            n += 1;
+        }
+    }
+    if dir.exists() {
+        std::fs::remove_dir(dir).with_context(|| format!("removing {}", dir.display()))?;
+    }
+    Ok(n)
+}
+
 /// Mode the program ended up attached in.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum AttachedMode {
     Native,
     Generic,
+    /// Took over the link a previous run pinned (its mode unchanged).
+    Adopted,
 }
 
 impl AttachedMode {
@@ -41,6 +71,7 @@ impl AttachedMode {
         match self {
             AttachedMode::Native => "native",
             AttachedMode::Generic => "generic",
+            AttachedMode::Adopted => "adopted",
         }
     }
 }
@@ -62,6 +93,11 @@ pub struct ServiceSlot {
 pub struct Dataplane {
     ebpf: Ebpf,
     link: Option<XdpLinkId>,
+    pinned_link: Option<PinnedLink>,
+    /// The bpffs folder holding the maps and the link, if pinned.
+    pub pins: Option<PathBuf>,
+    /// The maps were left by an earlier run and taken over.
+    pub adopted: bool,
     pub mode: Option<AttachedMode>,
     pub snat: Ipv4Addr,
     pub nat_ports: PortRange,
@@ -88,12 +124,29 @@ where
 }
 
 impl Dataplane {
-    /// Loads the program and programs every map, without attaching: a
-    /// failure here leaves nothing behind in the kernel.
-    pub fn load(cfg: &Config, snat: Ipv4Addr) -> Result<Dataplane> {
-        let mut ebpf = EbpfLoader::new()
+    /// Loads the program and programs every map, without attaching.
+    ///
+    /// With `pins`, the maps live in that bpffs folder. If an earlier run
+    /// left them there (its program still attached), they are adopted:
+    /// flows, NAT entries and counters carry on, services and backends keep
+    /// their ids, and the configuration is reconciled into them. Without
+    /// `pins` (tests, benchmarks) nothing outlives the process, and a
+    /// failure leaves nothing behind.
+    pub fn load(cfg: &Config, snat: Ipv4Addr, pins: Option<&Path>) -> Result<Dataplane> {
+        let mut loader = EbpfLoader::new();
+        loader
             .map_max_entries(maps::FLOWS, cfg.flow_table_size)
-            .map_max_entries(maps::NAT, cfg.flow_table_size)
+            .map_max_entries(maps::NAT, cfg.flow_table_size);
+        let mut adopted = false;
+        if let Some(dir) = pins {
+            std::fs::create_dir_all(dir)
+                .with_context(|| format!("creating the pin folder {}", dir.display()))?;
+            adopted = dir.join(maps::FLOWS).exists();
+            for name in maps::ALL {
+                loader.map_pin_path(name, dir.join(name));
+            }
+        }
+        let mut ebpf = loader
             .load(object::HUDDLE)
             .context("loading the XDP object into the kernel")?;
         let prog: &mut Xdp = ebpf
@@ -106,6 +159,21 @@ impl Dataplane {
         match aya_log::EbpfLogger::init(&mut ebpf) {
             Ok(logger) => crate::logs::forward(logger),
             Err(e) => warn!("kernel log forwarding unavailable: {e}"),
+        }
+        if adopted {
+            if let Some(flows) = ebpf.map(maps::FLOWS) {
+                let size = match flows {
+                    aya::maps::Map::LruHashMap(m) => m.info().ok().map(|i| i.max_entries()),
+                    _ => None,
+                };
+                if size.is_some_and(|n| n != cfg.flow_table_size) {
+                    warn!(
+                        "the adopted flow table holds {} entries, not flow_table_size {}: resizing needs `huddle stop` (which drops every flow) and a fresh start",
+                        size.unwrap_or(0),
+                        cfg.flow_table_size
+                    );
+                }
+            }
         }
 
         let mut config: Array<MapData, KernelConfig> = take(&mut ebpf, maps::CONFIG)?;
@@ -137,44 +205,168 @@ impl Dataplane {
             pulse: take(&mut ebpf, maps::PULSE)?,
             ebpf,
             link: None,
+            pinned_link: None,
+            pins: pins.map(Path::to_path_buf),
+            adopted,
             mode: None,
             snat,
             nat_ports: cfg.nat_ports,
             services: Vec::new(),
         };
-        let mut next_backend = 0u32;
-        for (id, service) in cfg.services.iter().enumerate() {
-            let id = id as u32;
-            let mut backend_ids = Vec::new();
-            for addr in &service.backends {
-                dp.backends_map
-                    .set(next_backend, backend_value(*addr), 0)
-                    .with_context(|| format!("writing backend {addr}"))?;
-                backend_ids.push(next_backend);
-                next_backend += 1;
-            }
-            dp.services.push(ServiceSlot {
-                id,
-                service: service.clone(),
-                ring: Vec::new(),
-                backend_ids: backend_ids.clone(),
-                generation: 0,
-                last_swap: None,
-            });
-            dp.swap_ring(id as usize, &backend_ids)?;
-            dp.services_map
-                .insert(
-                    service_key(service.vip, service.proto),
-                    ServiceValue { id, flags: 0 },
-                    0,
-                )
-                .with_context(|| format!("writing service {}", service.name()))?;
-        }
+        dp.reconcile(cfg)?;
         Ok(dp)
     }
 
-    /// Attaches to `ifindex` in the requested mode.
+    /// Makes the maps say what `cfg` says, keeping the ids of services and
+    /// backends already there (live flows name backends by id) and the
+    /// live ring of each kept service (the huddle decides changes).
+    fn reconcile(&mut self, cfg: &Config) -> Result<()> {
+        let old_services: StdHashMap<ServiceKey, u32> = self
+            .services_map
+            .iter()
+            .filter_map(Result::ok)
+            .map(|(k, v)| (k, v.id))
+            .collect();
+        let mut used_sids: HashSet<u32> = HashSet::new();
+        let mut want: Vec<(ServiceKey, Option<u32>)> = cfg
+            .services
+            .iter()
+            .map(|s| {
+                let k = service_key(s.vip, s.proto);
+                let id = old_services.get(&k).copied();
+                if let Some(id) = id {
+                    used_sids.insert(id);
+                }
+                (k, id)
+            })
+            .collect();
+        for w in &mut want {
+            if w.1.is_none() {
+                let id = (0..MAX_SERVICES)
+                    .find(|i| !used_sids.contains(i))
+                    .context("no free service id")?;
+                used_sids.insert(id);
+                w.1 = Some(id);
+            }
+        }
+        // Backend slots in use: (service id, address) -> backend id.
+        let mut old_backends: StdHashMap<(u8, SocketAddr), u32> = StdHashMap::new();
+        let mut free: Vec<u32> = Vec::new();
+        let mut retired: Vec<u32> = Vec::new();
+        for id in 0..MAX_BACKENDS {
+            let b = self.backends_map.get(&id, 0)?;
+            if b.family == 0 {
+                free.push(id);
+            } else {
+                old_backends.insert((b.service, backend_addr(&b)), id);
+            }
+        }
+        let mut kept: HashSet<u32> = HashSet::new();
+        for ((key, sid), service) in want.iter().zip(&cfg.services) {
+            let sid = sid.context("service id")?;
+            let mut ids = Vec::new();
+            for addr in &service.backends {
+                let id = match old_backends.get(&(sid as u8, *addr)) {
+                    Some(id) => *id,
+                    // Never-used slots first: a retired slot may still be
+                    // named by flows draining to its old backend.
+                    None => match free.pop() {
+                        Some(id) => id,
+                        None => {
+                            if retired.is_empty() {
+                                retired = old_backends
+                                    .values()
+                                    .copied()
+                                    .filter(|id| !kept.contains(id))
+                                    .collect();
+                                retired.sort_unstable();
+                            }
+                            retired.pop().context("no free backend slot")?
+                        }
+                    },
+                };
+                kept.insert(id);
+                let mut v = backend_value(*addr);
+                v.service = sid as u8;
+                self.backends_map
+                    .set(id, v, 0)
+                    .with_context(|| format!("writing backend {addr}"))?;
+                ids.push(id);
+            }
+            let generation = self.ring_gen.get(&sid, 0)?;
+            let kept_service = old_services.contains_key(key);
+            let actual: Vec<u32> = if kept_service {
+                let r = self.rings.get(&ring_slot(sid, generation), 0)?;
+                r.backends[..(r.len as usize).min(RING_CAPACITY)].to_vec()
+            } else {
+                Vec::new()
+            };
+            // A kept service keeps its live ring (less backends gone from
+            // the config) until the huddle says otherwise; a new one starts
+            // with every backend.
+            let live: Vec<u32> = actual
+                .iter()
+                .copied()
+                .filter(|id| ids.contains(id))
+                .collect();
+            let first = if live.is_empty() { ids.clone() } else { live };
+            self.services.push(ServiceSlot {
+                id: sid,
+                service: service.clone(),
+                ring: actual.clone(),
+                backend_ids: ids,
+                generation,
+                last_swap: None,
+            });
+            if first != actual {
+                self.swap_ring(self.services.len() - 1, &first)?;
+            }
+            self.services_map
+                .insert(key, ServiceValue { id: sid, flags: 0 }, 0)
+                .with_context(|| format!("writing service {}", service.name()))?;
+        }
+        for (k, id) in old_services {
+            if !want.iter().any(|(w, _)| *w == k) {
+                self.services_map
+                    .remove(&k)
+                    .with_context(|| format!("removing service id {id}"))?;
+                info!("service id {id} is no longer configured: removed");
+            }
+        }
+        if self.adopted {
+            let gone = old_backends
+                .values()
+                .filter(|id| !kept.contains(id))
+                .count();
+            if gone > 0 {
+                info!(
+                    "{gone} backend(s) no longer configured: out of every ring, their flows drain"
+                );
+            }
+        }
+        Ok(())
+    }
+
+    /// Attaches to `ifindex` in the requested mode. With pins, an adopted
+    /// link gets the new program atomically (traffic never stops), and a
+    /// new link is pinned so the program outlives the daemon.
     pub fn attach(&mut self, ifindex: u32, mode: XdpMode) -> Result<AttachedMode> {
+        let link_pin = self.pins.as_ref().map(|d| d.join(LINK_PIN));
+        if let Some(pin) = link_pin.as_ref().filter(|p| p.exists()) {
+            match self.adopt_link(pin) {
+                Ok(()) => {
+                    self.mode = Some(AttachedMode::Adopted);
+                    return Ok(AttachedMode::Adopted);
+                }
+                Err(e) => {
+                    warn!(
+                        "the pinned XDP link {} cannot be taken over ({e:#}); attaching afresh",
+                        pin.display()
+                    );
+                    let _ = std::fs::remove_file(pin);
+                }
+            }
+        }
         let prog: &mut Xdp = self
             .ebpf
             .program_mut(PROGRAM_NAME)
@@ -205,9 +397,39 @@ impl Dataplane {
                 }
             }
         };
-        self.link = Some(link);
+        if let Some(pin) = link_pin {
+            let owned = prog.take_link(link).context("taking the XDP link")?;
+            match FdLink::try_from(owned) {
+                Ok(fd) => {
+                    self.pinned_link = Some(
+                        fd.pin(&pin)
+                            .with_context(|| format!("pinning the XDP link at {}", pin.display()))?,
+                    );
+                }
+                Err(e) => bail!("the kernel gave a netlink XDP attachment, which cannot be pinned ({e}); run with pins off"),
+            }
+        } else {
+            self.link = Some(link);
+        }
         self.mode = Some(mode);
         Ok(mode)
+    }
+
+    /// Puts this program into the pinned link at `pin`, replacing the old
+    /// program in one step.
+    fn adopt_link(&mut self, pin: &Path) -> Result<()> {
+        let fd: FdLink = PinnedLink::from_pin(pin)?.into();
+        let link = XdpLink::try_from(fd).context("the pinned link is not an XDP link")?;
+        let prog: &mut Xdp = self
+            .ebpf
+            .program_mut(PROGRAM_NAME)
+            .context("program missing")?
+            .try_into()?;
+        self.link = Some(
+            prog.attach_to_link(link)
+                .context("replacing the program in the pinned link")?,
+        );
+        Ok(())
     }
 
     /// Replaces service `index`'s live ring with `backends` (backend ids)
@@ -331,9 +553,15 @@ pub fn backend_value(addr: SocketAddr) -> Backend {
         addr: ip_bytes(addr.ip()),
         port_be: addr.port().to_be(),
         family: FAMILY_V4,
-        _pad: 0,
+        service: 0,
         flags: 0,
     }
+}
+
+/// The address of a backend entry.
+fn backend_addr(b: &Backend) -> SocketAddr {
+    let ip = Ipv4Addr::new(b.addr[0], b.addr[1], b.addr[2], b.addr[3]);
+    SocketAddr::from((ip, u16::from_be(b.port_be)))
 }
 
 fn ip_bytes(ip: IpAddr) -> [u8; 16] {

@@ -7,7 +7,7 @@ use std::{
     ffi::{CStr, CString},
     fs,
     net::{Ipv4Addr, SocketAddr, UdpSocket},
-    path::PathBuf,
+    path::{Path, PathBuf},
 };
 use tracing::{debug, warn};
 
@@ -86,9 +86,12 @@ pub fn ephemeral_ports() -> Result<PortRange> {
     }
 }
 
-/// Sysctls changed for the balancer, restored when dropped.
+/// Sysctls changed for the balancer, restored when dropped unless kept
+/// (the data plane goes on without the daemon and still needs them).
 pub struct Sysctls {
-    saved: Vec<(PathBuf, String)>,
+    /// Each changed file and its value before the balancer's first start.
+    pub saved: Vec<(PathBuf, String)>,
+    restore: bool,
 }
 
 impl Sysctls {
@@ -96,8 +99,13 @@ impl Sysctls {
     /// not resolved yet is forwarded by the kernel; `accept_local`, because
     /// such a packet carries our own SNAT address as source; no ICMP
     /// redirects, since one-arm forwarding goes out where it came in.
-    pub fn apply(iface: &str) -> Result<Sysctls> {
-        let mut s = Sysctls { saved: Vec::new() };
+    /// `earlier`: the originals an earlier run saved (its changes are
+    /// still in place), so a stop restores the values from before it.
+    pub fn apply(iface: &str, earlier: Vec<(PathBuf, String)>) -> Result<Sysctls> {
+        let mut s = Sysctls {
+            saved: earlier,
+            restore: true,
+        };
         for (key, value) in [
             ("forwarding", "1"),
             ("accept_local", "1"),
@@ -110,20 +118,51 @@ impl Sysctls {
                 .to_string();
             if old != value {
                 fs::write(&path, value).with_context(|| format!("writing {}", path.display()))?;
-                s.saved.push((path, old));
+                if !s.saved.iter().any(|(p, _)| *p == path) {
+                    s.saved.push((path, old));
+                }
             }
         }
         Ok(s)
+    }
+
+    /// Leaves the changes in place when dropped.
+    pub fn keep(&mut self) {
+        self.restore = false;
+    }
+
+    /// Restores saved values (for `huddle stop` without a daemon).
+    pub fn restore_saved(saved: &[(PathBuf, String)]) {
+        for (path, old) in saved.iter().rev() {
+            if let Err(e) = fs::write(path, old) {
+                warn!("could not restore {}: {e}", path.display());
+            }
+        }
     }
 }
 
 impl Drop for Sysctls {
     fn drop(&mut self) {
-        for (path, old) in self.saved.drain(..).rev() {
-            if let Err(e) = fs::write(&path, &old) {
-                warn!("could not restore {}: {e}", path.display());
-            }
+        if self.restore {
+            Sysctls::restore_saved(&self.saved);
         }
+    }
+}
+
+/// Where the data plane of `iface` is pinned unless configured: one folder
+/// per interface, and per network namespace outside the host's own (bpffs
+/// is shared by all namespaces, interface names are not).
+#[must_use]
+pub fn default_pin_dir(iface: &str) -> PathBuf {
+    let ino = |p: &str| {
+        fs::metadata(p)
+            .ok()
+            .map(|m| std::os::unix::fs::MetadataExt::ino(&m))
+    };
+    let root = PathBuf::from("/sys/fs/bpf/huddle");
+    match (ino("/proc/self/ns/net"), ino("/proc/1/ns/net")) {
+        (Some(me), Some(init)) if me != init => root.join(format!("netns-{me}-{iface}")),
+        _ => root.join(iface),
     }
 }
 
@@ -156,4 +195,50 @@ pub fn monotonic_ns() -> u64 {
     // SAFETY: clock_gettime writes into the timespec we own.
     unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
     (ts.tv_sec as u64).saturating_mul(1_000_000_000) + ts.tv_nsec as u64
+}
+
+/// `statfs` magic of bpffs.
+const BPF_FS_MAGIC: i64 = 0xcafe_4a11;
+
+/// Makes sure `dir` can hold pins: it must lie on a bpffs. If nothing is
+/// mounted at /sys/fs/bpf and `dir` is under it, mounts one there (as
+/// systemd would).
+pub fn ensure_bpffs(dir: &Path) -> Result<()> {
+    let fs_type = |p: &Path| -> Option<i64> {
+        let c = std::ffi::CString::new(p.as_os_str().as_encoded_bytes()).ok()?;
+        // SAFETY: statfs writes into the zeroed struct we own.
+        let mut st: libc::statfs = unsafe { std::mem::zeroed() };
+        (unsafe { libc::statfs(c.as_ptr(), &mut st) } == 0).then_some(st.f_type as i64)
+    };
+    let existing = dir
+        .ancestors()
+        .find(|a| a.exists())
+        .unwrap_or(Path::new("/"));
+    if fs_type(existing) == Some(BPF_FS_MAGIC) {
+        return Ok(());
+    }
+    let root = Path::new("/sys/fs/bpf");
+    if dir.starts_with(root) && existing == root {
+        let c = |s: &str| std::ffi::CString::new(s).expect("no NUL");
+        let (src, target, kind) = (c("bpf"), c("/sys/fs/bpf"), c("bpf"));
+        // SAFETY: mount with valid C strings and no data.
+        let rc = unsafe {
+            libc::mount(
+                src.as_ptr(),
+                target.as_ptr(),
+                kind.as_ptr(),
+                0,
+                std::ptr::null(),
+            )
+        };
+        if rc == 0 {
+            tracing::info!("mounted bpffs at /sys/fs/bpf for the pinned data plane");
+            return Ok(());
+        }
+        return Err(std::io::Error::last_os_error()).context("mounting bpffs at /sys/fs/bpf");
+    }
+    bail!(
+        "pin_dir {} is not on a bpffs (mount one, e.g. `mount -t bpf bpf /sys/fs/bpf`, or choose another pin_dir)",
+        dir.display()
+    )
 }

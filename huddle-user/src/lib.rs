@@ -20,5 +20,6 @@ pub mod probe;
 pub mod prog_run;
 pub mod rotation;
 pub mod scrape;
+pub mod state;
 pub mod status;
 pub mod thermal;

@@ -75,6 +75,26 @@ pub fn enter(name: &str) -> Result<()> {
     Ok(())
 }
 
+/// A command that runs in namespace `name` with the caller's mounts (unlike
+/// `ip netns exec`, which remounts /sys and so hides the host's bpffs).
+pub fn command_in(name: &str, prog: &std::path::Path) -> Result<Command> {
+    use std::os::unix::process::CommandExt as _;
+    let f = File::open(format!("/run/netns/{name}"))
+        .with_context(|| format!("opening namespace {name}"))?;
+    let mut cmd = Command::new(prog);
+    // SAFETY: only setns (a plain system call) runs between fork and exec;
+    // the descriptor stays open in the closure for as long as needed.
+    unsafe {
+        cmd.pre_exec(move || {
+            if libc::setns(f.as_raw_fd(), libc::CLONE_NEWNET) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+    Ok(cmd)
+}
+
 impl Drop for Netns {
     fn drop(&mut self) {
         let _ = Command::new("ip")

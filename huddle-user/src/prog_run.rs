@@ -63,7 +63,7 @@ impl ProgRun {
         ns.sysctl(&format!("net.ipv4.conf.{IFACE}.forwarding"), "1")?;
         ns.enter()?;
         let ifindex = crate::host::ifindex(IFACE)?;
-        let dp = Dataplane::load(cfg, BALANCER_IP)?;
+        let dp = Dataplane::load(cfg, BALANCER_IP, None)?;
         Ok(ProgRun { dp, ifindex, ns })
     }
 

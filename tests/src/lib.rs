@@ -28,6 +28,8 @@ pub const VIP: Ipv4Addr = Ipv4Addr::new(10, 213, 100, 1);
 pub const HTTP_PORT: u16 = 8080;
 pub const UDP_PORT: u16 = 5353;
 const NAME_PREFIX: &str = "hct";
+/// Testbeds pin their balancers' data planes under here.
+const PIN_ROOT: &str = "/sys/fs/bpf/huddle-tests";
 
 /// Address of backend `i` (0-based).
 #[must_use]
@@ -72,6 +74,20 @@ pub fn sweep_stale() {
             .unwrap_or(0);
         if pid != 0 && !Path::new(&format!("/proc/{pid}")).exists() {
             let _ = Command::new("ip").args(["netns", "del", name]).output();
+        }
+    }
+    let Ok(dirs) = std::fs::read_dir(PIN_ROOT) else {
+        return;
+    };
+    for d in dirs.flatten() {
+        let name = d.file_name().to_string_lossy().to_string();
+        let pid: u32 = name
+            .strip_prefix(NAME_PREFIX)
+            .and_then(|r| r.split('-').next())
+            .and_then(|p| p.parse().ok())
+            .unwrap_or(0);
+        if pid != 0 && !Path::new(&format!("/proc/{pid}")).exists() {
+            let _ = huddle_user::dataplane::unpin(&d.path());
         }
     }
 }
@@ -151,7 +167,16 @@ pub struct Testbed {
     pub client: Netns,
     pub lb: Netns,
     pub backends: Vec<Netns>,
+    /// Backend servers (index = backend) and other helpers.
     pub procs: Vec<Proc>,
+    /// The balancer daemon, once started.
+    pub huddle: Option<Proc>,
+    /// Where the balancer pins its data plane (bpffs is shared by all
+    /// namespaces, so each testbed has its own folder).
+    pub pins: PathBuf,
+    /// Arguments of the last `start_huddle`, for restarts.
+    huddle_args: Vec<String>,
+    huddle_bin: PathBuf,
     /// Folder for sockets and logs of this testbed.
     pub dir: PathBuf,
     // Dropped last: the bridge the others hang off.
@@ -173,6 +198,10 @@ impl Testbed {
             lb: Netns::create(&format!("{prefix}-lb"))?,
             backends: Vec::new(),
             procs: Vec::new(),
+            huddle: None,
+            pins: PathBuf::from(PIN_ROOT).join(&prefix),
+            huddle_args: Vec::new(),
+            huddle_bin: PathBuf::new(),
             dir,
             switch,
         };
@@ -282,11 +311,58 @@ impl Testbed {
     /// `run --iface eth0 --control-socket ...`, and waits for its socket.
     pub fn start_huddle(&mut self, bin: &Path, extra: &[&str]) -> Result<()> {
         let sock = self.socket();
-        let sock_s = sock.display().to_string();
-        let mut args = vec!["run", "--iface", "eth0", "--control-socket", &sock_s];
-        args.extend_from_slice(extra);
+        let mut args: Vec<String> = [
+            "run",
+            "--iface",
+            "eth0",
+            "--control-socket",
+            &sock.display().to_string(),
+            "--pin-dir",
+            &self.pins.display().to_string(),
+        ]
+        .iter()
+        .map(ToString::to_string)
+        .collect();
+        args.extend(extra.iter().map(ToString::to_string));
+        self.huddle_args = args;
+        self.huddle_bin = bin.to_path_buf();
+        self.launch_huddle()
+    }
+
+    /// Starts the balancer again with the arguments of `start_huddle`
+    /// (after a kill: it takes over the pinned data plane).
+    pub fn restart_huddle(&mut self) -> Result<()> {
+        self.launch_huddle()
+    }
+
+    /// Kills the balancer daemon with `sig` and reaps it.
+    pub fn kill_huddle(&mut self, sig: i32) {
+        if let Some(mut p) = self.huddle.take() {
+            // SAFETY: signalling our own child by pid.
+            unsafe { libc::kill(p.child.id() as i32, sig) };
+            let _ = p.child.wait();
+        }
+    }
+
+    fn launch_huddle(&mut self) -> Result<()> {
+        let sock = self.socket();
+        let args: Vec<&str> = self.huddle_args.iter().map(String::as_str).collect();
         let log = self.dir.join("huddle.log");
-        let mut p = spawn_in(&self.lb, bin, &args, Some(&log))?;
+        // Append, so a restart keeps the earlier runs' log.
+        let file = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&log)?;
+        // Not `ip netns exec`: the daemon must see the host's bpffs.
+        let mut cmd = huddle_user::netns::command_in(&self.lb.name, &self.huddle_bin)?;
+        cmd.args(&args)
+            .stdin(Stdio::null())
+            .stdout(file.try_clone()?)
+            .stderr(file);
+        let mut p = Proc {
+            child: cmd.spawn().context("starting huddle")?,
+            what: "huddle".into(),
+        };
         let ready = wait_until(Duration::from_secs(20), || {
             control::call(&sock, &Request::Status).is_ok_and(|r| r.ok)
         });
@@ -295,7 +371,7 @@ impl Testbed {
             let text = std::fs::read_to_string(&log).unwrap_or_default();
             bail!("huddle did not come up (exit: {exited:?}); its log:\n{text}");
         }
-        self.procs.push(p);
+        self.huddle = Some(p);
         Ok(())
     }
 
@@ -317,7 +393,12 @@ impl Testbed {
 
 impl Drop for Testbed {
     fn drop(&mut self) {
-        // Balancer first (it detaches), then backends, then namespaces.
+        // Balancer first, then its pinned data plane, then backends, then
+        // namespaces.
+        if let Some(mut p) = self.huddle.take() {
+            let _ = p.terminate(Duration::from_secs(5));
+        }
+        let _ = huddle_user::dataplane::unpin(&self.pins);
         while let Some(mut p) = self.procs.pop() {
             let _ = p.terminate(Duration::from_secs(5));
         }

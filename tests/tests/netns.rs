@@ -220,23 +220,76 @@ fn unresolved_neighbours_still_get_through() {
 }
 
 #[test]
-fn sigterm_detaches_and_cleans_up() {
+fn sigterm_leaves_the_data_plane_running_and_stop_removes_it() {
     let mut bed = bed("term", 1, false);
     assert!(xdp_attached(&bed.lb));
-    let mut p = bed.procs.pop().unwrap();
+    let vip: SocketAddr = (VIP, 80).into();
+    let mut p = bed.huddle.take().unwrap();
     assert!(
         p.terminate(Duration::from_secs(10)).unwrap(),
         "huddle must exit 0 on SIGTERM"
     );
+    assert!(bed.huddle_log().contains("the data plane keeps running"));
     assert!(
-        !xdp_attached(&bed.lb),
-        "XDP program still attached after SIGTERM"
+        xdp_attached(&bed.lb),
+        "a plain exit must leave XDP attached"
     );
     assert!(!bed.socket().exists(), "control socket left behind");
+    let body = in_ns(&bed.client, move || http_get(vip, TIMEOUT));
+    assert_eq!(body.unwrap(), "b0", "traffic must flow with no daemon");
+
+    // `huddle stop` with no daemon removes it all and restores sysctls
+    // (run in the balancer's namespace, as an operator would).
+    let out = huddle_user::netns::command_in(&bed.lb.name, Path::new(HUDDLE))
+        .unwrap()
+        .args([
+            "stop",
+            "--control-socket",
+            &bed.socket().display().to_string(),
+            "--pin-dir",
+            &bed.pins.display().to_string(),
+        ])
+        .output()
+        .unwrap();
+    let (ok, out, err) = (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stdout).to_string(),
+        String::from_utf8_lossy(&out.stderr).to_string(),
+    );
+    assert!(ok, "huddle stop failed: {out}{err}");
+    assert!(out.contains("removed"), "{out}");
+    assert!(
+        !xdp_attached(&bed.lb),
+        "XDP program still attached after stop"
+    );
+    assert!(!bed.pins.exists(), "pins left behind");
     let restored = in_ns(&bed.lb, || {
         std::fs::read_to_string("/proc/sys/net/ipv4/conf/eth0/forwarding").unwrap()
     });
     assert_eq!(restored.trim(), "0", "forwarding sysctl not restored");
+
+    // With a daemon running, `huddle stop` goes through it.
+    bed.restart_huddle().unwrap();
+    assert!(xdp_attached(&bed.lb));
+    let (ok, out, err) = output(
+        Path::new(HUDDLE),
+        &[
+            "stop",
+            "--control-socket",
+            &bed.socket().display().to_string(),
+            "--pin-dir",
+            &bed.pins.display().to_string(),
+        ],
+    )
+    .unwrap();
+    assert!(ok, "huddle stop failed: {out}{err}");
+    let mut p = bed.huddle.take().unwrap();
+    assert!(p.terminate(Duration::from_secs(10)).is_ok());
+    assert!(
+        !xdp_attached(&bed.lb),
+        "XDP program still attached after stop"
+    );
+    assert!(!bed.pins.exists(), "pins left behind");
 }
 
 #[test]

@@ -47,6 +47,9 @@ fn config(backends: &[Ipv4Addr], udp: bool) -> Config {
         nat_ports: NAT,
         flow_table_size: 4096,
         control_socket: "/dev/null".into(),
+        pin_dir: None,
+        state_file: "/dev/null".into(),
+        detach_on_exit: true,
         services,
         huddle: Huddle::default(),
     }

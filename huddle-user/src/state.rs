@@ -1,0 +1,94 @@
+//! What a restarted daemon carries on from the last one: temperatures and
+//! places of backends (so the huddle does not cold-start) and the sysctl
+//! values from before the balancer first started (so `huddle stop` can put
+//! them back). Written atomically every second and on exit.
+
+use crate::rotation::Place;
+use anyhow::{Context, Result};
+use serde::{Deserialize, Serialize};
+use std::path::{Path, PathBuf};
+use tracing::warn;
+
+const VERSION: u32 = 1;
+
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+pub struct Saved {
+    pub version: u32,
+    pub interface: String,
+    /// Inode of the network namespace the sysctls belong to.
+    pub netns: u64,
+    pub sysctls: Vec<(PathBuf, String)>,
+    pub services: Vec<SavedService>,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct SavedService {
+    pub name: String,
+    pub backends: Vec<SavedBackend>,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct SavedBackend {
+    pub addr: String,
+    pub temperature: f64,
+    pub place: Place,
+    pub drained: bool,
+    pub unhealthy: Option<String>,
+    pub strikes: u32,
+    pub rotations: u64,
+    /// Rest still owed before it may return.
+    pub rest_left_ms: u64,
+}
+
+impl Saved {
+    #[must_use]
+    pub fn new(interface: &str) -> Saved {
+        Saved {
+            version: VERSION,
+            interface: interface.to_string(),
+            netns: netns_inode(),
+            ..Saved::default()
+        }
+    }
+}
+
+/// Reads a state file; a missing one is `None`, an unreadable one is
+/// `None` with a warning (a cold start, never a failure).
+#[must_use]
+pub fn load(path: &Path) -> Option<Saved> {
+    let text = std::fs::read_to_string(path).ok()?;
+    match serde_json::from_str::<Saved>(&text) {
+        Ok(s) if s.version == VERSION => Some(s),
+        Ok(s) => {
+            warn!(
+                "state file {} has version {}, not {VERSION}: ignored",
+                path.display(),
+                s.version
+            );
+            None
+        }
+        Err(e) => {
+            warn!("state file {} is unreadable ({e}): ignored", path.display());
+            None
+        }
+    }
+}
+
+/// Writes a state file atomically (a crash mid-write leaves the old one).
+pub fn save(path: &Path, s: &Saved) -> Result<()> {
+    if let Some(dir) = path.parent() {
+        std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+    }
+    let tmp = path.with_extension("state.tmp");
+    std::fs::write(&tmp, serde_json::to_vec(s)?)
+        .with_context(|| format!("writing {}", tmp.display()))?;
+    std::fs::rename(&tmp, path).with_context(|| format!("replacing {}", path.display()))
+}
+
+/// Inode of the calling thread's network namespace (0 if unknown).
+#[must_use]
+pub fn netns_inode() -> u64 {
+    std::fs::metadata("/proc/thread-self/ns/net")
+        .map(|m| std::os::unix::fs::MetadataExt::ino(&m))
+        .unwrap_or(0)
+}

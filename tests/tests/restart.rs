@@ -1,0 +1,177 @@
+//! The data plane outlives its daemon: killed with SIGKILL ten times under
+//! steady traffic and restarted each time, the balancer loses no request
+//! and resets no connection; counters and the huddle's state carry on.
+
+use std::{
+    net::SocketAddr,
+    path::Path,
+    sync::{
+        atomic::{AtomicBool, AtomicU64, Ordering},
+        Arc,
+    },
+    thread,
+    time::{Duration, Instant},
+};
+use testbed::{
+    backend_ip, require_root, xdp_attached, KeepAlive, OpenLoop, Testbed, HTTP_PORT, VIP,
+};
+
+const HUDDLE: &str = env!("CARGO_BIN_EXE_hc-huddle");
+const BACKEND: &str = env!("CARGO_BIN_EXE_hc-backend");
+const N: usize = 4;
+const KILLS: usize = 10;
+const KEEPALIVE: usize = 20;
+
+fn total_flows(bed: &Testbed) -> u64 {
+    let st = bed.status().expect("status");
+    st.services[0]
+        .backends
+        .iter()
+        .map(|b| b.counters["flows_new"])
+        .sum()
+}
+
+fn place(bed: &Testbed, i: usize) -> String {
+    let a = format!("{}:{HTTP_PORT}", backend_ip(i));
+    let st = bed.status().expect("status");
+    st.services[0]
+        .backends
+        .iter()
+        .find(|b| b.addr == a)
+        .expect("backend")
+        .place
+        .clone()
+}
+
+#[test]
+fn sigkill_restarts_lose_no_request_and_reset_no_connection() {
+    require_root();
+    let mut bed = Testbed::new("restart", N).expect("testbed");
+    bed.start_backends_with(Path::new(BACKEND), &["--delay-ms", "5"])
+        .expect("backends");
+    let config = bed.dir.join("huddle.toml");
+    // Long rests, so the backend evicted below must still be resting
+    // after every restart (its state comes from the state file).
+    std::fs::write(&config, "[huddle]\nmin_rest_ms = 120000\n").unwrap();
+    let backends: Vec<String> = (0..N)
+        .map(|i| format!("{}:{HTTP_PORT}", backend_ip(i)))
+        .collect();
+    let mut args = vec![
+        "--config".to_string(),
+        config.display().to_string(),
+        "--vip".into(),
+        format!("{VIP}:80"),
+    ];
+    for b in &backends {
+        args.push("--backend".into());
+        args.push(b.clone());
+    }
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    bed.start_huddle(Path::new(HUDDLE), &args).expect("huddle");
+
+    let vip: SocketAddr = (VIP, 80).into();
+    let load = OpenLoop::start(&bed.client, vip, 200.0, Duration::from_secs(3));
+    // Long-lived keep-alive connections, each asking every 20 ms.
+    let stop = Arc::new(AtomicBool::new(false));
+    let asked = Arc::new(AtomicU64::new(0));
+    let mut held = Vec::new();
+    for _ in 0..KEEPALIVE {
+        let (stop, asked, ns) = (stop.clone(), asked.clone(), bed.client.name.clone());
+        held.push(thread::spawn(move || -> Result<(), String> {
+            huddle_user::netns::enter(&ns).map_err(|e| e.to_string())?;
+            let mut c =
+                KeepAlive::connect(vip, Duration::from_secs(3)).map_err(|e| format!("{e:#}"))?;
+            let deadline = Instant::now() + Duration::from_secs(120);
+            while !stop.load(Ordering::Relaxed) && Instant::now() < deadline {
+                c.get()
+                    .map_err(|e| format!("keep-alive request failed: {e:#}"))?;
+                asked.fetch_add(1, Ordering::Relaxed);
+                thread::sleep(Duration::from_millis(20));
+            }
+            Ok(())
+        }));
+    }
+    thread::sleep(Duration::from_secs(1));
+
+    // One backend slow and resting, so the state file has something to
+    // carry: it must stay out across every restart.
+    bed.backend_admin(2, "delay_ms=25").unwrap();
+    let t = Instant::now();
+    while place(&bed, 2) != "outer" {
+        assert!(t.elapsed() < Duration::from_secs(5), "b2 never rested");
+        thread::sleep(Duration::from_millis(20));
+    }
+    let evicted_at = load.start.elapsed();
+
+    let mut flows = total_flows(&bed);
+    let mut downtime = Duration::ZERO;
+    for k in 0..KILLS {
+        thread::sleep(Duration::from_millis(400));
+        bed.kill_huddle(libc::SIGKILL);
+        let killed = Instant::now();
+        assert!(
+            xdp_attached(&bed.lb),
+            "kill {k}: XDP detached with the daemon"
+        );
+        // Traffic goes on with no daemon at all for a while.
+        thread::sleep(Duration::from_millis(300));
+        bed.restart_huddle()
+            .unwrap_or_else(|e| panic!("restart {k}: {e:#}\n{}", bed.huddle_log()));
+        downtime += killed.elapsed();
+        let now = total_flows(&bed);
+        assert!(
+            now >= flows,
+            "kill {k}: counters went back from {flows} to {now}"
+        );
+        flows = now;
+        assert_eq!(
+            place(&bed, 2),
+            "outer",
+            "kill {k}: the resting backend came back"
+        );
+        let st = bed.status().unwrap();
+        assert_eq!(st.xdp_mode, "adopted", "kill {k}");
+    }
+    thread::sleep(Duration::from_millis(500));
+    stop.store(true, Ordering::Relaxed);
+    let outcomes = load.stop();
+    let mut reset = Vec::new();
+    for h in held {
+        if let Err(e) = h.join().expect("keep-alive thread") {
+            reset.push(e);
+        }
+    }
+    let failed: Vec<String> = outcomes
+        .iter()
+        .filter_map(|o| {
+            o.result
+                .as_ref()
+                .err()
+                .map(|e| format!("at {:?}: {e}", o.at))
+        })
+        .collect();
+    let to_resting = outcomes
+        .iter()
+        .filter(|o| o.at > evicted_at + Duration::from_millis(100))
+        .filter(|o| o.result.as_deref() == Ok("b2"))
+        .count();
+    println!(
+        "{KILLS} SIGKILLs and restarts (daemon down {} ms in all): {} new-connection requests, {} failed; \
+         {KEEPALIVE} keep-alive connections made {} requests, {} reset; flows counted {flows}; \
+         new connections to the resting backend after it left: {to_resting}",
+        downtime.as_millis(),
+        outcomes.len(),
+        failed.len(),
+        asked.load(Ordering::Relaxed),
+        reset.len()
+    );
+    assert!(failed.is_empty(), "failed requests: {failed:?}");
+    assert!(reset.is_empty(), "keep-alive connections broken: {reset:?}");
+    assert_eq!(to_resting, 0, "a restart put the resting backend back");
+    let log = bed.huddle_log();
+    assert_eq!(
+        log.matches("took over the running data plane").count(),
+        KILLS,
+        "{log}"
+    );
+}
