@@ -1,0 +1,459 @@
+//! Random and mutated packets through the real XDP program
+//! (BPF_PROG_TEST_RUN), seeded and reproducible, with invariants checked on
+//! every output:
+//!
+//! - a packet the parser must refuse (not IPv4, truncated anywhere, bad
+//!   IHL or total length, IP options, fragments, bad TCP data offset or UDP
+//!   length, other protocols) comes back unchanged with XDP_PASS;
+//! - traffic that is not for a service (nor a reply to one) comes back
+//!   unchanged with XDP_PASS;
+//! - a rewritten packet goes from the SNAT address to a backend of the
+//!   service's ring on its port (or, translated back, from the VIP to the
+//!   client), keeps its length and payload, and has valid IP and L4
+//!   checksums whenever the input had.
+//!
+//! `HUDDLE_FUZZ_CASES` sets the count (default: the full 1,000,000, about
+//! 10 s), `HUDDLE_FUZZ_SEED` the seed. A failure prints the seed, the case and the
+//! packet in hex.
+
+use huddle_user::{
+    config::{Config, Huddle, PortRange, Proto, Service, XdpMode},
+    packet::{checksum, checksums_valid, endpoints, l4_checksum, Frame, ACK, ETH_LEN, SYN},
+    prog_run::{mac_of, ProgRun, BALANCER_IP, BALANCER_MAC},
+};
+use std::net::{Ipv4Addr, SocketAddr};
+use testbed::{require_root, unique};
+
+const XDP_DROP: u32 = 1;
+const XDP_PASS: u32 = 2;
+const XDP_TX: u32 = 3;
+const XDP_REDIRECT: u32 = 4;
+
+const VIP: Ipv4Addr = Ipv4Addr::new(10, 213, 100, 1);
+const CLIENTS: [Ipv4Addr; 2] = [Ipv4Addr::new(10, 213, 0, 2), Ipv4Addr::new(10, 213, 0, 3)];
+const NAT: PortRange = PortRange {
+    min: 20000,
+    max: 32767,
+};
+/// (VIP port, protocol number, backend port).
+const SERVICES: [(u16, u8, u16); 2] = [(80, 6, 8080), (53, 17, 5353)];
+
+fn backends() -> Vec<Ipv4Addr> {
+    (0..3).map(|i| Ipv4Addr::new(10, 213, 0, 11 + i)).collect()
+}
+
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        // splitmix64: every seed, including 0, gives a good stream.
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+    fn below(&mut self, n: u64) -> u64 {
+        self.next() % n.max(1)
+    }
+    fn chance(&mut self, percent: u64) -> bool {
+        self.below(100) < percent
+    }
+    fn byte(&mut self) -> u8 {
+        self.next() as u8
+    }
+    fn bytes(&mut self, n: usize) -> Vec<u8> {
+        (0..n).map(|_| self.byte()).collect()
+    }
+}
+
+/// Why the program's parser must refuse `f`, if it must.
+fn refused(f: &[u8]) -> Option<&'static str> {
+    if f.len() < ETH_LEN || u16::from_be_bytes([f[12], f[13]]) != 0x0800 {
+        return Some("not IPv4");
+    }
+    if f.len() < ETH_LEN + 20 {
+        return Some("truncated IP header");
+    }
+    let ip = &f[ETH_LEN..];
+    if ip[0] >> 4 != 4 || ip[0] & 0x0f < 5 {
+        return Some("bad version or IHL");
+    }
+    if ip[0] & 0x0f > 5 {
+        return Some("IP options");
+    }
+    let tot = usize::from(u16::from_be_bytes([ip[2], ip[3]]));
+    if tot > ip.len() || tot < 20 {
+        return Some("bad total length");
+    }
+    if u16::from_be_bytes([ip[6], ip[7]]) & 0x3fff != 0 {
+        return Some("fragment");
+    }
+    let l4 = &ip[20..];
+    let l4_len = tot - 20;
+    match ip[9] {
+        6 => {
+            if l4.len() < 20 {
+                return Some("truncated TCP header");
+            }
+            let doff = usize::from(l4[12] >> 4) * 4;
+            if doff < 20 || doff > l4_len {
+                return Some("bad TCP data offset");
+            }
+        }
+        17 => {
+            if l4.len() < 8 {
+                return Some("truncated UDP header");
+            }
+            let ulen = usize::from(u16::from_be_bytes([l4[4], l4[5]]));
+            if ulen < 8 || ulen > l4_len {
+                return Some("bad UDP length");
+            }
+        }
+        _ => return Some("not TCP or UDP"),
+    }
+    None
+}
+
+/// Offset and length of the L4 payload of a parseable frame.
+fn payload(f: &[u8]) -> (usize, usize) {
+    let ip = &f[ETH_LEN..];
+    let tot = usize::from(u16::from_be_bytes([ip[2], ip[3]]));
+    let hdr = if ip[9] == 6 {
+        usize::from(ip[20 + 12] >> 4) * 4
+    } else {
+        8
+    };
+    (ETH_LEN + 20 + hdr, tot - 20 - hdr)
+}
+
+/// Recomputes both checksums of a parseable frame.
+fn fix_checksums(f: &mut [u8]) {
+    if refused(f).is_some() {
+        return;
+    }
+    f[ETH_LEN + 10] = 0;
+    f[ETH_LEN + 11] = 0;
+    let c = checksum(&f[ETH_LEN..ETH_LEN + 20], 0);
+    f[ETH_LEN + 10..ETH_LEN + 12].copy_from_slice(&c.to_be_bytes());
+    let off = ETH_LEN + 20 + if f[ETH_LEN + 9] == 6 { 16 } else { 6 };
+    let mut c = l4_checksum(f);
+    if f[ETH_LEN + 9] == 17 && c == 0 {
+        c = 0xffff;
+    }
+    f[off..off + 2].copy_from_slice(&c.to_be_bytes());
+}
+
+struct Gen {
+    /// (backend, NAT port, protocol) of flows the program opened, so
+    /// replies can hit real NAT entries.
+    nat: Vec<(Ipv4Addr, u16, u8)>,
+}
+
+impl Gen {
+    fn frame(&mut self, r: &mut Rng) -> Vec<u8> {
+        match r.below(20) {
+            // Client to a VIP, mostly to a service port.
+            0..=10 => {
+                let client = CLIENTS[r.below(2) as usize];
+                let sport = 40000 + r.below(500) as u16;
+                let (vport, proto, _) = SERVICES[r.below(2) as usize];
+                let vport = if r.chance(90) { vport } else { r.next() as u16 };
+                let pl = {
+                    let n = r.below(80) as usize;
+                    r.bytes(n)
+                };
+                let f = if proto == 6 && r.chance(80) {
+                    let flags = match r.below(4) {
+                        0 => SYN,
+                        1 => ACK,
+                        _ => r.byte(),
+                    };
+                    Frame::tcp((client, sport), (VIP, vport)).flags(flags)
+                } else {
+                    let f = Frame::udp((client, sport), (VIP, vport));
+                    if r.chance(10) {
+                        f.no_udp_checksum()
+                    } else {
+                        f
+                    }
+                };
+                f.payload(&pl).macs(mac_of(client), BALANCER_MAC).build()
+            }
+            // A backend's reply to the SNAT address.
+            11..=14 => {
+                let (b, port, proto) = if !self.nat.is_empty() && r.chance(80) {
+                    self.nat[r.below(self.nat.len() as u64) as usize]
+                } else {
+                    let b = backends()[r.below(3) as usize];
+                    (
+                        b,
+                        NAT.min + r.below(u64::from(NAT.max - NAT.min)) as u16,
+                        if r.chance(50) { 6 } else { 17 },
+                    )
+                };
+                let pl = {
+                    let n = r.below(80) as usize;
+                    r.bytes(n)
+                };
+                let f = if proto == 6 {
+                    Frame::tcp((b, 8080), (BALANCER_IP, port)).flags(r.byte())
+                } else {
+                    Frame::udp((b, 5353), (BALANCER_IP, port))
+                };
+                f.payload(&pl).macs(mac_of(b), BALANCER_MAC).build()
+            }
+            // IPv4 to somebody else.
+            15 => Frame::tcp((CLIENTS[0], 1234), (Ipv4Addr::new(10, 213, 0, 99), 80))
+                .flags(r.byte())
+                .macs(mac_of(CLIENTS[0]), BALANCER_MAC)
+                .build(),
+            // VLAN-tagged IPv4 to the VIP.
+            16 => {
+                let mut f = Frame::tcp((CLIENTS[0], 40001), (VIP, 80))
+                    .syn()
+                    .macs(mac_of(CLIENTS[0]), BALANCER_MAC)
+                    .build();
+                f.splice(12..12, [0x81, 0x00, 0x00, r.byte() & 0x0f]);
+                f
+            }
+            // IPv6 with extension headers, to anything.
+            17 => {
+                let mut f = Vec::new();
+                f.extend_from_slice(&BALANCER_MAC);
+                f.extend_from_slice(&mac_of(CLIENTS[0]));
+                f.extend_from_slice(&[0x86, 0xdd, 0x60, 0, 0, 0]);
+                let ext = {
+                    let n = 8 * (1 + r.below(3) as usize);
+                    r.bytes(n)
+                };
+                let body = {
+                    let n = r.below(60) as usize;
+                    r.bytes(n)
+                };
+                f.extend_from_slice(&((ext.len() + body.len()) as u16).to_be_bytes());
+                f.push([0u8, 43, 60, 44][r.below(4) as usize]);
+                f.push(64);
+                f.extend_from_slice(&r.bytes(32));
+                f.extend_from_slice(&ext);
+                f.extend_from_slice(&body);
+                f
+            }
+            // ARP, or noise.
+            18 => {
+                let mut f = BALANCER_MAC.to_vec();
+                f.extend_from_slice(&mac_of(CLIENTS[0]));
+                f.extend_from_slice(&[0x08, 0x06]);
+                f.extend_from_slice(&r.bytes(28));
+                f
+            }
+            _ => {
+                let n = r.below(120) as usize;
+                r.bytes(n)
+            }
+        }
+    }
+
+    /// Damages a frame one way, mostly in its headers.
+    fn mutate(f: &mut Vec<u8>, r: &mut Rng) {
+        let ip = ETH_LEN;
+        match r.below(10) {
+            0 => {
+                let n = r.below(f.len() as u64 + 1) as usize;
+                f.truncate(n);
+            }
+            1 if !f.is_empty() => {
+                let i = r.below(f.len().min(80) as u64) as usize;
+                f[i] = r.byte();
+            }
+            2 if f.len() > ip => f[ip] = (f[ip] & 0xf0) | (r.byte() & 0x0f),
+            3 if f.len() > ip + 3 => {
+                let v = r.next() as u16;
+                f[ip + 2..ip + 4].copy_from_slice(&v.to_be_bytes());
+            }
+            4 if f.len() > ip + 7 => {
+                f[ip + 6] |= [0x20, 0x1f, 0x40][r.below(3) as usize];
+                f[ip + 7] = r.byte();
+            }
+            5 if f.len() > ip + 9 => f[ip + 9] = r.byte(),
+            6 if f.len() > ip + 20 => {
+                // IP options: grow the header by 1..10 words.
+                let words = 1 + r.below(10) as usize;
+                f[ip] = 0x40 | (5 + words as u8);
+                let opts = r.bytes(words * 4);
+                f.splice(ip + 20..ip + 20, opts);
+                let tot =
+                    u16::from_be_bytes([f[ip + 2], f[ip + 3]]).wrapping_add((words * 4) as u16);
+                f[ip + 2..ip + 4].copy_from_slice(&tot.to_be_bytes());
+            }
+            7 if f.len() > ip + 32 => f[ip + 32] = r.byte(), // TCP data offset
+            8 if f.len() > ip + 25 => {
+                let v = r.next() as u16;
+                f[ip + 24..ip + 26].copy_from_slice(&v.to_be_bytes()); // UDP length
+            }
+            _ => {
+                let extra = {
+                    let n = r.below(16) as usize;
+                    r.bytes(n)
+                };
+                f.extend_from_slice(&extra); // trailing bytes after the IP packet
+            }
+        }
+    }
+}
+
+fn hex(f: &[u8]) -> String {
+    f.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+fn config() -> Config {
+    let bs = backends();
+    let svc = |vip_port: u16, proto, port: u16| {
+        Service::plain(
+            (VIP, vip_port).into(),
+            proto,
+            bs.iter().map(|b| SocketAddr::from((*b, port))).collect(),
+        )
+    };
+    Config {
+        interface: "hb0".into(),
+        snat_ip: Some(BALANCER_IP),
+        xdp_mode: XdpMode::Auto,
+        nat_ports: NAT,
+        flow_table_size: 4096,
+        control_socket: "/dev/null".into(),
+        pin_dir: None,
+        state_file: "/dev/null".into(),
+        detach_on_exit: true,
+        services: vec![svc(80, Proto::Tcp, 8080), svc(53, Proto::Udp, 5353)],
+        huddle: Huddle::default(),
+    }
+}
+
+fn env_u64(name: &str, default: u64) -> u64 {
+    std::env::var(name)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
+}
+
+#[test]
+fn a_fuzzed_packet_path_never_rewrites_wrongly() {
+    require_root();
+    let cases = env_u64("HUDDLE_FUZZ_CASES", 1_000_000);
+    let seed = env_u64("HUDDLE_FUZZ_SEED", 0x4855_4444_4c45);
+    let mut neigh = backends();
+    neigh.extend_from_slice(&CLIENTS);
+    let env = ProgRun::new(&unique("fuzz"), &config(), &neigh).expect("PROG_TEST_RUN namespace");
+    let mut g = Gen { nat: Vec::new() };
+    let mut clients = std::collections::HashSet::new();
+    let mut tally = [0u64; 5];
+    let mut reasons = std::collections::BTreeMap::<&str, u64>::new();
+    for case in 0..cases {
+        let mut r = Rng(seed ^ case.wrapping_mul(0x2545_F491_4F6C_DD1D));
+        let mut f = g.frame(&mut r);
+        if r.chance(50) {
+            for _ in 0..=r.below(2) {
+                Gen::mutate(&mut f, &mut r);
+            }
+            if r.chance(50) {
+                fix_checksums(&mut f);
+            }
+        }
+        if f.len() < ETH_LEN {
+            f.resize(ETH_LEN, 0); // the kernel refuses shorter test frames
+        }
+        let (verdict, out) = env.run(&f).unwrap_or_else(|e| {
+            panic!(
+                "case {case} (seed {seed:#x}): PROG_TEST_RUN failed: {e:#}\ninput {}",
+                hex(&f)
+            )
+        });
+        let fail = |why: &str| -> ! {
+            panic!(
+                "case {case} (seed {seed:#x}, HUDDLE_FUZZ_SEED={seed} to replay): {why}\nverdict {verdict}\ninput  {}\noutput {}",
+                hex(&f),
+                hex(&out)
+            )
+        };
+        tally[verdict.min(4) as usize] += 1;
+        if let Some(why) = refused(&f) {
+            *reasons.entry(why).or_default() += 1;
+            if verdict != XDP_PASS || out != f {
+                fail(&format!("refused input ({why}) was not passed unchanged"));
+            }
+            continue;
+        }
+        let ((src, _sport), (dst, dport)) = endpoints(&f);
+        let proto = f[ETH_LEN + 9];
+        let service = SERVICES
+            .iter()
+            .find(|(p, pr, _)| dst == VIP && *p == dport && *pr == proto);
+        let reply = dst == BALANCER_IP && (NAT.min..=NAT.max).contains(&dport);
+        match verdict {
+            XDP_PASS if out == f => {
+                *reasons.entry("passed").or_default() += 1;
+            }
+            XDP_DROP => {
+                if service.is_none() {
+                    fail("dropped traffic that is not a service's");
+                }
+            }
+            // XDP_PASS with a changed packet: rewritten, then handed to the
+            // kernel because the FIB had no next hop for it.
+            XDP_PASS | XDP_TX | XDP_REDIRECT => {
+                if verdict == XDP_PASS {
+                    *reasons
+                        .entry("rewritten, passed to the kernel")
+                        .or_default() += 1;
+                }
+                if service.is_none() && !reply {
+                    fail("rewrote traffic that is not for a service");
+                }
+                if out.len() != f.len() {
+                    fail("length changed");
+                }
+                let (po, pl) = payload(&f);
+                if out[po..po + pl] != f[po..po + pl] {
+                    fail("payload changed");
+                }
+                if checksums_valid(&f) && !checksums_valid(&out) {
+                    fail("a valid packet came out with a bad checksum");
+                }
+                let ((osrc, osport), (odst, odport)) = endpoints(&out);
+                if let Some((_, _, bport)) = service {
+                    if osrc != BALANCER_IP || !backends().contains(&odst) || odport != *bport {
+                        fail("not from the SNAT address to a ring backend's port");
+                    }
+                    if !(NAT.min..=NAT.max).contains(&osport) {
+                        fail("NAT port outside the range");
+                    }
+                    if g.nat.len() < 4096 {
+                        g.nat.push((odst, osport, proto));
+                    }
+                    clients.insert(src);
+                } else {
+                    let vport = SERVICES
+                        .iter()
+                        .find(|(_, pr, _)| *pr == proto)
+                        .map_or(0, |s| s.0);
+                    if osrc != VIP || osport != vport || !clients.contains(&odst) {
+                        fail("reply not translated back to VIP -> a client that opened a flow");
+                    }
+                    if !backends().contains(&src) {
+                        fail("translated a reply that no backend sent");
+                    }
+                }
+            }
+            _ => fail("unexpected verdict"),
+        }
+    }
+    println!(
+        "{cases} fuzzed packets (seed {seed:#x}): pass {}, tx {}, redirect {}, drop {}; refusals and passes by reason: {reasons:?}",
+        tally[2], tally[3], tally[4], tally[1]
+    );
+    assert!(
+        tally[3] > cases / 20,
+        "too few packets were rewritten to test much"
+    );
+}
