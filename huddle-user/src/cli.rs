@@ -48,6 +48,12 @@ enum Cmd {
     },
     /// Put a drained backend back into its rings.
     Undrain(DrainArgs),
+    /// Re-read the running balancer's configuration and apply it; an
+    /// invalid one changes nothing (SIGHUP does the same).
+    Reload {
+        #[command(flatten)]
+        target: Target,
+    },
     /// Check a configuration file and exit.
     Check {
         /// TOML configuration file.
@@ -98,7 +104,7 @@ struct DrainArgs {
     vip: Option<String>,
 }
 
-#[derive(Args, Debug)]
+#[derive(Args, Debug, Clone)]
 struct RunArgs {
     /// TOML configuration file; flags given too override its values.
     #[arg(long, short)]
@@ -147,36 +153,38 @@ struct RunArgs {
 }
 
 impl RunArgs {
-    fn into_config(self) -> Result<crate::config::Config> {
-        let mut file = match &self.config {
+    /// The configuration: the file, with flags given overriding it.
+    fn config(&self) -> Result<crate::config::Config> {
+        let this = self.clone();
+        let mut file = match &this.config {
             Some(path) => ConfigFile::load(path)?,
             None => ConfigFile::default(),
         };
-        file.interface = self.iface.or(file.interface);
-        file.snat_ip = self.snat_ip.or(file.snat_ip);
-        file.xdp_mode = self.xdp_mode.or(file.xdp_mode);
-        file.nat_ports = self.nat_ports.or(file.nat_ports);
-        file.flow_table_size = self.flow_table_size.or(file.flow_table_size);
-        file.control_socket = self.control_socket.or(file.control_socket);
-        if self.no_rotation {
+        file.interface = this.iface.or(file.interface);
+        file.snat_ip = this.snat_ip.or(file.snat_ip);
+        file.xdp_mode = this.xdp_mode.or(file.xdp_mode);
+        file.nat_ports = this.nat_ports.or(file.nat_ports);
+        file.flow_table_size = this.flow_table_size.or(file.flow_table_size);
+        file.control_socket = this.control_socket.or(file.control_socket);
+        if this.no_rotation {
             file.huddle.rotation = Some(false);
         }
-        file.huddle.tick_ms = self.tick_ms.or(file.huddle.tick_ms);
-        file.huddle.metrics_listen = self.metrics_listen.or(file.huddle.metrics_listen);
-        file.pin_dir = self.pin_dir.or(file.pin_dir);
-        if self.detach_on_exit {
+        file.huddle.tick_ms = this.tick_ms.or(file.huddle.tick_ms);
+        file.huddle.metrics_listen = this.metrics_listen.or(file.huddle.metrics_listen);
+        file.pin_dir = this.pin_dir.or(file.pin_dir);
+        if this.detach_on_exit {
             file.detach_on_exit = Some(true);
         }
-        match (self.vip, self.backends.is_empty()) {
+        match (this.vip, this.backends.is_empty()) {
             (Some(vip), _) => file.services.push(ServiceFile {
                 vip,
                 proto: None,
-                backends: self.backends.into_iter().map(BackendEntry::Addr).collect(),
+                backends: this.backends.into_iter().map(BackendEntry::Addr).collect(),
             }),
             (None, false) => bail!("--backend given without --vip"),
             (None, true) => {}
         }
-        let what = self.config.as_ref().map_or_else(
+        let what = this.config.as_ref().map_or_else(
             || "command line".to_string(),
             |p| format!("config {}", p.display()),
         );
@@ -209,12 +217,13 @@ pub fn main() -> ExitCode {
 fn dispatch(cmd: Cmd) -> Result<()> {
     match cmd {
         Cmd::Run(args) => {
-            let cfg = args.into_config()?;
+            let cfg = args.config()?;
+            let reloader: crate::daemon::Reloader = std::sync::Arc::new(move || args.config());
             let rt = tokio::runtime::Builder::new_multi_thread()
                 .worker_threads(2)
                 .enable_all()
                 .build()?;
-            rt.block_on(crate::daemon::run(cfg))
+            rt.block_on(crate::daemon::run(cfg, Some(reloader)))
         }
         Cmd::Status { target, json } => {
             let reply = call(&target.socket()?, &Request::Status)?;
@@ -247,6 +256,7 @@ fn dispatch(cmd: Cmd) -> Result<()> {
             println!("{}", crate::daemon::stop(&socket, &pins, &state_file)?);
             Ok(())
         }
+        Cmd::Reload { target } => control_message(&target, Request::Reload),
         Cmd::Drain(a) => control_message(
             &a.target,
             Request::Drain {

@@ -26,6 +26,9 @@ pub enum Request {
     },
     /// Detach, remove the pinned data plane, restore sysctls, exit.
     Stop,
+    /// Re-read the configuration and apply it (nothing changes if it is
+    /// invalid).
+    Reload,
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize)]

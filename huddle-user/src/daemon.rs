@@ -51,7 +51,12 @@ pub struct Balancer {
     pub remove_on_exit: bool,
     /// Sysctl values from before the first start, kept in the state file.
     pub sysctl_originals: Vec<(PathBuf, String)>,
+    /// Re-reads the configuration (file and flags) for a reload.
+    pub reloader: Option<Reloader>,
 }
+
+/// Produces a fresh, validated configuration.
+pub type Reloader = Arc<dyn Fn() -> Result<Config> + Send + Sync>;
 
 /// Rotations kept for `huddle status`.
 const EVENTS_KEPT: usize = 50;
@@ -77,6 +82,7 @@ impl Balancer {
             stop: Arc::new(tokio::sync::Notify::new()),
             remove_on_exit: false,
             sysctl_originals: Vec::new(),
+            reloader: None,
         };
         if let Some(saved) = saved {
             b.restore(saved);
@@ -92,6 +98,79 @@ impl Balancer {
 
     fn now(&self) -> Duration {
         self.started.elapsed()
+    }
+
+    /// Re-reads the configuration and applies it to the running data plane:
+    /// services and backends are added, removed or changed in place, flows
+    /// that stay valid are untouched, temperatures carry on. A new config
+    /// that fails validation, or changes what only a restart can change,
+    /// changes nothing.
+    pub fn reload(&mut self) -> Result<String> {
+        let reloader = self
+            .reloader
+            .clone()
+            .context("this balancer has no configuration to reload")?;
+        let new = reloader().context("reload refused, nothing changed")?;
+        let old = &self.cfg;
+        let fixed = [
+            ("interface", old.interface == new.interface),
+            ("snat_ip", old.snat_ip == new.snat_ip),
+            ("nat_ports", old.nat_ports == new.nat_ports),
+            (
+                "flow_table_size",
+                old.flow_table_size == new.flow_table_size,
+            ),
+            ("xdp_mode", old.xdp_mode == new.xdp_mode),
+            ("pin_dir", old.pin_dir == new.pin_dir),
+            ("control_socket", old.control_socket == new.control_socket),
+            ("state_file", old.state_file == new.state_file),
+            ("huddle.tick_ms", old.huddle.tick == new.huddle.tick),
+            ("huddle.probe", old.huddle.probe == new.huddle.probe),
+            (
+                "huddle.metrics_listen",
+                old.huddle.metrics_listen == new.huddle.metrics_listen,
+            ),
+            (
+                "huddle.metrics_interval_ms",
+                old.huddle.metrics_interval == new.huddle.metrics_interval,
+            ),
+            (
+                "huddle.metrics_timeout_ms",
+                old.huddle.metrics_timeout == new.huddle.metrics_timeout,
+            ),
+        ];
+        if let Some((field, _)) = fixed.iter().find(|(_, same)| !same) {
+            bail!(
+                "reload refused, nothing changed: {field} cannot change while running; \
+                 restart `huddle run` instead (it takes over the data plane without dropping flows)"
+            );
+        }
+        host::check_reachable(&new).context("reload refused, nothing changed")?;
+        let saved = self.snapshot();
+        self.dp.reconcile(&new)?;
+        let now = self.now();
+        self.huddles = new
+            .services
+            .iter()
+            .zip(&self.dp.services)
+            .map(|(s, slot)| ServiceHuddle::new(s, &slot.backend_ids, &new.huddle, now))
+            .collect();
+        self.cfg = new;
+        // Reconciling rewrote every backend without flags.
+        self.moving.clear();
+        self.restore(&saved);
+        for si in 0..self.huddles.len() {
+            self.publish(si)?;
+        }
+        self.save_state();
+        host::warm_neighbours(&self.backend_addrs());
+        let n: usize = self.cfg.services.iter().map(|s| s.backends.len()).sum();
+        let msg = format!(
+            "reloaded: {} service(s), {n} backend(s)",
+            self.cfg.services.len()
+        );
+        info!("{msg}");
+        Ok(msg)
     }
 
     /// Writes the state file; a failure is logged, never fatal.
@@ -473,6 +552,7 @@ impl Balancer {
             Request::Undrain { backend, vip } => self
                 .set_drained(&backend, vip.as_deref(), false)
                 .map(Reply::message),
+            Request::Reload => self.reload().map(Reply::message),
             Request::Stop => {
                 self.remove_on_exit = true;
                 self.stop.notify_one();
@@ -513,8 +593,9 @@ impl Drop for SocketFile {
     }
 }
 
-/// Runs the balancer until SIGINT or SIGTERM.
-pub async fn run(cfg: Config) -> Result<()> {
+/// Runs the balancer until SIGINT or SIGTERM (or `huddle stop`); SIGHUP
+/// reloads the configuration through `reloader`.
+pub async fn run(cfg: Config, reloader: Option<Reloader>) -> Result<()> {
     host::check_privileges()?;
     let ifindex = host::ifindex(&cfg.interface)?;
     let snat = match cfg.snat_ip {
@@ -552,6 +633,7 @@ pub async fn run(cfg: Config) -> Result<()> {
         None => None,
     };
 
+    host::check_reachable(&cfg)?;
     let pins = cfg
         .pin_dir
         .clone()
@@ -601,6 +683,7 @@ pub async fn run(cfg: Config) -> Result<()> {
     );
     let mut balancer = balancer;
     balancer.sysctl_originals = sysctls.saved.clone();
+    balancer.reloader = reloader;
     balancer.save_state();
     for s in &cfg.services {
         info!("service {} -> {} backends", s.name(), s.backends.len());
@@ -656,10 +739,19 @@ pub async fn run(cfg: Config) -> Result<()> {
 
     let mut term = signal(SignalKind::terminate())?;
     let mut int = signal(SignalKind::interrupt())?;
-    tokio::select! {
-        _ = term.recv() => info!("SIGTERM"),
-        _ = int.recv() => info!("SIGINT"),
-        () = stop.notified() => info!("stop requested"),
+    let mut hup = signal(SignalKind::hangup())?;
+    loop {
+        tokio::select! {
+            _ = term.recv() => { info!("SIGTERM"); break; }
+            _ = int.recv() => { info!("SIGINT"); break; }
+            () = stop.notified() => { info!("stop requested"); break; }
+            _ = hup.recv() => {
+                info!("SIGHUP: reloading the configuration");
+                if let Err(e) = lock(&shared).reload() {
+                    warn!("{e:#}");
+                }
+            }
+        }
     }
     for t in &tasks {
         t.abort();
@@ -817,7 +909,11 @@ async fn scraper(shared: Arc<Mutex<Balancer>>, every: Duration, timeout: Duratio
                     if resp.status != 200 {
                         bail!("HTTP status {}", resp.status);
                     }
-                    Ok(crate::scrape::parse(&String::from_utf8_lossy(&resp.body)))
+                    let sample = crate::scrape::parse(&String::from_utf8_lossy(&resp.body));
+                    if sample.cpu_total_s.is_none() && sample.mem_total.is_none() {
+                        bail!("no usable node_cpu_seconds_total or node_memory_* values in the answer");
+                    }
+                    Ok(sample)
                 }
                 .await;
                 (

@@ -220,7 +220,15 @@ impl Dataplane {
     /// Makes the maps say what `cfg` says, keeping the ids of services and
     /// backends already there (live flows name backends by id) and the
     /// live ring of each kept service (the huddle decides changes).
-    fn reconcile(&mut self, cfg: &Config) -> Result<()> {
+    pub fn reconcile(&mut self, cfg: &Config) -> Result<()> {
+        // Swap guards carry over a reload.
+        let last_swaps: StdHashMap<u32, Instant> = self
+            .services
+            .iter()
+            .filter_map(|s| s.last_swap.map(|t| (s.id, t)))
+            .collect();
+        let reloading = !self.services.is_empty();
+        self.services.clear();
         let old_services: StdHashMap<ServiceKey, u32> = self
             .services_map
             .iter()
@@ -316,7 +324,7 @@ impl Dataplane {
                 ring: actual.clone(),
                 backend_ids: ids,
                 generation,
-                last_swap: None,
+                last_swap: last_swaps.get(&sid).copied(),
             });
             if first != actual {
                 self.swap_ring(self.services.len() - 1, &first)?;
@@ -333,7 +341,7 @@ impl Dataplane {
                 info!("service id {id} is no longer configured: removed");
             }
         }
-        if self.adopted {
+        if self.adopted || reloading {
             let gone = old_backends
                 .values()
                 .filter(|id| !kept.contains(id))

@@ -242,3 +242,19 @@ pub fn ensure_bpffs(dir: &Path) -> Result<()> {
         dir.display()
     )
 }
+
+/// Refuses backends this host has no route to (a UDP connect sends nothing
+/// but asks the kernel for a route). Errors name the field.
+pub fn check_reachable(cfg: &crate::config::Config) -> Result<()> {
+    let sock = UdpSocket::bind("0.0.0.0:0").context("opening a UDP socket")?;
+    for (i, s) in cfg.services.iter().enumerate() {
+        for (j, b) in s.backends.iter().enumerate() {
+            if let Err(e) = sock.connect(b) {
+                bail!(
+                    "service[{i}].backends[{j}]: backend {b} is unreachable from this host ({e})"
+                );
+            }
+        }
+    }
+    Ok(())
+}

@@ -332,12 +332,19 @@ fn bad_invocations_fail_with_one_line_and_attach_nothing() {
             format!("--backend {b} --nat-ports 40000-50000"),
             "ephemeral",
         ),
+        (
+            "eth0",
+            &vip,
+            "--backend 192.0.2.1:80".into(),
+            "service[0].backends[0]: backend 192.0.2.1:80 is unreachable",
+        ),
     ];
+    let pins = bed.pins.display().to_string();
     for (iface, vip, extra, want) in cases {
         let mut args = vec!["run", "--iface", iface, "--vip", vip];
         args.extend(extra.split_whitespace());
         let mut full = args.clone();
-        full.extend_from_slice(&["--control-socket", &sock]);
+        full.extend_from_slice(&["--control-socket", &sock, "--pin-dir", &pins]);
         let full: Vec<String> = full.iter().map(|s| s.to_string()).collect();
         let (ok, _, err) = in_ns(&bed.lb, move || {
             let args: Vec<&str> = full.iter().map(String::as_str).collect();
@@ -356,6 +363,74 @@ fn bad_invocations_fail_with_one_line_and_attach_nothing() {
         assert!(
             !xdp_attached(&bed.lb),
             "{args:?} left an XDP program attached"
+        );
+        assert!(!bed.pins.exists(), "{args:?} left pins behind");
+    }
+    // Config files: the error names the field, and the line where TOML
+    // itself is wrong.
+    let svc = format!("[[service]]\nvip = \"{vip}\"\nbackends = [\"{b}\"]\n");
+    let files = [
+        (
+            format!("[huddle]\ncool = 0.6\nheat = 0.5\n{svc}"),
+            "huddle.cool: 0.6 must be below huddle.heat",
+        ),
+        (
+            format!("[huddle]\ntick_ms = 0\n{svc}"),
+            "huddle.tick_ms: 0 is outside",
+        ),
+        (format!("[huddle]\ntick_ms = -5\n{svc}"), "line 2"),
+        (
+            format!("{svc}[[service]]\nvip = \"{vip}/tcp\"\nbackends = [\"{b}\"]\n"),
+            "service[1].vip: 10.213.100.1:80/tcp is configured twice",
+        ),
+        (format!("[huddle\n{svc}"), "line 1"),
+        (
+            format!("[huddle]\nprobe = {{ kind = \"icmp\" }}\n{svc}"),
+            "line 2",
+        ),
+        (
+            format!("[huddle]\nweights = {{ latency = -1.0 }}\n{svc}"),
+            "huddle.weights.latency",
+        ),
+    ];
+    for (i, (text, want)) in files.iter().enumerate() {
+        let path = bed.dir.join(format!("bad{i}.toml"));
+        std::fs::write(&path, text).unwrap();
+        let args: Vec<String> = [
+            "run",
+            "--iface",
+            "eth0",
+            "--config",
+            &path.display().to_string(),
+            "--control-socket",
+            &sock,
+            "--pin-dir",
+            &pins,
+        ]
+        .iter()
+        .map(ToString::to_string)
+        .collect();
+        let (ok, _, err) = in_ns(&bed.lb, move || {
+            let args: Vec<&str> = args.iter().map(String::as_str).collect();
+            output(Path::new(HUDDLE), &args).unwrap()
+        });
+        assert!(!ok, "{text:?} should fail");
+        assert_eq!(
+            err.trim().lines().count(),
+            1,
+            "{text:?}: error should be one line: {err:?}"
+        );
+        assert!(
+            err.contains(want),
+            "{text:?}: {err:?} should mention {want:?}"
+        );
+        assert!(
+            err.contains(&format!("bad{i}.toml")),
+            "{err:?} should name the file"
+        );
+        assert!(
+            !xdp_attached(&bed.lb) && !bed.pins.exists(),
+            "{text:?} left something behind"
         );
     }
     // Without privileges.

@@ -7,7 +7,10 @@
 //! - `GET /admin?delay_ms=N` sets the service time of every other request;
 //! - `GET /admin?status=N` sets the status it answers with (500: failing);
 //! - `GET /admin?cpu=F` sets the CPU utilisation (0..1) its `/metrics`
-//!   reports, under node_exporter's names, next to its real memory.
+//!   reports, under node_exporter's names, next to its real memory;
+//! - `GET /admin?metrics=M` makes `/metrics` misbehave: 1 hangs, 2 answers
+//!   garbage, 3 NaN, 4 negative values, 5 absurdly huge values, 6 a 10 MB
+//!   body; 0 is normal again.
 //!
 //! Killing it (connections refused) and SIGSTOP (the kernel still completes
 //! handshakes, nothing answers) are done from outside.
@@ -25,6 +28,8 @@ use std::{
 
 static DELAY_US: AtomicU64 = AtomicU64::new(0);
 static STATUS: AtomicU64 = AtomicU64::new(200);
+/// How `/metrics` behaves (see the module doc).
+static METRICS_MODE: AtomicU64 = AtomicU64::new(0);
 /// CPU utilisation in parts per million.
 static CPU_PPM: AtomicU64 = AtomicU64::new(100_000);
 
@@ -75,6 +80,7 @@ fn admin(query: &str) -> String {
         match k {
             "delay_ms" => DELAY_US.store((x * 1000.0) as u64, Ordering::Relaxed),
             "status" => STATUS.store(x as u64, Ordering::Relaxed),
+            "metrics" => METRICS_MODE.store(x as u64, Ordering::Relaxed),
             "cpu" => {
                 advance_cpu();
                 CPU_PPM.store((x.clamp(0.0, 1.0) * 1e6) as u64, Ordering::Relaxed);
@@ -105,6 +111,23 @@ fn advance_cpu() -> (f64, f64) {
 }
 
 fn metrics() -> String {
+    match METRICS_MODE.load(Ordering::Relaxed) {
+        1 => loop {
+            thread::sleep(Duration::from_secs(3600));
+        },
+        2 => return "}}}{{{ not prometheus \u{0}\u{1}\nnode_cpu_seconds_total{mode=\"idle\" 12\n".into(),
+        3 => {
+            return "node_cpu_seconds_total{cpu=\"0\",mode=\"idle\"} NaN\nnode_memory_MemAvailable_bytes NaN\nnode_memory_MemTotal_bytes NaN\n".into()
+        }
+        4 => {
+            return "node_cpu_seconds_total{cpu=\"0\",mode=\"idle\"} -5\nnode_memory_MemAvailable_bytes -1\nnode_memory_MemTotal_bytes -10\n".into()
+        }
+        5 => {
+            return "node_cpu_seconds_total{cpu=\"0\",mode=\"idle\"} 1e308\nnode_cpu_seconds_total{cpu=\"0\",mode=\"user\"} 1e308\nnode_memory_MemAvailable_bytes 1e300\nnode_memory_MemTotal_bytes +Inf\n".into()
+        }
+        6 => return format!("#{}\n", " ".repeat(10 << 20)),
+        _ => {}
+    }
     let (busy, idle) = advance_cpu();
     let mem = std::fs::read_to_string("/proc/meminfo").unwrap_or_default();
     let kb = |key: &str| {

@@ -1,0 +1,270 @@
+//! Bad input to a running balancer: reloads that must change nothing,
+//! reloads that change services and backends under live connections, and
+//! backend metrics endpoints that hang, lie or flood.
+
+use huddle_user::status::Status;
+use std::{
+    net::SocketAddr,
+    path::Path,
+    thread,
+    time::{Duration, Instant},
+};
+use testbed::{
+    backend_ip, http_get, in_ns, output, require_root, udp_request, KeepAlive, Testbed, HTTP_PORT,
+    UDP_PORT, VIP,
+};
+
+const HUDDLE: &str = env!("CARGO_BIN_EXE_hc-huddle");
+const BACKEND: &str = env!("CARGO_BIN_EXE_hc-backend");
+const TIMEOUT: Duration = Duration::from_secs(3);
+
+fn addr(i: usize) -> String {
+    format!("{}:{HTTP_PORT}", backend_ip(i))
+}
+
+/// A config with the TCP service on `tcp` backends and, if any, a UDP
+/// service on `udp` backends, plus `huddle` lines.
+fn config(huddle: &str, tcp: &[usize], udp: &[usize]) -> String {
+    let list = |ids: &[usize], port: u16| -> String {
+        ids.iter()
+            .map(|i| format!("\"{}:{port}\"", backend_ip(*i)))
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
+    let mut t = format!(
+        "[huddle]\n{huddle}\n\n[[service]]\nvip = \"{VIP}:80\"\nbackends = [{}]\n",
+        list(tcp, HTTP_PORT)
+    );
+    if !udp.is_empty() {
+        t += &format!(
+            "\n[[service]]\nvip = \"{VIP}:53/udp\"\nbackends = [{}]\n",
+            list(udp, UDP_PORT)
+        );
+    }
+    t
+}
+
+fn reload(bed: &Testbed) -> (bool, String) {
+    let (ok, out, err) = output(
+        Path::new(HUDDLE),
+        &[
+            "reload",
+            "--control-socket",
+            &bed.socket().display().to_string(),
+        ],
+    )
+    .unwrap();
+    (ok, format!("{out}{err}"))
+}
+
+fn backends_of(st: &Status, service: usize) -> Vec<String> {
+    st.services[service]
+        .backends
+        .iter()
+        .map(|b| b.addr.clone())
+        .collect()
+}
+
+#[test]
+fn reloads_change_services_in_place_and_bad_ones_change_nothing() {
+    require_root();
+    let mut bed = Testbed::new("reload", 4).expect("testbed");
+    bed.start_backends(Path::new(BACKEND)).expect("backends");
+    let file = bed.dir.join("huddle.toml");
+    std::fs::write(&file, config("", &[0, 1, 2], &[])).unwrap();
+    let file_s = file.display().to_string();
+    bed.start_huddle(Path::new(HUDDLE), &["--config", &file_s])
+        .expect("huddle");
+    let vip: SocketAddr = (VIP, 80).into();
+    let ns = bed.client.name.clone();
+    // A long-lived connection that must survive every reload.
+    let (tx, rx) = std::sync::mpsc::channel::<()>();
+    let held = thread::spawn(move || -> Result<(String, u32), String> {
+        huddle_user::netns::enter(&ns).map_err(|e| e.to_string())?;
+        let mut c = KeepAlive::connect(vip, TIMEOUT).map_err(|e| format!("{e:#}"))?;
+        let first = c.get().map_err(|e| format!("{e:#}"))?;
+        let mut n = 1;
+        while rx.recv_timeout(Duration::from_millis(20)).is_err() {
+            let b = c.get().map_err(|e| format!("request {n}: {e:#}"))?;
+            if b != first {
+                return Err(format!("connection moved from {first} to {b}"));
+            }
+            n += 1;
+        }
+        Ok((first, n))
+    });
+    thread::sleep(Duration::from_millis(300));
+    let before = bed.status().unwrap();
+
+    // Invalid, or changing what needs a restart: refused, nothing changes.
+    for (text, want) in [
+        (config("cool = 0.9", &[1, 2, 3], &[]), "huddle.cool"),
+        ("[[service]\nvip = 1".to_string(), "line 1"),
+        (config("", &[1, 1], &[]), "listed twice"),
+        (
+            format!(
+                "nat_ports = \"21000-30000\"\n{}",
+                config("", &[0, 1, 2], &[])
+            ),
+            "nat_ports cannot change",
+        ),
+        (
+            config("", &[0, 1], &[]).replace(&backend_ip(1).to_string(), "192.0.2.7"),
+            "unreachable",
+        ),
+    ] {
+        std::fs::write(&file, &text).unwrap();
+        let (ok, msg) = reload(&bed);
+        assert!(!ok, "reload of {text:?} should fail: {msg}");
+        assert!(
+            msg.contains(want) && msg.contains("nothing changed"),
+            "{msg:?} should say {want:?} and that nothing changed"
+        );
+        let now = bed.status().unwrap();
+        assert_eq!(now.services.len(), before.services.len());
+        assert_eq!(now.services[0].ring, before.services[0].ring, "{msg}");
+        assert_eq!(
+            now.services[0].ring_generation,
+            before.services[0].ring_generation
+        );
+        assert_eq!(backends_of(&now, 0), backends_of(&before, 0));
+    }
+
+    // Valid: b0 leaves, b3 joins, and a UDP service appears.
+    std::fs::write(&file, config("", &[1, 2, 3], &[0, 1, 2, 3])).unwrap();
+    let (ok, msg) = reload(&bed);
+    assert!(ok, "{msg}");
+    let st = bed.status().unwrap();
+    assert_eq!(backends_of(&st, 0), vec![addr(1), addr(2), addr(3)]);
+    assert_eq!(st.services[0].ring, vec![addr(1), addr(2), addr(3)]);
+    assert_eq!(st.services.len(), 2);
+    let answers = in_ns(&bed.client, move || {
+        let mut seen = std::collections::BTreeSet::new();
+        for _ in 0..30 {
+            seen.insert(http_get(vip, TIMEOUT).expect("request after reload"));
+        }
+        let udp: SocketAddr = (VIP, 53).into();
+        let u = udp_request(udp, b"q", TIMEOUT).expect("UDP service added by reload");
+        (seen, u)
+    });
+    assert_eq!(
+        answers.0.into_iter().collect::<Vec<_>>(),
+        vec!["b1", "b2", "b3"],
+        "new connections follow the reloaded ring"
+    );
+    assert!(answers.1.contains(":q"), "{}", answers.1);
+
+    // SIGHUP does the same: b0 back in.
+    std::fs::write(&file, config("", &[0, 1, 2, 3], &[])).unwrap();
+    // SAFETY: signalling our own child.
+    unsafe { libc::kill(bed.huddle.as_ref().unwrap().child.id() as i32, libc::SIGHUP) };
+    let t = Instant::now();
+    while backends_of(&bed.status().unwrap(), 0).len() != 4 {
+        assert!(
+            t.elapsed() < Duration::from_secs(5),
+            "SIGHUP reload not applied:\n{}",
+            bed.huddle_log()
+        );
+        thread::sleep(Duration::from_millis(20));
+    }
+    assert_eq!(
+        bed.status().unwrap().services.len(),
+        1,
+        "the UDP service is gone again"
+    );
+
+    tx.send(()).unwrap();
+    let (on, n) = held
+        .join()
+        .unwrap()
+        .expect("the long-lived connection broke across reloads");
+    println!(
+        "a keep-alive connection on {on} made {n} requests across 6 refused and 2 applied reloads"
+    );
+}
+
+#[test]
+fn hanging_lying_and_flooding_metrics_endpoints_never_stop_the_daemon() {
+    require_root();
+    let mut bed = Testbed::new("metrics", 2).expect("testbed");
+    bed.start_backends(Path::new(BACKEND)).expect("backends");
+    let file = bed.dir.join("huddle.toml");
+    let text = format!(
+        "[huddle]\nmetrics_interval_ms = 200\nmetrics_timeout_ms = 300\n\n[[service]]\nvip = \"{VIP}:80\"\nbackends = [{}]\n",
+        (0..2)
+            .map(|i| format!("{{ addr = \"{}\", metrics = \"http://{}/metrics\" }}", addr(i), addr(i)))
+            .collect::<Vec<_>>()
+            .join(", ")
+    );
+    std::fs::write(&file, text).unwrap();
+    bed.start_huddle(
+        Path::new(HUDDLE),
+        &["--config", &file.display().to_string()],
+    )
+    .expect("huddle");
+    let b0 = |st: &Status| st.services[0].backends[0].clone();
+    // Normal first: both known.
+    let t = Instant::now();
+    while b0(&bed.status().unwrap()).cpu.is_none() {
+        assert!(t.elapsed() < Duration::from_secs(5), "metrics never read");
+        thread::sleep(Duration::from_millis(50));
+    }
+    for (mode, what, want) in [
+        (1, "hangs", "no full answer within"),
+        (2, "answers garbage", "no usable"),
+        (3, "answers NaN", "no usable"),
+        (4, "answers negative values", "no usable"),
+        (5, "answers absurd values", "no usable"),
+        (6, "sends a 10 MB body", "larger than"),
+    ] {
+        bed.backend_admin(0, &format!("metrics={mode}")).unwrap();
+        let t = Instant::now();
+        let mut last_uptime = 0.0;
+        loop {
+            let asked = Instant::now();
+            let st = bed.status().unwrap();
+            let took = asked.elapsed();
+            assert!(
+                took < Duration::from_millis(500),
+                "status took {took:?} while b0 {what}"
+            );
+            assert!(st.uptime_s >= last_uptime);
+            last_uptime = st.uptime_s;
+            for b in &st.services[0].backends {
+                assert!((0.0..=1.0).contains(&b.temperature), "{b:?}");
+            }
+            let b = b0(&st);
+            if b.cpu.is_none()
+                && b.memory.is_none()
+                && b.host_note.as_deref().is_some_and(|n| n.contains(want))
+            {
+                println!(
+                    "b0 {what}: host terms unknown, note {:?}",
+                    b.host_note.unwrap()
+                );
+                assert!(
+                    st.services[0].backends[1].cpu.is_some(),
+                    "b1's metrics must be unaffected"
+                );
+                break;
+            }
+            assert!(
+                t.elapsed() < Duration::from_secs(5),
+                "b0 {what}: not reported as unknown: {b:?}"
+            );
+            thread::sleep(Duration::from_millis(50));
+        }
+        bed.backend_admin(0, "metrics=0").unwrap();
+        let t = Instant::now();
+        while b0(&bed.status().unwrap()).memory.is_none() {
+            assert!(
+                t.elapsed() < Duration::from_secs(5),
+                "b0 did not recover after it {what}"
+            );
+            thread::sleep(Duration::from_millis(50));
+        }
+    }
+    // The daemon ticked all along: traffic still flows.
+    let vip: SocketAddr = (VIP, 80).into();
+    in_ns(&bed.client, move || http_get(vip, TIMEOUT)).expect("traffic after bad metrics");
+}
