@@ -164,13 +164,19 @@ pub struct Backend {
     pub flags: u32,
 }
 
-/// One service's active ring: backend ids, taken round robin.
+/// Words of a ring's membership bitmap (one bit per backend id).
+pub const MEMBER_WORDS: usize = MAX_BACKENDS as usize / 64;
+
+/// One service's active ring: backend ids, taken round robin, and the same
+/// set as a bitmap, so the program can check in O(1) that what it picked
+/// belongs to the ring it read (a torn read would not).
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
 pub struct Ring {
     pub len: u32,
     pub _pad: u32,
     pub backends: [u32; RING_CAPACITY],
+    pub members: [u64; MEMBER_WORDS],
 }
 
 impl Ring {
@@ -178,7 +184,16 @@ impl Ring {
         len: 0,
         _pad: 0,
         backends: [0; RING_CAPACITY],
+        members: [0; MEMBER_WORDS],
     };
+
+    /// Whether backend `id` is in the bitmap.
+    #[inline(always)]
+    #[must_use]
+    pub fn has(&self, id: u32) -> bool {
+        let w = (id / 64) as usize;
+        w < MEMBER_WORDS && (self.members[w] >> (id % 64)) & 1 == 1
+    }
 }
 
 /// Key of `FLOWS`: the client's side of a flow.
@@ -259,7 +274,7 @@ macro_rules! assert_size {
 assert_size!(ServiceKey, 20);
 assert_size!(ServiceValue, 8);
 assert_size!(Backend, 24);
-assert_size!(Ring, 8 + 4 * RING_CAPACITY);
+assert_size!(Ring, 8 + 4 * RING_CAPACITY + 8 * MEMBER_WORDS);
 assert_size!(FlowKey, 40);
 assert_size!(FlowValue, 32);
 assert_size!(Latency, 8 * LATENCY_BUCKETS);

@@ -114,5 +114,8 @@ counters!(
         redirect,
         /// Ring reads retried because a swap raced with the read.
         ring_retry,
+        /// New flows whose picked backend was not a member of the ring it
+        /// was read from (a torn read): must stay 0.
+        ring_stray,
     }
 );

@@ -11,7 +11,7 @@
 
 use crate::maps::{global, RINGS, RING_GEN, RR_CURSOR};
 use core::ptr::read_volatile;
-use huddle_common::{ring_slot, RING_CAPACITY};
+use huddle_common::{ring_slot, MEMBER_WORDS, RING_CAPACITY};
 
 const READ_TRIES: u32 = 3;
 
@@ -46,6 +46,17 @@ pub fn pick(service: u32) -> Option<u32> {
         }
         let g2 = unsafe { read_volatile(generation) };
         if g1 == g2 {
+            if let Some(id) = chosen {
+                // SAFETY: as above; the bitmap read is bounds-checked.
+                let member = unsafe {
+                    let w = (id / 64) as usize;
+                    w < MEMBER_WORDS && (read_volatile(&(*ring).members[w]) >> (id % 64)) & 1 == 1
+                };
+                if !member {
+                    global(|s| s.ring_stray += 1);
+                    continue;
+                }
+            }
             return chosen;
         }
         global(|s| s.ring_retry += 1);

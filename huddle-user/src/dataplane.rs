@@ -460,6 +460,13 @@ impl Dataplane {
         let mut ring = Ring::EMPTY;
         ring.len = backends.len() as u32;
         ring.backends[..backends.len()].copy_from_slice(backends);
+        for id in backends {
+            let w = (*id / 64) as usize;
+            if w >= huddle_common::MEMBER_WORDS {
+                bail!("backend id {id} out of range");
+            }
+            ring.members[w] |= 1 << (id % 64);
+        }
         let next = slot.generation + 1;
         self.rings
             .set(ring_slot(slot.id, next), ring, 0)

@@ -48,6 +48,21 @@ pub fn unique(tag: &str) -> String {
     )
 }
 
+/// Lifts this process's open-file limit to its hard maximum.
+pub fn raise_nofile() {
+    let mut lim = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: get/setrlimit with a struct we own.
+    unsafe {
+        if libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) == 0 {
+            lim.rlim_cur = lim.rlim_max;
+            libc::setrlimit(libc::RLIMIT_NOFILE, &lim);
+        }
+    }
+}
+
 /// Fails with a clear message unless running as root.
 pub fn require_root() {
     // SAFETY: geteuid has no preconditions.
