@@ -130,7 +130,7 @@ fn swaps_and_churn_under_2000_connections_break_nothing() {
         }
         let b = current[(k / 2) % current.len()];
         let backend = format!("{}:{HTTP_PORT}", backend_ip(b));
-        let req = if k % 2 == 0 {
+        let req = if k.is_multiple_of(2) {
             Request::Drain { backend, vip: None }
         } else {
             Request::Undrain { backend, vip: None }
