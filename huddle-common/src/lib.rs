@@ -46,9 +46,14 @@ pub mod maps {
     /// `Array<Pulse>` indexed by backend id: since when the backend owes an
     /// answer (shared by all CPUs).
     pub const PULSE: &str = "PULSE";
+    /// `LruHashMap<FlowKey, FlowValue>`: TCP flows whose handshake is not
+    /// complete. Kept apart so a SYN flood never evicts an established flow.
+    pub const HALF_OPEN: &str = "HALF_OPEN";
+    /// `LruHashMap<NatKey, NatValue>`: NAT entries of half-open flows.
+    pub const HALF_OPEN_NAT: &str = "HALF_OPEN_NAT";
 
     /// Every map the control plane opens, for checks against the object.
-    pub const ALL: [&str; 13] = [
+    pub const ALL: [&str; 15] = [
         SERVICES,
         BACKENDS,
         RINGS,
@@ -62,6 +67,8 @@ pub mod maps {
         GLOBAL_STATS,
         LATENCY,
         PULSE,
+        HALF_OPEN,
+        HALF_OPEN_NAT,
     ];
 }
 
@@ -76,6 +83,8 @@ pub const MAX_BACKENDS: u32 = 1024;
 pub const RING_CAPACITY: usize = 256;
 /// Flow table entries unless configured otherwise.
 pub const DEFAULT_FLOW_TABLE_SIZE: u32 = 131_072;
+/// Half-open table entries unless configured otherwise.
+pub const DEFAULT_HALF_OPEN_SIZE: u32 = 65_536;
 /// A closing flow keeps its NAT port this long, so its last segments
 /// (final ACKs, retransmitted FINs) are still translated to it.
 pub const NAT_LINGER_NS: u64 = 2_000_000_000;
@@ -107,6 +116,9 @@ pub mod flow_flags {
     /// The client sent data and the backend has not answered with data yet;
     /// `FlowValue::turn_ns` is when the turn started.
     pub const TURN_WAIT: u8 = 4;
+    /// A half-open flow whose SYN-ACK went by: `FlowValue::synack_seq` is
+    /// its sequence number, which the client's ACK must acknowledge.
+    pub const SYNACK_SEEN: u8 = 8;
 }
 
 /// `Backend::flags` bits.
@@ -219,7 +231,9 @@ pub struct FlowValue {
     pub nat_port_be: u16,
     /// `flow_flags` bits.
     pub flags: u8,
-    pub _pad: [u8; 5],
+    pub _pad: u8,
+    /// Sequence number of the backend's SYN-ACK (half-open flows).
+    pub synack_seq: u32,
     /// `bpf_ktime_get_ns()` when the flow was created, then when it started
     /// closing.
     pub stamp_ns: u64,

@@ -42,12 +42,15 @@ counters!(
         /// Packets and bytes the backend sent back (translated to clients).
         pkts_from,
         bytes_from,
-        /// Flows assigned to the backend.
+        /// Flows assigned to the backend: TCP once the handshake completed,
+        /// UDP at the first datagram.
         flows_new,
         /// Flows that saw their first FIN or RST.
         flows_closed,
         /// RST segments sent by the backend.
         rsts_from,
+        /// SYNs of new connections forwarded to the backend.
+        syns,
         /// SYN-ACKs answering a SYN we forwarded, and the summed
         /// SYN-to-SYN-ACK time of those.
         syn_acks,
@@ -85,6 +88,13 @@ counters!(
         drop_nat_ports,
         /// Dropped: the flow or NAT table refused the insert.
         drop_flow_table,
+        /// SYNs that opened a half-open flow, and half-open flows promoted
+        /// to the flow table by a client ACK of the backend's SYN-ACK.
+        half_open,
+        promoted,
+        /// Half-open flows that lost their NAT port to a newer one (only
+        /// under a flood) before the client's ACK came.
+        half_open_lost,
     }
 );
 

@@ -4,8 +4,11 @@
 
 use crate::{
     forward::send,
-    maps::{bump, global, BACKENDS, BACKEND_STATS, CONFIG, FLOWS, NAT, SERVICES, SERVICE_STATS},
-    parse::{Packet, TCP_FIN, TCP_RST, TCP_SYN},
+    maps::{
+        bump, global, BACKENDS, BACKEND_STATS, CONFIG, FLOWS, HALF_OPEN, HALF_OPEN_NAT, NAT,
+        SERVICES, SERVICE_STATS,
+    },
+    parse::{Packet, TCP_ACK, TCP_FIN, TCP_RST, TCP_SYN},
     rewrite::{rewrite, Tuple},
     ring, timing,
 };
@@ -17,7 +20,7 @@ use aya_ebpf::{
 use aya_log_ebpf::warn;
 use huddle_common::{
     addr_v4, backend_flags, flow_flags, Config, FlowKey, FlowValue, NatKey, NatValue, ServiceKey,
-    FAMILY_V4, NAT_LINGER_NS, NAT_PORT_TRIES,
+    FAMILY_V4, NAT_LINGER_NS, NAT_PORT_TRIES, PROTO_TCP,
 };
 
 const EEXIST: i32 = 17;
@@ -73,18 +76,21 @@ fn request(ctx: &XdpContext, p: &Packet, cfg: &Config) -> u32 {
             (unsafe { *f }, Some(f))
         }
         _ => {
-            if p.is_tcp() && !syn {
-                bump(&SERVICE_STATS, service, |s| s.pass_no_flow += 1);
-                return xdp_action::XDP_PASS;
-            }
             if let Some(old) = existing {
                 // A new connection reusing a closed flow's tuple: its old
-                // NAT entry must not catch the new flow's replies.
+                // NAT entry must not catch the new flow's replies, and its
+                // old entry must not catch the new flow's packets.
                 // SAFETY: as above.
                 forget_nat(cfg, unsafe { &*old }, p.proto);
+                let _ = FLOWS.remove(fkey);
             }
-            match new_flow(ctx, cfg, service, &fkey, p, true) {
-                Ok(f) => (f, None),
+            let opened = if p.is_tcp() {
+                handshake(ctx, cfg, service, &fkey, p)
+            } else {
+                new_flow(ctx, cfg, service, &fkey, p, true, false).map(|f| (f, None))
+            };
+            match opened {
+                Ok(o) => o,
                 Err(verdict) => return verdict,
             }
         }
@@ -100,7 +106,7 @@ fn request(ctx: &XdpContext, p: &Packet, cfg: &Config) -> u32 {
             forget_nat(cfg, &flow, p.proto);
             close(f, flow.backend);
             bump(&BACKEND_STATS, flow.backend, |s| s.flows_moved += 1);
-            flow = match new_flow(ctx, cfg, service, &fkey, p, false) {
+            flow = match new_flow(ctx, cfg, service, &fkey, p, false, false) {
                 Ok(f) => f,
                 Err(verdict) => return verdict,
             };
@@ -140,10 +146,103 @@ fn request(ctx: &XdpContext, p: &Packet, cfg: &Config) -> u32 {
     send(ctx, p)
 }
 
-/// Picks a backend and a NAT port for a new flow and records both
-/// directions; `time` starts timing its first wait. Errors carry the
-/// verdict for the packet.
+/// A TCP packet of no established flow. A SYN opens a half-open flow (in
+/// its own tables, so a flood of them never evicts an established flow);
+/// the client's ACK of the backend's SYN-ACK promotes it; anything else of
+/// a half-open flow goes to its backend as it is; the rest is not ours.
+/// Returns the flow and, once established, its table entry.
 #[inline(always)]
+fn handshake(
+    ctx: &XdpContext,
+    cfg: &Config,
+    service: u32,
+    fkey: &FlowKey,
+    p: &Packet,
+) -> Result<(FlowValue, Option<*mut FlowValue>), u32> {
+    let syn = p.has_flag(TCP_SYN);
+    if let Some(e) = HALF_OPEN.get_ptr_mut(fkey) {
+        // SAFETY: map value pointer, copied out at once.
+        let half = unsafe { *e };
+        let acks_synack = half.flags & flow_flags::SYNACK_SEEN != 0
+            && p.has_flag(TCP_ACK)
+            && p.ack == half.synack_seq.wrapping_add(1);
+        if !syn && acks_synack {
+            return promote(cfg, service, fkey, &half);
+        }
+        // A retransmitted SYN, or early packets: same backend, no promotion.
+        return Ok((half, None));
+    }
+    if !syn {
+        bump(&SERVICE_STATS, service, |s| s.pass_no_flow += 1);
+        return Err(xdp_action::XDP_PASS);
+    }
+    new_flow(ctx, cfg, service, fkey, p, true, true).map(|f| (f, None))
+}
+
+/// Moves a half-open flow and its NAT entry into the flow tables.
+#[inline(always)]
+fn promote(
+    cfg: &Config,
+    service: u32,
+    fkey: &FlowKey,
+    half: &FlowValue,
+) -> Result<(FlowValue, Option<*mut FlowValue>), u32> {
+    let Some(backend) = BACKENDS.get(half.backend) else {
+        return Err(xdp_action::XDP_DROP);
+    };
+    let nkey = nat_key(
+        cfg,
+        backend.addr,
+        backend.port_be,
+        half.nat_port_be,
+        PROTO_TCP,
+    );
+    // SAFETY: copied out at once.
+    let holder = unsafe { HALF_OPEN_NAT.get(nkey) }.copied();
+    let Some(nat) = holder.filter(|h| h.flow == *fkey) else {
+        // A newer half-open flow took the port (only under a flood).
+        bump(&SERVICE_STATS, service, |s| s.half_open_lost += 1);
+        let _ = HALF_OPEN.remove(fkey);
+        return Err(xdp_action::XDP_DROP);
+    };
+    let mut flow = *half;
+    flow.flags &= !flow_flags::SYNACK_SEEN;
+    if NAT.insert(nkey, nat, 0).is_err() || FLOWS.insert(fkey, flow, 0).is_err() {
+        bump(&SERVICE_STATS, service, |s| s.drop_flow_table += 1);
+        return Err(xdp_action::XDP_DROP);
+    }
+    let _ = HALF_OPEN_NAT.remove(nkey);
+    let _ = HALF_OPEN.remove(fkey);
+    bump(&SERVICE_STATS, service, |s| s.promoted += 1);
+    bump(&BACKEND_STATS, flow.backend, |s| s.flows_new += 1);
+    Ok((flow, FLOWS.get_ptr_mut(fkey)))
+}
+
+#[inline(always)]
+fn nat_key(
+    cfg: &Config,
+    backend: [u8; 16],
+    backend_port_be: u16,
+    nat_port_be: u16,
+    proto: u8,
+) -> NatKey {
+    NatKey {
+        backend,
+        local: cfg.snat_addr,
+        backend_port_be,
+        nat_port_be,
+        proto,
+        family: FAMILY_V4,
+        _pad: [0; 2],
+    }
+}
+
+/// Picks a backend and a NAT port for a new flow and records both
+/// directions: in the half-open tables (`half`, a TCP SYN) or the flow
+/// tables. `time` starts timing its first wait. Errors carry the verdict
+/// for the packet.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
 fn new_flow(
     ctx: &XdpContext,
     cfg: &Config,
@@ -151,6 +250,7 @@ fn new_flow(
     fkey: &FlowKey,
     p: &Packet,
     time: bool,
+    half: bool,
 ) -> Result<FlowValue, u32> {
     let Some(backend_id) = ring::pick(service) else {
         bump(&SERVICE_STATS, service, |s| s.drop_no_backend += 1);
@@ -160,15 +260,7 @@ fn new_flow(
         bump(&SERVICE_STATS, service, |s| s.drop_no_backend += 1);
         return Err(xdp_action::XDP_DROP);
     };
-    let mut nkey = NatKey {
-        backend: backend.addr,
-        local: cfg.snat_addr,
-        backend_port_be: backend.port_be,
-        nat_port_be: 0,
-        proto: fkey.proto,
-        family: FAMILY_V4,
-        _pad: [0; 2],
-    };
+    let mut nkey = nat_key(cfg, backend.addr, backend.port_be, 0, fkey.proto);
     let nval = NatValue {
         flow: *fkey,
         backend: backend_id,
@@ -176,25 +268,40 @@ fn new_flow(
     };
     let span = u32::from(cfg.nat_port_max.wrapping_sub(cfg.nat_port_min)) + 1;
     let mut port = None;
+    // A port only another half-open flow holds: taken if nothing is free.
+    let mut stealable = None;
     for _ in 0..NAT_PORT_TRIES {
         // SAFETY: plain helper call.
         let r = unsafe { bpf_get_prandom_u32() };
         let candidate = cfg.nat_port_min.wrapping_add((r % span) as u16);
         nkey.nat_port_be = candidate.to_be();
-        match NAT.insert(nkey, nval, u64::from(BPF_NOEXIST)) {
+        // Never a port an established flow still holds.
+        // SAFETY: only tested for presence.
+        if unsafe { NAT.get(&nkey) }.is_some() && !reclaim(&nkey) {
+            continue;
+        }
+        let res = if half {
+            HALF_OPEN_NAT.insert(nkey, nval, u64::from(BPF_NOEXIST))
+        } else {
+            NAT.insert(nkey, nval, u64::from(BPF_NOEXIST))
+        };
+        match res {
             Ok(()) => {
                 port = Some(nkey.nat_port_be);
                 break;
             }
-            Err(e) if e == -EEXIST => {
-                if reclaim(&nkey, &nval) {
-                    port = Some(nkey.nat_port_be);
-                    break;
-                }
-            }
+            Err(e) if e == -EEXIST => stealable = Some(nkey.nat_port_be),
             Err(_) => {
                 bump(&SERVICE_STATS, service, |s| s.drop_flow_table += 1);
                 return Err(xdp_action::XDP_DROP);
+            }
+        }
+    }
+    if port.is_none() && half {
+        if let Some(steal) = stealable {
+            nkey.nat_port_be = steal;
+            if HALF_OPEN_NAT.insert(nkey, nval, 0).is_ok() {
+                port = Some(steal);
             }
         }
     }
@@ -217,30 +324,46 @@ fn new_flow(
         } else {
             0
         },
-        _pad: [0; 5],
+        _pad: 0,
+        synack_seq: 0,
         stamp_ns: now,
         turn_ns: now,
     };
-    if FLOWS.insert(fkey, flow, 0).is_err() {
-        let _ = NAT.remove(nkey);
+    let inserted = if half {
+        HALF_OPEN.insert(fkey, flow, 0)
+    } else {
+        FLOWS.insert(fkey, flow, 0)
+    };
+    if inserted.is_err() {
+        if half {
+            let _ = HALF_OPEN_NAT.remove(nkey);
+        } else {
+            let _ = NAT.remove(nkey);
+        }
         bump(&SERVICE_STATS, service, |s| s.drop_flow_table += 1);
         return Err(xdp_action::XDP_DROP);
     }
-    bump(&SERVICE_STATS, service, |s| s.flows_new += 1);
-    bump(&BACKEND_STATS, backend_id, |s| s.flows_new += 1);
+    if half {
+        bump(&SERVICE_STATS, service, |s| s.half_open += 1);
+        bump(&BACKEND_STATS, backend_id, |s| s.syns += 1);
+    } else {
+        bump(&SERVICE_STATS, service, |s| s.flows_new += 1);
+        bump(&BACKEND_STATS, backend_id, |s| s.flows_new += 1);
+    }
     Ok(flow)
 }
 
-/// Takes over the NAT entry `key` if the flow holding it is over: gone
-/// from the flow table, closing (FIN or RST seen) for `NAT_LINGER_NS`, or no longer using this
-/// port. NAT entries are not removed when flows end (the last packets of a
-/// close still need translating), so without this a backend's ports would
-/// fill with finished flows long before the LRU tables evict them.
+/// Frees the NAT entry `key` if the flow holding it is over: gone from
+/// the flow table, closing (FIN or RST seen) for `NAT_LINGER_NS`, or no
+/// longer using this port. NAT entries are not removed when flows end (the
+/// last packets of a close still need translating), so without this a
+/// backend's ports would fill with finished flows long before the LRU
+/// tables evict them. Returns whether the port is free now.
 #[inline(always)]
-fn reclaim(key: &NatKey, new: &NatValue) -> bool {
+fn reclaim(key: &NatKey) -> bool {
     // SAFETY: copied out at once.
     let Some(old) = (unsafe { NAT.get(key) }).copied() else {
-        return false;
+        return true;
     };
     // The flow the entry names, if it still holds this port (its tuple may
     // since have been reused by a flow with another port).
@@ -259,7 +382,8 @@ fn reclaim(key: &NatKey, new: &NatValue) -> bool {
         }
         let _ = FLOWS.remove(old.flow);
     }
-    NAT.insert(key, new, 0).is_ok()
+    let _ = NAT.remove(key);
+    true
 }
 
 /// Removes the NAT entry of an old flow that a new one replaces.
@@ -268,15 +392,7 @@ fn forget_nat(cfg: &Config, old: &FlowValue, proto: u8) {
     let Some(backend) = BACKENDS.get(old.backend) else {
         return;
     };
-    let key = NatKey {
-        backend: backend.addr,
-        local: cfg.snat_addr,
-        backend_port_be: backend.port_be,
-        nat_port_be: old.nat_port_be,
-        proto,
-        family: FAMILY_V4,
-        _pad: [0; 2],
-    };
+    let key = nat_key(cfg, backend.addr, backend.port_be, old.nat_port_be, proto);
     let _ = NAT.remove(key);
 }
 
@@ -309,9 +425,16 @@ fn reply(ctx: &XdpContext, p: &Packet, cfg: &Config) -> u32 {
         _pad: [0; 2],
     };
     // SAFETY: copied out at once.
-    let Some(nat) = (unsafe { NAT.get(nkey) }).copied() else {
-        global(|s| s.pass_no_nat += 1);
-        return xdp_action::XDP_PASS;
+    let (nat, half) = match unsafe { NAT.get(nkey) }.copied() {
+        Some(n) => (n, false),
+        // SAFETY: as above.
+        None => match unsafe { HALF_OPEN_NAT.get(nkey) }.copied() {
+            Some(n) => (n, true),
+            None => {
+                global(|s| s.pass_no_nat += 1);
+                return xdp_action::XDP_PASS;
+            }
+        },
     };
     let bytes = u64::from(p.tot_len);
     let rst = p.has_flag(TCP_RST);
@@ -325,13 +448,26 @@ fn reply(ctx: &XdpContext, p: &Packet, cfg: &Config) -> u32 {
     let closing = p.has_flag(TCP_FIN | TCP_RST);
     if closing || p.has_flag(TCP_SYN) || p.payload_len > 0 {
         // The flow, if it is still this backend's (it may have moved).
-        let flow = FLOWS.get_ptr_mut(nat.flow).filter(|f| {
+        let entry = if half {
+            HALF_OPEN.get_ptr_mut(nat.flow)
+        } else {
+            FLOWS.get_ptr_mut(nat.flow)
+        };
+        let flow = entry.filter(|f| {
             // SAFETY: map value pointer, valid for this run.
             let f = unsafe { &**f };
             f.backend == nat.backend && f.nat_port_be == nkey.nat_port_be
         });
+        if let Some(f) = flow.filter(|_| half && p.has_flag(TCP_SYN) && p.has_flag(TCP_ACK)) {
+            // The client's ACK must acknowledge exactly this to promote it.
+            // SAFETY: as above.
+            unsafe {
+                (*f).synack_seq = p.seq;
+                (*f).flags |= flow_flags::SYNACK_SEEN;
+            }
+        }
         timing::reply(flow, p, nat.backend);
-        if closing {
+        if closing && !half {
             if let Some(f) = flow {
                 close(f, nat.backend);
             }

@@ -7,8 +7,8 @@ use aya_ebpf::{
 };
 use huddle_common::{
     Backend, BackendStats, Config, FlowKey, FlowValue, GlobalStats, Latency, NatKey, NatValue,
-    Pulse, Ring, ServiceKey, ServiceStats, ServiceValue, DEFAULT_FLOW_TABLE_SIZE, MAX_BACKENDS,
-    MAX_SERVICES,
+    Pulse, Ring, ServiceKey, ServiceStats, ServiceValue, DEFAULT_FLOW_TABLE_SIZE,
+    DEFAULT_HALF_OPEN_SIZE, MAX_BACKENDS, MAX_SERVICES,
 };
 
 /// VIP:port/proto -> service id. Written only by the control plane.
@@ -40,6 +40,17 @@ pub static FLOWS: LruHashMap<FlowKey, FlowValue> =
 #[map]
 pub static NAT: LruHashMap<NatKey, NatValue> =
     LruHashMap::with_max_entries(DEFAULT_FLOW_TABLE_SIZE, 0);
+
+/// TCP flows between SYN and the client's ACK of the SYN-ACK. A flood of
+/// SYNs only ever evicts entries here. Size set by the control plane.
+#[map]
+pub static HALF_OPEN: LruHashMap<FlowKey, FlowValue> =
+    LruHashMap::with_max_entries(DEFAULT_HALF_OPEN_SIZE, 0);
+
+/// NAT entries of half-open flows. Same size as `HALF_OPEN`.
+#[map]
+pub static HALF_OPEN_NAT: LruHashMap<NatKey, NatValue> =
+    LruHashMap::with_max_entries(DEFAULT_HALF_OPEN_SIZE, 0);
 
 /// Data plane settings (SNAT address, NAT port range).
 #[map]

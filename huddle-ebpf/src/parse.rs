@@ -44,6 +44,9 @@ pub struct Packet {
     pub tot_len: u16,
     /// Bytes of TCP or UDP payload.
     pub payload_len: u16,
+    /// TCP sequence and acknowledgement numbers (host order), 0 for UDP.
+    pub seq: u32,
+    pub ack: u32,
 }
 
 impl Packet {
@@ -100,7 +103,7 @@ pub fn parse(ctx: &XdpContext) -> Result<Packet, Skip> {
     let l4_len = usize::from(tot_len) - Ipv4Hdr::LEN;
     let l4_off = EthHdr::LEN + Ipv4Hdr::LEN;
     let proto = iph.proto;
-    let (sport, dport, tcp_flags, l4, payload_len) = match proto {
+    let (sport, dport, tcp_flags, l4, payload_len, seq, ack) = match proto {
         PROTO_TCP => {
             let tcp: *mut TcpHdr = ptr_at(ctx, l4_off).ok_or(Skip::Malformed)?;
             // SAFETY: checked by `ptr_at`; the header is plain bytes.
@@ -115,6 +118,8 @@ pub fn parse(ctx: &XdpContext) -> Result<Packet, Skip> {
                 raw[13],
                 tcp.cast::<u8>(),
                 (l4_len - doff) as u16,
+                u32::from_be_bytes([raw[4], raw[5], raw[6], raw[7]]),
+                u32::from_be_bytes([raw[8], raw[9], raw[10], raw[11]]),
             )
         }
         PROTO_UDP => {
@@ -131,6 +136,8 @@ pub fn parse(ctx: &XdpContext) -> Result<Packet, Skip> {
                 0,
                 udp.cast::<u8>(),
                 (ulen - UdpHdr::LEN) as u16,
+                0,
+                0,
             )
         }
         _ => return Err(Skip::NotTcpUdp),
@@ -147,5 +154,7 @@ pub fn parse(ctx: &XdpContext) -> Result<Packet, Skip> {
         tcp_flags,
         tot_len,
         payload_len,
+        seq,
+        ack,
     })
 }

@@ -11,7 +11,7 @@
 use crate::{
     config::{Config, PortRange, Proto, Service, XdpMode},
     object,
-    packet::{Frame, ACK},
+    packet::{endpoints, Frame, ACK, SYN},
     prog_run::{test_run, ProgRun, BALANCER_IP},
 };
 use anyhow::{bail, Context, Result};
@@ -44,6 +44,7 @@ fn bench_config() -> Config {
             max: 65535,
         },
         flow_table_size: 1 << 18,
+        half_open_table_size: 65_536,
         control_socket: "/dev/null".into(),
         pin_dir: None,
         state_file: "/dev/null".into(),
@@ -140,9 +141,17 @@ fn measure(args: &BenchArgs) -> Result<()> {
         .flags(ACK)
         .payload(&payload)
         .build();
-    let (v, _) = env.run(&Frame::tcp((client, 40000), (VIP, 80)).syn().build())?;
-    if v != 3 {
-        bail!("setting up the established flow returned verdict {v}, expected XDP_TX (3)");
+    // A full handshake, so the flow is in the flow table, not half-open.
+    let (v, out) = env.run(&Frame::tcp((client, 40000), (VIP, 80)).syn().build())?;
+    let ((_, nat_port), (backend, bport)) = endpoints(&out);
+    let synack = Frame::tcp((backend, bport), (BALANCER_IP, nat_port))
+        .flags(SYN | ACK)
+        .seq_ack(5000, 1001);
+    let (v2, _) = env.run(&synack.build())?;
+    let ack = Frame::tcp((client, 40000), (VIP, 80)).seq_ack(1001, 5001);
+    let (v3, _) = env.run(&ack.build())?;
+    if (v, v2, v3) != (3, 3, 3) || env.dp.service_stats(0)?.promoted != 1 {
+        bail!("setting up the established flow returned verdicts {v}, {v2}, {v3}, expected XDP_TX (3)");
     }
     let other = Frame::tcp((client, 40000), (Ipv4Addr::new(10, 213, 0, 99), 80))
         .payload(&payload)

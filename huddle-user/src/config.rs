@@ -233,6 +233,8 @@ pub struct ConfigFile {
     pub nat_ports: Option<PortRange>,
     /// Entries in the flow table (and in the NAT table).
     pub flow_table_size: Option<u32>,
+    /// Entries in the half-open table (TCP flows before the client's ACK).
+    pub half_open_table_size: Option<u32>,
     /// Path of the control socket `huddle status` talks to.
     pub control_socket: Option<PathBuf>,
     /// bpffs folder where the maps and the XDP link are pinned, so the
@@ -342,6 +344,7 @@ pub struct Config {
     pub xdp_mode: XdpMode,
     pub nat_ports: PortRange,
     pub flow_table_size: u32,
+    pub half_open_table_size: u32,
     pub control_socket: PathBuf,
     /// `None`: the default for the interface (see `host::default_pin_dir`).
     pub pin_dir: Option<PathBuf>,
@@ -425,6 +428,14 @@ impl ConfigFile {
         if !(MIN_FLOW_TABLE..=MAX_FLOW_TABLE).contains(&flow_table_size) {
             bail!(
                 "flow_table_size: {flow_table_size} is outside {MIN_FLOW_TABLE}..={MAX_FLOW_TABLE}"
+            );
+        }
+        let half_open_table_size = self
+            .half_open_table_size
+            .unwrap_or(huddle_common::DEFAULT_HALF_OPEN_SIZE);
+        if !(MIN_FLOW_TABLE..=MAX_FLOW_TABLE).contains(&half_open_table_size) {
+            bail!(
+                "half_open_table_size: {half_open_table_size} is outside {MIN_FLOW_TABLE}..={MAX_FLOW_TABLE}"
             );
         }
         let nat_ports = self.nat_ports.unwrap_or(DEFAULT_NAT_PORTS);
@@ -535,6 +546,7 @@ impl ConfigFile {
             xdp_mode: self.xdp_mode.unwrap_or_default(),
             nat_ports,
             flow_table_size,
+            half_open_table_size,
             pin_dir: self.pin_dir,
             state_file,
             detach_on_exit: self.detach_on_exit.unwrap_or(false),

@@ -136,7 +136,9 @@ impl Dataplane {
         let mut loader = EbpfLoader::new();
         loader
             .map_max_entries(maps::FLOWS, cfg.flow_table_size)
-            .map_max_entries(maps::NAT, cfg.flow_table_size);
+            .map_max_entries(maps::NAT, cfg.flow_table_size)
+            .map_max_entries(maps::HALF_OPEN, cfg.half_open_table_size)
+            .map_max_entries(maps::HALF_OPEN_NAT, cfg.half_open_table_size);
         let mut adopted = false;
         if let Some(dir) = pins {
             std::fs::create_dir_all(dir)

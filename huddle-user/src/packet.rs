@@ -33,6 +33,9 @@ pub struct Frame {
     pub payload: Vec<u8>,
     pub ttl: u8,
     pub id: u16,
+    /// TCP sequence and acknowledgement numbers.
+    pub seq: u32,
+    pub ack: u32,
 }
 
 impl Frame {
@@ -49,6 +52,8 @@ impl Frame {
             payload: Vec::new(),
             ttl: 64,
             id: 0x1234,
+            seq: 1000,
+            ack: 2000,
         }
     }
 
@@ -65,6 +70,14 @@ impl Frame {
     #[must_use]
     pub fn flags(mut self, flags: u8) -> Frame {
         self.l4 = L4::Tcp { flags };
+        self
+    }
+
+    /// TCP sequence and acknowledgement numbers.
+    #[must_use]
+    pub fn seq_ack(mut self, seq: u32, ack: u32) -> Frame {
+        self.seq = seq;
+        self.ack = ack;
         self
     }
 
@@ -127,8 +140,8 @@ impl Frame {
         f.extend_from_slice(&self.dport.to_be_bytes());
         match self.l4 {
             L4::Tcp { flags } => {
-                f.extend_from_slice(&1000u32.to_be_bytes()); // seq
-                f.extend_from_slice(&(if flags & ACK != 0 { 2000u32 } else { 0 }).to_be_bytes());
+                f.extend_from_slice(&self.seq.to_be_bytes());
+                f.extend_from_slice(&(if flags & ACK != 0 { self.ack } else { 0 }).to_be_bytes());
                 f.push(0x50);
                 f.push(flags);
                 f.extend_from_slice(&64240u16.to_be_bytes());

@@ -321,6 +321,7 @@ fn config() -> Config {
         xdp_mode: XdpMode::Auto,
         nat_ports: NAT,
         flow_table_size: 4096,
+        half_open_table_size: 1024,
         control_socket: "/dev/null".into(),
         pin_dir: None,
         state_file: "/dev/null".into(),

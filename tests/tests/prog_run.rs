@@ -46,6 +46,7 @@ fn config(backends: &[Ipv4Addr], udp: bool) -> Config {
         xdp_mode: XdpMode::Auto,
         nat_ports: NAT,
         flow_table_size: 4096,
+        half_open_table_size: 1024,
         control_socket: "/dev/null".into(),
         pin_dir: None,
         state_file: "/dev/null".into(),
@@ -98,6 +99,23 @@ fn open_flow(env: &ProgRun, sport: u16, ring: &[Ipv4Addr]) -> (Ipv4Addr, u16) {
     (dst, nat_port)
 }
 
+/// Opens a flow and completes its handshake: SYN, the backend's SYN-ACK,
+/// and the client's ACK of it, which moves the flow from the half-open
+/// table to the flow table. Returns (backend, NAT port).
+fn establish(env: &ProgRun, sport: u16, ring: &[Ipv4Addr]) -> (Ipv4Addr, u16) {
+    let (b, port) = open_flow(env, sport, ring);
+    let synack = Frame::tcp((b, 8080), (BALANCER_IP, port))
+        .flags(SYN | ACK)
+        .seq_ack(7000, 1001)
+        .macs(mac_of(b), BALANCER_MAC);
+    assert_eq!(env.run(&synack.build()).unwrap().0, XDP_TX);
+    let ack = client_frame(sport).flags(ACK).seq_ack(1001, 7001);
+    let (verdict, out) = env.run(&ack.build()).unwrap();
+    assert_eq!(verdict, XDP_TX);
+    assert_eq!(endpoints(&out), ((BALANCER_IP, port), (b, 8080)));
+    (b, port)
+}
+
 #[test]
 fn syn_is_rewritten_to_a_ring_backend_and_the_reply_translated_back() {
     let env = env("pr-syn");
@@ -137,10 +155,18 @@ fn syn_is_rewritten_to_a_ring_backend_and_the_reply_translated_back() {
     let id = env.dp.services[0].backend_ids[ring.iter().position(|x| *x == b).unwrap()];
     let st: BackendStats = env.dp.backend_stats(id).unwrap();
     assert_eq!(
-        (st.pkts_to, st.pkts_from, st.flows_new),
-        (2, 1, 1),
-        "{st:?}"
+        (st.pkts_to, st.pkts_from, st.syns, st.flows_new),
+        (2, 1, 1, 0),
+        "half-open until the client acknowledges the SYN-ACK: {st:?}"
     );
+    // An ACK of the wrong sequence number does not establish it...
+    forward(&env, client_frame(40000).flags(ACK).seq_ack(1001, 555));
+    assert_eq!(env.dp.backend_stats(id).unwrap().flows_new, 0);
+    // ...the right one does (the SYN-ACK above carried seq 1000).
+    forward(&env, client_frame(40000).flags(ACK).seq_ack(1001, 1001));
+    assert_eq!(env.dp.backend_stats(id).unwrap().flows_new, 1);
+    let sv = env.dp.service_stats(0).unwrap();
+    assert_eq!((sv.half_open, sv.promoted), (1, 1));
 }
 
 /// Runs `frame` and checks the program forwarded it.
@@ -165,7 +191,7 @@ fn each_request_turn_gives_one_latency_sample_to_its_backend() {
     );
     forward(&env, from_backend().flags(SYN | ACK));
     assert_eq!(env.dp.pulse(id).unwrap().syn_wait_ns, 0);
-    forward(&env, client_frame(40100).flags(ACK));
+    forward(&env, client_frame(40100).flags(ACK).seq_ack(1001, 1001));
 
     // Two requests on one keep-alive connection: two samples, each timed
     // from the request to the first data back, not to a bare ACK.
@@ -454,7 +480,7 @@ fn flows_of_a_backend_marked_dead_move_to_the_ring() {
     let mut env = env("pr-move");
     let ids = env.dp.services[0].backend_ids.clone();
     env.dp.swap_ring(0, &ids[..1]).unwrap();
-    let (b, _) = open_flow(&env, 42500, &[backend(0)]);
+    let (b, _) = establish(&env, 42500, &[backend(0)]);
     assert_eq!(b, backend(0));
     // Backend 0 dies: out of the ring, and marked so its flows move.
     env.dp.swap_ring(0, &ids[1..2]).unwrap();
@@ -494,11 +520,46 @@ fn flows_of_a_backend_marked_dead_move_to_the_ring() {
         .unwrap();
     let (b2, _) = {
         env.dp.swap_ring(0, &ids[..1]).unwrap();
-        open_flow(&env, 42501, &[backend(0)])
+        establish(&env, 42501, &[backend(0)])
     };
     env.dp.swap_ring(0, &ids[1..2]).unwrap();
     let (_, out) = env.run(&client_frame(42501).flags(ACK).build()).unwrap();
     assert_eq!(endpoints(&out).1 .0, b2);
+}
+
+#[test]
+fn a_syn_flood_never_evicts_an_established_flow() {
+    let env = env("pr-flood");
+    let ring = [backend(0), backend(1), backend(2)];
+    let (b, port) = establish(&env, 47000, &ring);
+    // 20,000 SYNs from spoofed sources: twenty times the half-open table
+    // (1,024 here) and five times the flow table (4,096).
+    for i in 0..20_000u32 {
+        let src = Ipv4Addr::new(10, 213, 128 + (i >> 14) as u8, (i >> 6) as u8);
+        let syn = Frame::tcp((src, 1024 + (i & 0x3fff) as u16), (VIP, 80))
+            .syn()
+            .macs(mac_of(CLIENT), BALANCER_MAC);
+        let (v, _) = env.run(&syn.build()).unwrap();
+        assert!(v == XDP_TX || v == XDP_PASS, "SYN {i}: verdict {v}");
+    }
+    let sv = env.dp.service_stats(0).unwrap();
+    assert_eq!(sv.half_open, 20_001);
+    assert_eq!(sv.promoted, 1);
+    // The established flow still goes to its backend, and its replies
+    // still find their NAT entry.
+    let data = client_frame(47000).flags(ACK | PSH).payload(b"GET /");
+    let (v, out) = env.run(&data.build()).unwrap();
+    assert_eq!(v, XDP_TX);
+    assert_eq!(endpoints(&out), ((BALANCER_IP, port), (b, 8080)));
+    let reply = Frame::tcp((b, 8080), (BALANCER_IP, port))
+        .flags(ACK | PSH)
+        .payload(b"200")
+        .macs(mac_of(b), BALANCER_MAC);
+    let (v, out) = env.run(&reply.build()).unwrap();
+    assert_eq!(v, XDP_TX);
+    assert_eq!(endpoints(&out), ((VIP, 80), (CLIENT, 47000)));
+    // And a real client still gets in during the flood.
+    establish(&env, 47001, &ring);
 }
 
 #[test]
@@ -537,7 +598,7 @@ fn nat_ports_of_finished_flows_are_reused_but_live_ones_never_stolen() {
         max: 20000,
     };
     let env = ProgRun::new(&unique("pr-nat"), &cfg, &[backend(0), CLIENT]).unwrap();
-    let (_, port) = open_flow(&env, 46000, &[backend(0)]);
+    let (_, port) = establish(&env, 46000, &[backend(0)]);
     assert_eq!(port, 20000);
     // The only port is held by a live flow: a second flow is refused.
     let (v, _) = env.run(&client_frame(46001).syn().build()).unwrap();
