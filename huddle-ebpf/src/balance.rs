@@ -277,7 +277,7 @@ fn new_flow(
         nkey.nat_port_be = candidate.to_be();
         // Never a port an established flow still holds.
         // SAFETY: only tested for presence.
-        if unsafe { NAT.get(&nkey) }.is_some() && !reclaim(&nkey) {
+        if unsafe { NAT.get(nkey) }.is_some() && !reclaim(&nkey) {
             continue;
         }
         let res = if half {
