@@ -239,7 +239,7 @@ fn run() -> Result<()> {
 
     println!("\nthe balancer's own view now (`huddle status`), from kernel counters:\n");
     print!("{}", bed.status()?.render());
-    println!("\ncleaning up: stopping the balancer (it detaches), the backends, and removing the namespaces");
+    println!("\ncleaning up: stopping the balancer, removing its pinned data plane, the backends and the namespaces");
     drop(bed);
     println!("done");
     Ok(())
