@@ -414,6 +414,8 @@ impl Drop for Testbed {
             let _ = p.terminate(Duration::from_secs(5));
         }
         let _ = huddle_user::dataplane::unpin(&self.pins);
+        // Only succeeds once the last testbed is gone.
+        let _ = std::fs::remove_dir(PIN_ROOT);
         while let Some(mut p) = self.procs.pop() {
             let _ = p.terminate(Duration::from_secs(5));
         }
