@@ -290,6 +290,36 @@ fn sigterm_leaves_the_data_plane_running_and_stop_removes_it() {
         "XDP program still attached after stop"
     );
     assert!(!bed.pins.exists(), "pins left behind");
+
+    // `run --detach-on-exit`: SIGTERM removes everything.
+    let sock = bed.socket().display().to_string();
+    let pins = bed.pins.display().to_string();
+    let b = format!("{}:{HTTP_PORT}", backend_ip(0));
+    let vip_s = format!("{VIP}:80");
+    let args = [
+        "--vip",
+        &vip_s,
+        "--backend",
+        &b,
+        "--detach-on-exit",
+        "--control-socket",
+        &sock,
+        "--pin-dir",
+        &pins,
+    ];
+    let mut cmd = huddle_user::netns::command_in(&bed.lb.name, Path::new(HUDDLE)).unwrap();
+    cmd.args(["run", "--iface", "eth0"]).args(args);
+    cmd.stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null());
+    let mut p = testbed::Proc {
+        child: cmd.spawn().unwrap(),
+        what: "huddle --detach-on-exit".into(),
+    };
+    testbed::wait_until(Duration::from_secs(20), || bed.status().is_ok()).expect("huddle up");
+    assert!(xdp_attached(&bed.lb));
+    assert!(p.terminate(Duration::from_secs(10)).unwrap());
+    assert!(!xdp_attached(&bed.lb), "--detach-on-exit left XDP attached");
+    assert!(!bed.pins.exists(), "--detach-on-exit left pins behind");
 }
 
 #[test]
