@@ -192,6 +192,8 @@ pub struct Testbed {
     /// Arguments of the last `start_huddle`, for restarts.
     huddle_args: Vec<String>,
     huddle_bin: PathBuf,
+    backend_bin: PathBuf,
+    backend_extra: Vec<String>,
     /// Folder for sockets and logs of this testbed.
     pub dir: PathBuf,
     // Dropped last: the bridge the others hang off.
@@ -217,6 +219,8 @@ impl Testbed {
             pins: PathBuf::from(PIN_ROOT).join(&prefix),
             huddle_args: Vec::new(),
             huddle_bin: PathBuf::new(),
+            backend_bin: PathBuf::new(),
+            backend_extra: Vec::new(),
             dir,
             switch,
         };
@@ -273,13 +277,10 @@ impl Testbed {
 
     /// As `start_backends`, with `extra` arguments for every backend.
     pub fn start_backends_with(&mut self, bin: &Path, extra: &[&str]) -> Result<()> {
+        self.backend_bin = bin.to_path_buf();
+        self.backend_extra = extra.iter().map(ToString::to_string).collect();
         for i in 0..self.backends.len() {
-            let id = format!("b{i}");
-            let log = self.dir.join(format!("{id}.log"));
-            let (http, udp) = (HTTP_PORT.to_string(), UDP_PORT.to_string());
-            let mut args = vec!["--id", &id, "--http", &http, "--udp", &udp];
-            args.extend_from_slice(extra);
-            let p = spawn_in(&self.backends[i], bin, &args, Some(&log))?;
+            let p = self.spawn_backend(i)?;
             self.procs.push(p);
         }
         for i in 0..self.backends.len() {
@@ -292,6 +293,53 @@ impl Testbed {
             .with_context(|| format!("backend b{i} did not start"))?;
         }
         Ok(())
+    }
+
+    fn spawn_backend(&self, i: usize) -> Result<Proc> {
+        let id = format!("b{i}");
+        let log = self.dir.join(format!("{id}.log"));
+        let (http, udp) = (HTTP_PORT.to_string(), UDP_PORT.to_string());
+        let mut args = vec!["--id", &id, "--http", &http, "--udp", &udp];
+        args.extend(self.backend_extra.iter().map(String::as_str));
+        spawn_in(&self.backends[i], &self.backend_bin, &args, Some(&log))
+    }
+
+    /// Brings backend `i` back to its starting state: a fresh process if it
+    /// was killed or stopped, default behaviour otherwise.
+    pub fn reset_backend(&mut self, i: usize) -> Result<()> {
+        let alive = matches!(self.procs[i].child.try_wait(), Ok(None));
+        if alive {
+            self.signal_backend(i, libc::SIGCONT);
+        }
+        if !alive
+            || self
+                .backend_admin(i, "status=200&metrics=0&cpu=0.1")
+                .is_err()
+        {
+            let _ = self.procs[i].child.kill();
+            let _ = self.procs[i].child.wait();
+            self.procs[i] = self.spawn_backend(i)?;
+        }
+        let addr = SocketAddr::from((backend_ip(i), HTTP_PORT));
+        wait_until(Duration::from_secs(10), || {
+            in_ns(&self.backends[i], move || {
+                http_get(addr, Duration::from_millis(500)).is_ok()
+            })
+        })
+        .with_context(|| format!("backend b{i} did not come back"))?;
+        Ok(())
+    }
+
+    /// Makes the VIP an address of the balancer host (for proxies, which
+    /// accept connections to it) or not (for the XDP balancer).
+    pub fn vip_local(&self, on: bool) -> Result<()> {
+        let vip = format!("{VIP}/32");
+        if on {
+            self.lb.ip(&["addr", "replace", &vip, "dev", "lo"])
+        } else {
+            let _ = self.lb.ip(&["addr", "del", &vip, "dev", "lo"]);
+            Ok(())
+        }
     }
 
     /// Changes backend `i`'s behaviour (`hc-backend`'s `/admin` query,
@@ -348,6 +396,16 @@ impl Testbed {
     /// (after a kill: it takes over the pinned data plane).
     pub fn restart_huddle(&mut self) -> Result<()> {
         self.launch_huddle()
+    }
+
+    /// Stops the balancer daemon and removes its data plane and state, so
+    /// the next start is a fresh one.
+    pub fn stop_huddle(&mut self) {
+        if let Some(mut p) = self.huddle.take() {
+            let _ = p.terminate(Duration::from_secs(5));
+        }
+        let _ = huddle_user::dataplane::unpin(&self.pins);
+        let _ = std::fs::remove_file(self.socket().with_extension("state"));
     }
 
     /// Kills the balancer daemon with `sig` and reaps it.

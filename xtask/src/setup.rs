@@ -2,15 +2,56 @@
 
 use crate::{run, run_with};
 use anyhow::{bail, Context, Result};
-use std::{env, fs, path::PathBuf, process::Command};
+use std::{
+    env, fs,
+    path::{Path, PathBuf},
+    process::Command,
+};
 
-/// Debian packages the tests, demo and benchmarks use: `ip`, `ethtool`
-/// (checksum offload on test hosts), `setpriv` (unprivileged test).
-const PACKAGES: [(&str, &str); 3] = [
+/// Debian packages the tests, demo and benchmarks use, as (command,
+/// package): `ip`, `ethtool` (checksum offload on test hosts), `setpriv`
+/// (unprivileged test), and NGINX and HAProxy, the peers the comparison
+/// benchmark (and its quick test) runs against.
+const PACKAGES: [(&str, &str); 6] = [
     ("ip", "iproute2"),
     ("ethtool", "ethtool"),
     ("setpriv", "util-linux"),
+    ("/usr/sbin/nginx", "nginx"),
+    // NGINX's L4 proxy, a separate module in Debian.
+    (
+        "/usr/lib/nginx/modules/ngx_stream_module.so",
+        "libnginx-mod-stream",
+    ),
+    ("/usr/sbin/haproxy", "haproxy"),
 ];
+
+/// Stops Debian's maintainer scripts from starting the packages' services
+/// (NGINX and HAProxy would otherwise claim ports on the host); removed
+/// when dropped.
+struct NoServiceStarts(&'static str);
+
+impl NoServiceStarts {
+    fn new() -> Result<NoServiceStarts> {
+        let path = "/usr/sbin/policy-rc.d";
+        if Path::new(path).exists() {
+            return Ok(NoServiceStarts(""));
+        }
+        fs::write(
+            path,
+            "#!/bin/sh\n# written by cargo xtask setup while installing\nexit 101\n",
+        )?;
+        run("chmod", &["755", path])?;
+        Ok(NoServiceStarts(path))
+    }
+}
+
+impl Drop for NoServiceStarts {
+    fn drop(&mut self) {
+        if !self.0.is_empty() {
+            let _ = fs::remove_file(self.0);
+        }
+    }
+}
 
 fn say(msg: &str) {
     println!("[setup] {msg}");
@@ -133,6 +174,9 @@ fn bpf_linker() -> Result<()> {
 }
 
 fn have(cmd: &str) -> bool {
+    if cmd.starts_with('/') {
+        return Path::new(cmd).exists();
+    }
     Command::new("sh")
         .args(["-c", &format!("command -v {cmd}")])
         .output()
@@ -153,8 +197,9 @@ fn packages() -> Result<()> {
         "Debian packages: installing {}",
         missing.join(" ")
     ));
+    let _guard = NoServiceStarts::new()?;
     run("apt-get", &["update", "-qq"])?;
-    let mut args = vec!["install", "-y", "-qq"];
+    let mut args = vec!["install", "-y", "-qq", "--no-install-recommends"];
     args.extend(missing);
     run("apt-get", &args)
 }

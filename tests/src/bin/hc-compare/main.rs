@@ -1,0 +1,353 @@
+//! `hc-compare`: HuddleCluster next to round robin, NGINX and HAProxy on
+//! one namespace testbed, under the same open-loop load, in the scenarios
+//! of the original's published table and one of ours. Prints markdown
+//! tables (mean +/- stdev over trials), writes them with the raw figures
+//! (`results.json`) and one SVG plot per scenario to `--out`.
+//!
+//! `hc-compare [--quick] [--trials N] [--secs S] [--rate R] [--out DIR]
+//!   [--huddle PATH] [--only SLUG,...] [--scenarios SLUG,...]`
+
+mod peers;
+mod plot;
+mod scenario;
+mod stats;
+
+use anyhow::{bail, Context, Result};
+use peers::Balancer;
+use scenario::{Scenario, DEGRADED};
+use serde::Serialize;
+use std::{
+    fmt::Write as _,
+    net::SocketAddr,
+    path::{Path, PathBuf},
+    thread,
+    time::{Duration, Instant},
+};
+use testbed::{backend_ip, OpenLoop, Testbed, HTTP_PORT, VIP};
+
+const BACKENDS: usize = 4;
+
+struct Opts {
+    trials: usize,
+    secs: f64,
+    rate: f64,
+    base_ms: f64,
+    timeout: Duration,
+    warmup: Duration,
+    out: PathBuf,
+    huddle: PathBuf,
+    balancers: Vec<Balancer>,
+    scenarios: Vec<Scenario>,
+    quick: bool,
+}
+
+fn sibling(name: &str) -> Result<PathBuf> {
+    Ok(std::env::current_exe()?
+        .parent()
+        .context("binary folder")?
+        .join(name))
+}
+
+fn opts() -> Result<Opts> {
+    let args: Vec<String> = std::env::args().collect();
+    let val = |name: &str| {
+        args.iter()
+            .position(|a| a == name)
+            .and_then(|i| args.get(i + 1).cloned())
+    };
+    let quick = args.iter().any(|a| a == "--quick");
+    let num = |name: &str, default: f64| -> Result<f64> {
+        val(name).map_or(Ok(default), |v| {
+            v.parse().with_context(|| format!("{name} {v:?}"))
+        })
+    };
+    let pick = |name: &str| -> Option<Vec<String>> {
+        val(name).map(|v| v.split(',').map(str::to_string).collect())
+    };
+    let balancers = match pick("--only") {
+        None => peers::ALL.to_vec(),
+        Some(want) => peers::ALL
+            .iter()
+            .copied()
+            .filter(|b| want.iter().any(|w| w == b.slug()))
+            .collect(),
+    };
+    let scenarios = match pick("--scenarios") {
+        None => scenario::ALL.to_vec(),
+        Some(want) => scenario::ALL
+            .iter()
+            .copied()
+            .filter(|s| want.iter().any(|w| w == s.slug()))
+            .collect(),
+    };
+    if balancers.is_empty() || scenarios.is_empty() {
+        bail!("nothing to run: check --only and --scenarios");
+    }
+    Ok(Opts {
+        trials: num("--trials", if quick { 1.0 } else { 5.0 })? as usize,
+        secs: num("--secs", if quick { 2.5 } else { 16.0 })?,
+        rate: num("--rate", 200.0)?,
+        base_ms: 10.0,
+        timeout: Duration::from_millis(if quick { 1000 } else { 2000 }),
+        warmup: Duration::from_millis(if quick { 300 } else { 1500 }),
+        out: val("--out").map_or_else(|| PathBuf::from("target/huddle-bench"), PathBuf::from),
+        huddle: val("--huddle").map_or_else(|| sibling("huddle"), |p| Ok(PathBuf::from(p)))?,
+        balancers,
+        scenarios,
+        quick,
+    })
+}
+
+#[derive(Serialize)]
+struct Cell {
+    scenario: &'static str,
+    balancer: &'static str,
+    load: String,
+    trials: Vec<stats::Trial>,
+    /// (seconds since the load started, what happened), first trial.
+    rotations: Vec<(f64, String)>,
+}
+
+#[derive(Serialize)]
+struct Results {
+    rate: f64,
+    secs: f64,
+    trials: usize,
+    base_ms: f64,
+    timeout_ms: u128,
+    backends: usize,
+    cells: Vec<Cell>,
+}
+
+fn main() {
+    if let Err(e) = run() {
+        eprintln!("hc-compare failed: {e:#}");
+        std::process::exit(1);
+    }
+}
+
+/// One run of one balancer in one scenario: outcomes, and the huddle's
+/// rotations relative to the load's start.
+fn one(
+    bed: &mut Testbed,
+    o: &Opts,
+    b: Balancer,
+    s: Scenario,
+) -> Result<(Vec<testbed::Outcome>, Vec<(f64, String)>)> {
+    for i in 0..BACKENDS {
+        bed.reset_backend(i)?;
+        bed.backend_admin(i, &format!("delay_ms={}", o.base_ms))?;
+    }
+    let running = peers::start(b, bed, &o.huddle, BACKENDS)?;
+    thread::sleep(o.warmup);
+    let uptime_at_start = if b.is_xdp() {
+        bed.status()?.uptime_s
+    } else {
+        0.0
+    };
+    let load = OpenLoop::start(&bed.client, SocketAddr::from((VIP, 80)), o.rate, o.timeout);
+    let total = Duration::from_secs_f64(o.secs);
+    let mut done = false;
+    while load.start.elapsed() < total {
+        let frac = load.start.elapsed().as_secs_f64() / o.secs;
+        if let Err(e) = s.drive(bed, o.base_ms, frac, &mut done) {
+            eprintln!("  (driving the scenario: {e:#})");
+        }
+        thread::sleep(scenario::STEP);
+    }
+    let outcomes = load.stop();
+    let mut rotations = Vec::new();
+    if b.is_xdp() {
+        let st = bed.status()?;
+        for e in &st.services[0].recent {
+            let who = (0..BACKENDS)
+                .find(|i| e.backend == format!("{}:{HTTP_PORT}", backend_ip(*i)))
+                .map_or(e.backend.clone(), |i| format!("b{i}"));
+            let short = e.reason.split(':').next().unwrap_or("");
+            rotations.push((
+                e.at_s - uptime_at_start,
+                format!(
+                    "{who} {} ({short})",
+                    if e.to.as_str() == "inner" {
+                        "in"
+                    } else {
+                        "out"
+                    }
+                ),
+            ));
+        }
+    }
+    peers::stop(running, bed)?;
+    Ok((outcomes, rotations))
+}
+
+fn run() -> Result<()> {
+    let o = opts()?;
+    testbed::require_root();
+    testbed::raise_nofile();
+    for p in ["/usr/sbin/nginx", peers::STREAM_MODULE, "/usr/sbin/haproxy"] {
+        if !Path::new(p).exists() {
+            bail!("{p} is missing: run `cargo xtask setup` (it installs NGINX and HAProxy)");
+        }
+    }
+    std::fs::create_dir_all(&o.out)?;
+    let load_desc = format!(
+        "open loop, {} requests/s, a new TCP connection per request, {} s per run, {} ms client timeout",
+        o.rate,
+        o.secs,
+        o.timeout.as_millis()
+    );
+    println!(
+        "comparing {} balancers x {} scenarios x {} trial(s): {load_desc}; 4 backends serving HTTP in {} ms; \
+         the degraded backend is b{DEGRADED}",
+        o.balancers.len(),
+        o.scenarios.len(),
+        o.trials,
+        o.base_ms
+    );
+    let mut bed = Testbed::new("cmp", BACKENDS)?;
+    bed.start_backends_with(
+        &sibling("hc-backend")?,
+        &["--delay-ms", &o.base_ms.to_string()],
+    )?;
+    // Short connections at this rate would run the namespaces out of
+    // ports without these (see ../shared notes on proxies).
+    bed.client.sysctl("net.ipv4.tcp_tw_reuse", "1")?;
+    bed.client
+        .sysctl("net.ipv4.ip_local_port_range", "1024 65000")?;
+    bed.lb.sysctl("net.ipv4.tcp_tw_reuse", "1")?;
+
+    let started = Instant::now();
+    let mut cells = Vec::new();
+    let mut md = String::new();
+    for s in &o.scenarios {
+        let mut series = Vec::new();
+        let mut events = Vec::new();
+        for b in &o.balancers {
+            let mut trials = Vec::new();
+            let mut rotations = Vec::new();
+            for t in 0..o.trials {
+                let (outcomes, rot) = one(&mut bed, &o, *b, *s)
+                    .with_context(|| format!("{} / {} / trial {}", s.slug(), b.slug(), t + 1))?;
+                let tr = stats::trial(
+                    &outcomes,
+                    &format!("b{DEGRADED}"),
+                    s.fault_at() * o.secs,
+                    o.secs,
+                );
+                println!(
+                    "  {:<10} {:<11} trial {}: p50 {:.1} p99 {:.1} max {:.0} ms, {} of {} failed, b{DEGRADED} share {:.1}%",
+                    s.slug(),
+                    b.slug(),
+                    t + 1,
+                    tr.p50_ms,
+                    tr.p99_ms,
+                    tr.max_ms,
+                    tr.failed,
+                    tr.requests,
+                    tr.degraded_share * 100.0
+                );
+                if t == 0 {
+                    series.push((b.name(), stats::series(&outcomes, 0.5, o.secs)));
+                    if *b == Balancer::Huddle {
+                        events.clone_from(&rot);
+                    }
+                    rotations = rot;
+                }
+                trials.push(tr);
+            }
+            cells.push(Cell {
+                scenario: s.slug(),
+                balancer: b.slug(),
+                load: load_desc.clone(),
+                trials,
+                rotations,
+            });
+        }
+        let lines: Vec<plot::Line<'_>> = series
+            .iter()
+            .map(|(n, p)| plot::Line { name: n, points: p })
+            .collect();
+        let fault = (s.fault_at() > 0.0).then(|| s.fault_at() * o.secs);
+        let svg = o.out.join(format!("{}.svg", s.slug()));
+        plot::draw(
+            &svg,
+            &format!("{} ({} req/s, new connection each)", s.name(), o.rate),
+            o.secs,
+            &lines,
+            fault,
+            &events,
+        )?;
+        let table = table(&cells, *s, &o, &load_desc);
+        print!("{table}");
+        md.push_str(&table);
+    }
+    let results = Results {
+        rate: o.rate,
+        secs: o.secs,
+        trials: o.trials,
+        base_ms: o.base_ms,
+        timeout_ms: o.timeout.as_millis(),
+        backends: BACKENDS,
+        cells,
+    };
+    std::fs::write(
+        o.out.join("results.json"),
+        serde_json::to_vec_pretty(&results)?,
+    )?;
+    std::fs::write(o.out.join("results.md"), &md)?;
+    println!(
+        "\n{} runs in {:.0} s{}; tables in {}, raw figures in {}, plots {}/*.svg",
+        results.cells.iter().map(|c| c.trials.len()).sum::<usize>(),
+        started.elapsed().as_secs_f64(),
+        if o.quick {
+            " (quick mode: one short trial each, figures not for quoting)"
+        } else {
+            ""
+        },
+        o.out.join("results.md").display(),
+        o.out.join("results.json").display(),
+        o.out.display()
+    );
+    Ok(())
+}
+
+/// The markdown table of one scenario.
+fn table(cells: &[Cell], s: Scenario, o: &Opts, load: &str) -> String {
+    let mut t = String::new();
+    let _ = writeln!(
+        t,
+        "\n### {} \n\n{load}; {} trial(s), mean ± stdev. Failed requests count at the time they took (the timeout at most). \
+         \"b{DEGRADED} share\": of the requests sent after the fault started (all, for the others), the share b{DEGRADED} answered.\n",
+        s.name(),
+        o.trials
+    );
+    let _ = writeln!(
+        t,
+        "| balancer | P50 ms | P95 ms | P99 ms | P99.9 ms | max ms | mean ms | failed | b{DEGRADED} share % | req/s |"
+    );
+    let _ = writeln!(t, "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
+    for c in cells.iter().filter(|c| c.scenario == s.slug()) {
+        let name = peers::ALL
+            .iter()
+            .find(|b| b.slug() == c.balancer)
+            .map_or(c.balancer, |b| b.name());
+        let f = |g: fn(&stats::Trial) -> f64, d: usize| {
+            stats::fmt(&c.trials.iter().map(g).collect::<Vec<_>>(), d)
+        };
+        let _ = writeln!(
+            t,
+            "| {name} | {} | {} | {} | {} | {} | {} | {} | {} | {} |",
+            f(|x| x.p50_ms, 1),
+            f(|x| x.p95_ms, 1),
+            f(|x| x.p99_ms, 1),
+            f(|x| x.p999_ms, 1),
+            f(|x| x.max_ms, 0),
+            f(|x| x.mean_ms, 1),
+            f(|x| x.failed as f64, 1),
+            f(|x| x.degraded_share * 100.0, 1),
+            f(|x| x.throughput, 0),
+        );
+    }
+    t
+}
