@@ -279,6 +279,23 @@ pub struct Config {
     pub flags: u32,
 }
 
+/// Settings of the packet generator in the baseline object (`gen`):
+/// where to redirect frames, and over how many client ports to spread them.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct GenConfig {
+    pub ifindex: u32,
+    pub flows: u32,
+    /// First client port, host order.
+    pub base_port: u16,
+    pub _pad: u16,
+    pub _pad2: u32,
+}
+
+/// Bytes of the generator's frame template (Ethernet, IPv4, TCP, some
+/// payload).
+pub const GEN_FRAME: usize = 64;
+
 macro_rules! assert_size {
     ($t:ty, $n:expr) => {
         const _: () = assert!(core::mem::size_of::<$t>() == $n);
@@ -293,6 +310,7 @@ assert_size!(FlowKey, 40);
 assert_size!(FlowValue, 32);
 assert_size!(Latency, 8 * LATENCY_BUCKETS);
 assert_size!(Pulse, 16);
+assert_size!(GenConfig, 16);
 assert_size!(NatKey, 40);
 assert_size!(NatValue, 48);
 assert_size!(Config, 28);
@@ -316,6 +334,7 @@ mod pod {
     unsafe impl aya::Pod for GlobalStats {}
     unsafe impl aya::Pod for Latency {}
     unsafe impl aya::Pod for Pulse {}
+    unsafe impl aya::Pod for GenConfig {}
 }
 
 #[cfg(test)]

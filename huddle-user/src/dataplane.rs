@@ -425,6 +425,20 @@ impl Dataplane {
         Ok(mode)
     }
 
+    /// Detaches an unpinned attachment (pinned ones go with `unpin`).
+    pub fn detach(&mut self) -> Result<()> {
+        if let Some(link) = self.link.take() {
+            let prog: &mut Xdp = self
+                .ebpf
+                .program_mut(PROGRAM_NAME)
+                .context("program missing")?
+                .try_into()?;
+            prog.detach(link).context("detaching the XDP program")?;
+        }
+        self.mode = None;
+        Ok(())
+    }
+
     /// Puts this program into the pinned link at `pin`, replacing the old
     /// program in one step.
     fn adopt_link(&mut self, pin: &Path) -> Result<()> {

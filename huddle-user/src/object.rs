@@ -6,3 +6,7 @@ pub static HUDDLE: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), 
 
 /// Baselines for `huddle bench`: `pass` and `swap_tx`.
 pub static BASELINE: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/baseline"));
+
+/// The live-frames packet generator (`gen`) and counting sink (`sink`) of
+/// `huddle bench`'s packets-per-second measurement.
+pub static TRAFFICGEN: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/trafficgen"));

@@ -1,4 +1,5 @@
-//! `cargo xtask setup|test|demo|bench`: the commands of the README.
+//! `cargo xtask setup|test|demo|bench|bench-huddle`: the commands of the
+//! README.
 //! Each installs what is missing first (nightly rust-src, bpf-linker linked
 //! against the nightly's own LLVM, Debian packages, bpffs) and says what it
 //! is doing; on a machine that has everything, setup takes a second.
@@ -35,6 +36,14 @@ enum Cmd {
     /// Per-packet cost of the XDP program next to baselines. Root.
     Bench {
         /// Arguments for `huddle bench` (after `--`).
+        #[arg(last = true)]
+        args: Vec<String>,
+    },
+    /// HuddleCluster against round robin, NGINX and HAProxy on slow and
+    /// failing backends, plus the data plane figures. Root.
+    BenchHuddle {
+        /// Arguments for `hc-compare` (after `--`), e.g. `--quick`,
+        /// `--trials 5`, `--out DIR`.
         #[arg(last = true)]
         args: Vec<String>,
     },
@@ -143,6 +152,31 @@ fn main() -> Result<()> {
                 t.join("hc-demo").to_str().context("path")?,
                 &["--huddle", huddle.to_str().context("path")?],
             )
+        }
+        Cmd::BenchHuddle { args } => {
+            require_root("cargo xtask bench-huddle")?;
+            setup::all()?;
+            run(
+                "cargo",
+                &[
+                    "build",
+                    "--release",
+                    "-p",
+                    "huddle-user",
+                    "-p",
+                    "tests",
+                    "--bins",
+                ],
+            )?;
+            let t = root().join("target/release");
+            let huddle = t.join("huddle");
+            let huddle = huddle.to_str().context("path")?;
+            println!("\n## Data plane: ns per packet (BPF_PROG_TEST_RUN) and packets per second on veth\n");
+            run(huddle, &["bench"])?;
+            println!("\n## Balancers compared on slow and failing backends\n");
+            let mut a = vec!["--huddle", huddle];
+            a.extend(args.iter().map(String::as_str));
+            run(t.join("hc-compare").to_str().context("path")?, &a)
         }
         Cmd::Bench { args } => {
             require_root("cargo xtask bench")?;

@@ -7,6 +7,7 @@
 //! `hc-compare [--quick] [--trials N] [--secs S] [--rate R] [--out DIR]
 //!   [--huddle PATH] [--only SLUG,...] [--scenarios SLUG,...]`
 
+mod closed;
 mod peers;
 mod plot;
 mod scenario;
@@ -39,6 +40,8 @@ struct Opts {
     balancers: Vec<Balancer>,
     scenarios: Vec<Scenario>,
     quick: bool,
+    /// Seconds of each closed-loop run (0 skips them).
+    closed_secs: f64,
 }
 
 fn sibling(name: &str) -> Result<PathBuf> {
@@ -95,6 +98,7 @@ fn opts() -> Result<Opts> {
         balancers,
         scenarios,
         quick,
+        closed_secs: num("--closed-secs", if quick { 1.5 } else { 10.0 })?,
     })
 }
 
@@ -117,6 +121,7 @@ struct Results {
     timeout_ms: u128,
     backends: usize,
     cells: Vec<Cell>,
+    closed_loop: Vec<closed::Throughput>,
 }
 
 fn main() {
@@ -126,6 +131,9 @@ fn main() {
     }
 }
 
+/// (seconds since the load started, what happened).
+type Marker = (f64, String);
+
 /// One run of one balancer in one scenario: outcomes, and the huddle's
 /// rotations relative to the load's start.
 fn one(
@@ -133,7 +141,7 @@ fn one(
     o: &Opts,
     b: Balancer,
     s: Scenario,
-) -> Result<(Vec<testbed::Outcome>, Vec<(f64, String)>)> {
+) -> Result<(Vec<testbed::Outcome>, Vec<Marker>)> {
     for i in 0..BACKENDS {
         bed.reset_backend(i)?;
         bed.backend_admin(i, &format!("delay_ms={}", o.base_ms))?;
@@ -282,6 +290,11 @@ fn run() -> Result<()> {
         print!("{table}");
         md.push_str(&table);
     }
+    let closed = if o.closed_secs > 0.0 {
+        closed_loop(&mut bed, &o, &mut md)?
+    } else {
+        Vec::new()
+    };
     let results = Results {
         rate: o.rate,
         secs: o.secs,
@@ -290,6 +303,7 @@ fn run() -> Result<()> {
         timeout_ms: o.timeout.as_millis(),
         backends: BACKENDS,
         cells,
+        closed_loop: closed,
     };
     std::fs::write(
         o.out.join("results.json"),
@@ -310,6 +324,82 @@ fn run() -> Result<()> {
         o.out.display()
     );
     Ok(())
+}
+
+/// Closed-loop throughput of small requests, short and keep-alive
+/// connections, one balancer of each kind.
+fn closed_loop(bed: &mut Testbed, o: &Opts, md: &mut String) -> Result<Vec<closed::Throughput>> {
+    const CONNS: usize = 32;
+    for i in 0..BACKENDS {
+        bed.reset_backend(i)?;
+        bed.backend_admin(i, "delay_ms=0")?;
+    }
+    let kinds = [
+        Balancer::Huddle,
+        Balancer::NginxRoundRobin,
+        Balancer::HaproxyRoundRobin,
+    ];
+    let mut out = Vec::new();
+    for keepalive in [false, true] {
+        for b in kinds {
+            let t = closed::run(bed, &o.huddle, b, CONNS, keepalive, o.closed_secs)
+                .with_context(|| format!("closed loop, {}", b.slug()))?;
+            println!(
+                "  closed loop {:<11} {}: {:.0} req/s, p50 {:.2} p99 {:.2} ms, {:.2} us CPU per request, {} failed",
+                b.slug(),
+                if keepalive { "keep-alive" } else { "new conn  " },
+                t.rps,
+                t.p50_ms,
+                t.p99_ms,
+                t.cpu_us_per_request,
+                t.failed
+            );
+            out.push(t);
+        }
+    }
+    let mut t = String::new();
+    let _ = writeln!(
+        t,
+        "\n### closed loop: small requests as fast as {CONNS} clients go\n\n{CONNS} client threads, each sending GET / and waiting for the answer, \
+         for {} s; backends answer at once. One run each. Balancer CPU per request: a proxy's process CPU time (user + system); \
+         for HuddleCluster the XDP program's own run time from the kernel's BPF statistics (the kernel's veth and forwarding \
+         work around it is not counted, nor is a proxy's kernel TCP work in softirq). Client, balancer and backends share 2 cores, \
+         so throughput is bounded by the machine, not only by the balancer.\n",
+        o.closed_secs
+    );
+    let _ = writeln!(
+        t,
+        "| balancer | connections | req/s | P50 ms | P99 ms | failed | balancer CPU per request |"
+    );
+    let _ = writeln!(t, "|---|---|---:|---:|---:|---:|---:|");
+    for r in &out {
+        let name = peers::ALL
+            .iter()
+            .find(|b| b.slug() == r.balancer)
+            .map_or(r.balancer, |b| b.name());
+        let _ = writeln!(
+            t,
+            "| {name} | {} | {:.0} | {:.2} | {:.2} | {} | {:.2} µs ({}) |",
+            if r.keepalive {
+                "keep-alive"
+            } else {
+                "new per request"
+            },
+            r.rps,
+            r.p50_ms,
+            r.p99_ms,
+            r.failed,
+            r.cpu_us_per_request,
+            if r.cpu_of.starts_with("XDP") {
+                "XDP program"
+            } else {
+                "process"
+            }
+        );
+    }
+    print!("{t}");
+    md.push_str(&t);
+    Ok(out)
 }
 
 /// The markdown table of one scenario.

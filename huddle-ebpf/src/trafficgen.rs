@@ -1,0 +1,70 @@
+//! The packets-per-second measurement of `huddle bench`: a generator run
+//! with BPF_PROG_TEST_RUN in live-frames mode, and a counting sink.
+#![no_std]
+#![no_main]
+
+use aya_ebpf::{
+    bindings::xdp_action,
+    helpers::bpf_redirect,
+    macros::{map, xdp},
+    maps::{Array, PerCpuArray},
+    programs::XdpContext,
+};
+use huddle_common::{GenConfig, GEN_FRAME};
+use network_types::{eth::EthHdr, ip::Ipv4Hdr};
+
+/// The frame `gen` writes on every run (user space fills it in).
+#[map]
+static GEN_TEMPLATE: Array<[u8; GEN_FRAME]> = Array::with_max_entries(1, 0);
+
+#[map]
+static GEN_CONFIG: Array<GenConfig> = Array::with_max_entries(1, 0);
+
+/// Per CPU: frames generated (index 0) and frames the sink took (1).
+#[map]
+static GEN_COUNT: PerCpuArray<u64> = PerCpuArray::with_max_entries(2, 0);
+
+/// Run with BPF_PROG_TEST_RUN in live-frames mode: writes the template
+/// into the frame (the kernel reuses pages without copying the template
+/// again, and the program under test rewrites them), gives it the next
+/// client port, and redirects it to the configured interface.
+#[xdp]
+pub fn gen(ctx: XdpContext) -> u32 {
+    let (Some(cfg), Some(tpl)) = (GEN_CONFIG.get(0), GEN_TEMPLATE.get(0)) else {
+        return xdp_action::XDP_ABORTED;
+    };
+    let start = ctx.data();
+    if start + GEN_FRAME > ctx.data_end() {
+        return xdp_action::XDP_ABORTED;
+    }
+    let Some(n) = GEN_COUNT.get_ptr_mut(0) else {
+        return xdp_action::XDP_ABORTED;
+    };
+    // SAFETY: the frame holds GEN_FRAME bytes (checked); the counter is
+    // this CPU's.
+    unsafe {
+        core::ptr::copy_nonoverlapping(tpl.as_ptr(), start as *mut u8, GEN_FRAME);
+        let flow = (*n % u64::from(cfg.flows.max(1))) as u16;
+        *n += 1;
+        let port = cfg.base_port.wrapping_add(flow).to_be_bytes();
+        let sport = (start + EthHdr::LEN + Ipv4Hdr::LEN) as *mut [u8; 2];
+        *sport = port;
+        bpf_redirect(cfg.ifindex, 0) as u32
+    }
+}
+
+/// Counts and drops whatever arrives.
+#[xdp]
+pub fn sink(_ctx: XdpContext) -> u32 {
+    if let Some(n) = GEN_COUNT.get_ptr_mut(1) {
+        // SAFETY: this CPU's counter.
+        unsafe { *n += 1 };
+    }
+    xdp_action::XDP_DROP
+}
+
+#[cfg(not(test))]
+#[panic_handler]
+fn panic(_info: &core::panic::PanicInfo) -> ! {
+    loop {}
+}
