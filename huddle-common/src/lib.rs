@@ -51,9 +51,12 @@ pub mod maps {
     pub const HALF_OPEN: &str = "HALF_OPEN";
     /// `LruHashMap<NatKey, NatValue>`: NAT entries of half-open flows.
     pub const HALF_OPEN_NAT: &str = "HALF_OPEN_NAT";
+    /// `PerCpuArray<NextHop>` indexed by backend id: the FIB's answer for
+    /// it, reused for `NEXT_HOP_TTL_NS`.
+    pub const NEXT_HOP: &str = "NEXT_HOP";
 
     /// Every map the control plane opens, for checks against the object.
-    pub const ALL: [&str; 15] = [
+    pub const ALL: [&str; 16] = [
         SERVICES,
         BACKENDS,
         RINGS,
@@ -69,6 +72,7 @@ pub mod maps {
         PULSE,
         HALF_OPEN,
         HALF_OPEN_NAT,
+        NEXT_HOP,
     ];
 }
 
@@ -279,6 +283,24 @@ pub struct Config {
     pub flags: u32,
 }
 
+/// How long a cached next hop of a backend is used before the FIB is asked
+/// again (a neighbour's new MAC is picked up within this).
+pub const NEXT_HOP_TTL_NS: u64 = 1_000_000_000;
+
+/// A backend's next hop as the FIB gave it, per CPU.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct NextHop {
+    pub smac: [u8; 6],
+    pub dmac: [u8; 6],
+    /// Interface to send on, and the ingress interface the answer is for.
+    pub ifindex: u32,
+    pub ingress: u32,
+    pub _pad: u32,
+    /// When the FIB answered; 0: never.
+    pub stamp_ns: u64,
+}
+
 /// Settings of the packet generator in the baseline object (`gen`):
 /// where to redirect frames, and over how many client ports to spread them.
 #[repr(C)]
@@ -311,6 +333,7 @@ assert_size!(FlowValue, 32);
 assert_size!(Latency, 8 * LATENCY_BUCKETS);
 assert_size!(Pulse, 16);
 assert_size!(GenConfig, 16);
+assert_size!(NextHop, 32);
 assert_size!(NatKey, 40);
 assert_size!(NatValue, 48);
 assert_size!(Config, 28);
@@ -335,6 +358,7 @@ mod pod {
     unsafe impl aya::Pod for Latency {}
     unsafe impl aya::Pod for Pulse {}
     unsafe impl aya::Pod for GenConfig {}
+    unsafe impl aya::Pod for NextHop {}
 }
 
 #[cfg(test)]

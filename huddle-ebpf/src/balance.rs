@@ -45,36 +45,49 @@ fn v4(a: &[u8; 16]) -> [u8; 4] {
 /// Client to backend.
 #[inline(always)]
 fn request(ctx: &XdpContext, p: &Packet, cfg: &Config) -> u32 {
-    let skey = ServiceKey {
-        addr: addr_v4(p.dst),
-        port_be: u16::from_ne_bytes(p.dport),
-        proto: p.proto,
-        family: FAMILY_V4,
-    };
-    // SAFETY: the value is copied out at once; the control plane replaces
-    // hash values whole, so the copy is never torn.
-    let Some(service) = (unsafe { SERVICES.get(skey) }).map(|s| s.id) else {
-        global(|s| s.pass_not_service += 1);
-        return xdp_action::XDP_PASS;
-    };
     let fkey = FlowKey {
         client: addr_v4(p.src),
-        vip: skey.addr,
+        vip: addr_v4(p.dst),
         client_port_be: u16::from_ne_bytes(p.sport),
-        vip_port_be: skey.port_be,
+        vip_port_be: u16::from_ne_bytes(p.dport),
         proto: p.proto,
         family: FAMILY_V4,
         _pad: [0; 2],
     };
     let syn = p.is_tcp() && p.has_flag(TCP_SYN);
     let existing = FLOWS.get_ptr_mut(fkey);
+    // SAFETY: map value pointer, valid for this run.
+    let established =
+        existing.filter(|f| !(syn && unsafe { (**f).flags } & flow_flags::CLOSING != 0));
+    // An established flow carries its service: the hot path skips the
+    // service lookup. (Flows of a service removed by a reload drain, like
+    // a removed backend's.)
+    let service = match established {
+        // SAFETY: as above.
+        Some(f) => unsafe { (*f).service },
+        None => {
+            let skey = ServiceKey {
+                addr: fkey.vip,
+                port_be: fkey.vip_port_be,
+                proto: p.proto,
+                family: FAMILY_V4,
+            };
+            // SAFETY: the value is copied out at once; the control plane
+            // replaces hash values whole, so the copy is never torn.
+            match unsafe { SERVICES.get(skey) } {
+                Some(s) => s.id,
+                None => {
+                    global(|s| s.pass_not_service += 1);
+                    return xdp_action::XDP_PASS;
+                }
+            }
+        }
+    };
     // The flow's table entry, kept so a FIN or RST can mark it without a
     // second lookup; `None` for a flow created by this packet.
-    let (mut flow, mut entry) = match existing {
-        // SAFETY: map value pointer, valid for this run.
-        Some(f) if !(syn && unsafe { (*f).flags } & flow_flags::CLOSING != 0) => {
-            (unsafe { *f }, Some(f))
-        }
+    let (mut flow, mut entry) = match established {
+        // SAFETY: as above.
+        Some(f) => (unsafe { *f }, Some(f)),
         _ => {
             if let Some(old) = existing {
                 // A new connection reusing a closed flow's tuple: its old
@@ -143,7 +156,7 @@ fn request(ctx: &XdpContext, p: &Packet, cfg: &Config) -> u32 {
             dport: backend.port_be.to_ne_bytes(),
         },
     );
-    send(ctx, p)
+    send(ctx, p, Some(flow.backend))
 }
 
 /// A TCP packet of no established flow. A SYN opens a half-open flow (in
@@ -242,10 +255,6 @@ fn nat_key(
 /// tables. `time` starts timing its first wait. Errors carry the verdict
 /// for the packet.
 #[inline(always)]
-#[expect(
-    clippy::too_many_arguments,
-    reason = "one call site per table kind; a struct would only rename them"
-)]
 fn new_flow(
     ctx: &XdpContext,
     cfg: &Config,
@@ -485,5 +494,5 @@ fn reply(ctx: &XdpContext, p: &Packet, cfg: &Config) -> u32 {
             dport: nat.flow.client_port_be.to_ne_bytes(),
         },
     );
-    send(ctx, p)
+    send(ctx, p, None)
 }

@@ -1,13 +1,24 @@
 //! Sending a rewritten packet: next hop from the kernel's FIB, then XDP_TX
 //! or a redirect; anything the FIB cannot settle goes to the kernel.
+//!
+//! Toward a backend the FIB's answer is cached per CPU for
+//! `NEXT_HOP_TTL_NS`: a FIB lookup costs more than the rest of the
+//! established-flow path, and a backend's next hop rarely changes.
 
-use crate::{maps::global, parse::Packet};
+use crate::{
+    maps::{global, NEXT_HOP},
+    parse::Packet,
+};
 use aya_ebpf::{
     bindings::{bpf_fib_lookup, xdp_action, BPF_FIB_LKUP_RET_NO_NEIGH, BPF_FIB_LKUP_RET_SUCCESS},
-    helpers::generated::{bpf_fib_lookup as fib_lookup, bpf_redirect},
+    helpers::{
+        bpf_ktime_get_ns,
+        generated::{bpf_fib_lookup as fib_lookup, bpf_redirect},
+    },
     programs::XdpContext,
 };
 use core::mem::{size_of, zeroed};
+use huddle_common::NEXT_HOP_TTL_NS;
 
 const AF_INET: u8 = 2;
 
@@ -17,7 +28,30 @@ const AF_INET: u8 = 2;
 /// which resolves it and forwards (the control plane enables forwarding
 /// and `accept_local` on the interface for this); it is never dropped here.
 #[inline(always)]
-pub fn send(ctx: &XdpContext, p: &Packet) -> u32 {
+pub fn send(ctx: &XdpContext, p: &Packet, backend: Option<u32>) -> u32 {
+    let ingress = ctx.ingress_ifindex() as u32;
+    let cache = backend.and_then(|id| NEXT_HOP.get_ptr_mut(id));
+    // SAFETY: plain helper call.
+    let now = if cache.is_some() {
+        unsafe { bpf_ktime_get_ns() }
+    } else {
+        0
+    };
+    if let Some(c) = cache {
+        // SAFETY: this CPU's element; the Ethernet header was
+        // bounds-checked by `parse`.
+        unsafe {
+            let hop = &*c;
+            if hop.stamp_ns != 0
+                && hop.ingress == ingress
+                && now.wrapping_sub(hop.stamp_ns) < NEXT_HOP_TTL_NS
+            {
+                (*p.eth).dst_addr = hop.dmac;
+                (*p.eth).src_addr = hop.smac;
+                return out(ingress, hop.ifindex);
+            }
+        }
+    }
     // SAFETY: an all-zero bpf_fib_lookup is a valid request skeleton.
     let mut params: bpf_fib_lookup = unsafe { zeroed() };
     params.family = AF_INET;
@@ -40,19 +74,20 @@ pub fn send(ctx: &XdpContext, p: &Packet) -> u32 {
     };
     match rc as u32 {
         BPF_FIB_LKUP_RET_SUCCESS => {
-            // SAFETY: the Ethernet header was bounds-checked by `parse`.
+            // SAFETY: the Ethernet header was bounds-checked by `parse`;
+            // the cache element is this CPU's.
             unsafe {
                 (*p.eth).dst_addr = params.dmac;
                 (*p.eth).src_addr = params.smac;
+                if let Some(c) = cache {
+                    (*c).smac = params.smac;
+                    (*c).dmac = params.dmac;
+                    (*c).ifindex = params.ifindex;
+                    (*c).ingress = ingress;
+                    (*c).stamp_ns = now;
+                }
             }
-            if params.ifindex == ctx.ingress_ifindex() as u32 {
-                global(|s| s.tx += 1);
-                xdp_action::XDP_TX
-            } else {
-                global(|s| s.redirect += 1);
-                // SAFETY: plain helper call.
-                unsafe { bpf_redirect(params.ifindex, 0) as u32 }
-            }
+            out(ingress, params.ifindex)
         }
         BPF_FIB_LKUP_RET_NO_NEIGH => {
             global(|s| s.pass_no_neigh += 1);
@@ -62,5 +97,19 @@ pub fn send(ctx: &XdpContext, p: &Packet) -> u32 {
             global(|s| s.pass_no_route += 1);
             xdp_action::XDP_PASS
         }
+    }
+}
+
+/// XDP_TX when the next hop is out of the interface the packet came in on,
+/// else a redirect.
+#[inline(always)]
+fn out(ingress: u32, ifindex: u32) -> u32 {
+    if ifindex == ingress {
+        global(|s| s.tx += 1);
+        xdp_action::XDP_TX
+    } else {
+        global(|s| s.redirect += 1);
+        // SAFETY: plain helper call.
+        unsafe { bpf_redirect(ifindex, 0) as u32 }
     }
 }

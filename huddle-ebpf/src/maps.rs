@@ -7,7 +7,7 @@ use aya_ebpf::{
 };
 use huddle_common::{
     Backend, BackendStats, Config, FlowKey, FlowValue, GlobalStats, Latency, NatKey, NatValue,
-    Pulse, Ring, ServiceKey, ServiceStats, ServiceValue, DEFAULT_FLOW_TABLE_SIZE,
+    NextHop, Pulse, Ring, ServiceKey, ServiceStats, ServiceValue, DEFAULT_FLOW_TABLE_SIZE,
     DEFAULT_HALF_OPEN_SIZE, MAX_BACKENDS, MAX_SERVICES,
 };
 
@@ -51,6 +51,10 @@ pub static HALF_OPEN: LruHashMap<FlowKey, FlowValue> =
 #[map]
 pub static HALF_OPEN_NAT: LruHashMap<NatKey, NatValue> =
     LruHashMap::with_max_entries(DEFAULT_HALF_OPEN_SIZE, 0);
+
+/// Backend id -> this CPU's cached next hop toward it.
+#[map]
+pub static NEXT_HOP: PerCpuArray<NextHop> = PerCpuArray::with_max_entries(MAX_BACKENDS, 0);
 
 /// Data plane settings (SNAT address, NAT port range).
 #[map]
