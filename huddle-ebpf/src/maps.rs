@@ -2,6 +2,7 @@
 //! `huddle_common::maps` (a user-space test checks the built object).
 
 use aya_ebpf::{
+    bindings::BPF_F_NO_COMMON_LRU,
     macros::map,
     maps::{Array, HashMap, LruHashMap, PerCpuArray},
 };
@@ -43,14 +44,16 @@ pub static NAT: LruHashMap<NatKey, NatValue> =
 
 /// TCP flows between SYN and the client's ACK of the SYN-ACK. A flood of
 /// SYNs only ever evicts entries here. Size set by the control plane.
+/// Every new flow inserts here: per-CPU LRU lists keep those inserts off a
+/// shared lock (the table itself is shared, so any CPU finds any entry).
 #[map]
 pub static HALF_OPEN: LruHashMap<FlowKey, FlowValue> =
-    LruHashMap::with_max_entries(DEFAULT_HALF_OPEN_SIZE, 0);
+    LruHashMap::with_max_entries(DEFAULT_HALF_OPEN_SIZE, BPF_F_NO_COMMON_LRU);
 
 /// NAT entries of half-open flows. Same size as `HALF_OPEN`.
 #[map]
 pub static HALF_OPEN_NAT: LruHashMap<NatKey, NatValue> =
-    LruHashMap::with_max_entries(DEFAULT_HALF_OPEN_SIZE, 0);
+    LruHashMap::with_max_entries(DEFAULT_HALF_OPEN_SIZE, BPF_F_NO_COMMON_LRU);
 
 /// Backend id -> this CPU's cached next hop toward it.
 #[map]

@@ -501,9 +501,26 @@ pub struct OpenLoop {
 }
 
 impl OpenLoop {
-    /// Starts `rate` requests per second from namespace `ns` to `addr`.
+    /// Starts `rate` requests per second from namespace `ns` to `addr`,
+    /// each on a new connection.
     #[must_use]
     pub fn start(ns: &Netns, addr: SocketAddr, rate: f64, timeout: Duration) -> OpenLoop {
+        OpenLoop::sessions(ns, addr, rate, timeout, 1)
+    }
+
+    /// Starts `rate` requests per second from namespace `ns` to `addr` in
+    /// sessions of `per_conn` requests, one after the other on one
+    /// keep-alive connection (1: a new connection per request). Sessions
+    /// start at `rate / per_conn` a second, whatever the answers do.
+    #[must_use]
+    pub fn sessions(
+        ns: &Netns,
+        addr: SocketAddr,
+        rate: f64,
+        timeout: Duration,
+        per_conn: usize,
+    ) -> OpenLoop {
+        let per_conn = per_conn.max(1);
         let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
         let flag = stop.clone();
         let name = ns.name.clone();
@@ -511,10 +528,10 @@ impl OpenLoop {
         let handle = thread::spawn(move || {
             huddle_user::netns::enter(&name).expect("enter client namespace");
             let (tx, rx) = std::sync::mpsc::channel();
-            let gap = Duration::from_secs_f64(1.0 / rate);
+            let gap = Duration::from_secs_f64(per_conn as f64 / rate);
             let mut n = 0u32;
             // Bounded: stops on the flag, or after an hour's worth at most.
-            while !flag.load(Ordering::Relaxed) && n < (rate * 3600.0) as u32 {
+            while !flag.load(Ordering::Relaxed) && f64::from(n) < rate * 3600.0 {
                 let due = start + gap * n;
                 if let Some(wait) = due.checked_duration_since(Instant::now()) {
                     thread::sleep(wait);
@@ -522,13 +539,45 @@ impl OpenLoop {
                 let tx = tx.clone();
                 // Threads inherit the namespace of the thread creating them.
                 thread::spawn(move || {
+                    let record = |sent: Instant, r: Result<String, String>| {
+                        let _ = tx.send(Outcome {
+                            at: sent - start,
+                            latency: sent.elapsed(),
+                            result: r,
+                        });
+                    };
+                    if per_conn == 1 {
+                        let sent = Instant::now();
+                        let r = http_get(addr, timeout).map_err(|e| format!("{e:#}"));
+                        record(sent, r);
+                        return;
+                    }
                     let sent = Instant::now();
-                    let r = http_get(addr, timeout).map_err(|e| format!("{e:#}"));
-                    let _ = tx.send(Outcome {
-                        at: sent - start,
-                        latency: sent.elapsed(),
-                        result: r,
-                    });
+                    let mut conn = match KeepAlive::connect(addr, timeout) {
+                        Ok(c) => c,
+                        Err(e) => {
+                            let e = format!("connect: {e:#}");
+                            for _ in 0..per_conn {
+                                record(sent, Err(e.clone()));
+                            }
+                            return;
+                        }
+                    };
+                    for k in 0..per_conn {
+                        let sent = if k == 0 { sent } else { Instant::now() };
+                        match conn.get() {
+                            Ok(b) => record(sent, Ok(b)),
+                            Err(e) => {
+                                // The session is over: its remaining
+                                // requests fail with it.
+                                let e = format!("{e:#}");
+                                for _ in k..per_conn {
+                                    record(sent, Err(e.clone()));
+                                }
+                                return;
+                            }
+                        }
+                    }
                 });
                 n += 1;
             }

@@ -5,7 +5,8 @@
 //! (`results.json`) and one SVG plot per scenario to `--out`.
 //!
 //! `hc-compare [--quick] [--trials N] [--secs S] [--rate R] [--out DIR]
-//!   [--huddle PATH] [--only SLUG,...] [--scenarios SLUG,...]`
+//!   [--per-conn K] [--closed-secs S] [--huddle PATH] [--only SLUG,...]
+//!   [--scenarios SLUG,...]`
 
 mod closed;
 mod peers;
@@ -42,6 +43,8 @@ struct Opts {
     quick: bool,
     /// Seconds of each closed-loop run (0 skips them).
     closed_secs: f64,
+    /// Requests per (keep-alive) connection in the open-loop runs.
+    per_conn: usize,
 }
 
 fn sibling(name: &str) -> Result<PathBuf> {
@@ -99,6 +102,7 @@ fn opts() -> Result<Opts> {
         scenarios,
         quick,
         closed_secs: num("--closed-secs", if quick { 1.5 } else { 10.0 })?,
+        per_conn: (num("--per-conn", 1.0)? as usize).max(1),
     })
 }
 
@@ -153,7 +157,13 @@ fn one(
     } else {
         0.0
     };
-    let load = OpenLoop::start(&bed.client, SocketAddr::from((VIP, 80)), o.rate, o.timeout);
+    let load = OpenLoop::sessions(
+        &bed.client,
+        SocketAddr::from((VIP, 80)),
+        o.rate,
+        o.timeout,
+        o.per_conn,
+    );
     let total = Duration::from_secs_f64(o.secs);
     let mut done = false;
     while load.start.elapsed() < total {
@@ -199,8 +209,13 @@ fn run() -> Result<()> {
         }
     }
     std::fs::create_dir_all(&o.out)?;
+    let conns = if o.per_conn == 1 {
+        "a new TCP connection per request".to_string()
+    } else {
+        format!("keep-alive connections of {} requests each", o.per_conn)
+    };
     let load_desc = format!(
-        "open loop, {} requests/s, a new TCP connection per request, {} s per run, {} ms client timeout",
+        "open loop, {} requests/s, {conns}, {} s per run, {} ms client timeout",
         o.rate,
         o.secs,
         o.timeout.as_millis()
@@ -280,7 +295,7 @@ fn run() -> Result<()> {
         let svg = o.out.join(format!("{}.svg", s.slug()));
         plot::draw(
             &svg,
-            &format!("{} ({} req/s, new connection each)", s.name(), o.rate),
+            &format!("{} ({} req/s, {conns})", s.name(), o.rate),
             o.secs,
             &lines,
             fault,
