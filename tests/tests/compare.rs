@@ -74,7 +74,16 @@ fn quick_comparison_produces_every_cell() {
             }
         }
     }
+    // The closed loop: each kind of balancer, short and keep-alive.
+    let closed = json["closed_loop"].as_array().expect("closed_loop");
+    assert_eq!(closed.len(), 6, "{closed:?}");
+    for c in closed {
+        for k in ["rps", "p50_ms", "p99_ms", "cpu_us_per_request"] {
+            let v = c[k].as_f64().unwrap_or(f64::NAN);
+            assert!(v.is_finite() && v > 0.0, "closed loop {c}: {k} = {v}");
+        }
+    }
     let md = std::fs::read_to_string(out.join("results.md")).unwrap();
-    assert_eq!(md.matches("| balancer |").count(), scenarios.len());
+    assert_eq!(md.matches("| balancer |").count(), scenarios.len() + 1);
     let _ = std::fs::remove_dir_all(&out);
 }
