@@ -287,9 +287,9 @@ fn new_flow(
         let r = unsafe { bpf_get_prandom_u32() };
         let candidate = cfg.nat_port_min.wrapping_add((r % span) as u16);
         nkey.nat_port_be = candidate.to_be();
-        // Never a port an established flow still holds.
-        // SAFETY: only tested for presence.
-        if unsafe { NAT.get(nkey) }.is_some() && !reclaim(&nkey) {
+        // Never a port an established flow still holds (`reclaim` looks
+        // it up once and frees it if its flow is over).
+        if !reclaim(&nkey) {
             continue;
         }
         let res = if half {
