@@ -191,6 +191,14 @@ impl Engine {
         v
     }
 
+    /// How many members are inner (without building the list).
+    fn inner_len(&self) -> usize {
+        self.members
+            .iter()
+            .filter(|m| m.place == Place::Inner)
+            .count()
+    }
+
     fn placed(&self, place: Place) -> Vec<usize> {
         (0..self.members.len())
             .filter(|i| self.members[*i].place == place)
@@ -251,13 +259,6 @@ impl Engine {
     pub fn tick(&mut self, now: Duration) -> Vec<Move> {
         let p = self.params;
         let mut moves = Vec::new();
-        let healthy_outer = |e: &Engine| {
-            e.placed(Place::Outer)
-                .into_iter()
-                .filter(|i| e.members[*i].unhealthy.is_none() && !e.members[*i].drained)
-                .count()
-        };
-
         // Members that stayed inside long enough are forgiven.
         for m in &mut self.members {
             if m.place == Place::Inner
@@ -280,9 +281,14 @@ impl Engine {
                 .temperature
                 .total_cmp(&self.members[*a].temperature)
         });
-        let mut spare = healthy_outer(self);
+        // Healthy resting members that could stand in for a sick one.
+        let mut spare = self
+            .members
+            .iter()
+            .filter(|m| m.place == Place::Outer && m.unhealthy.is_none() && !m.drained)
+            .count();
         for i in sick {
-            let inner = self.inner().len();
+            let inner = self.inner_len();
             if inner > p.min_inner {
                 // fine: the ring stays at or above its minimum
             } else if spare > 0 {
@@ -295,7 +301,7 @@ impl Engine {
         }
 
         // 2. Hot members leave, hottest first, capped per tick.
-        let cap = (self.inner().len() / 3).max(1);
+        let cap = (self.inner_len() / 3).max(1);
         let mut hot: Vec<usize> = self
             .inner()
             .into_iter()
@@ -312,7 +318,7 @@ impl Engine {
                 .total_cmp(&self.members[*a].temperature)
         });
         for i in hot.into_iter().take(cap) {
-            if self.inner().len() <= p.min_inner {
+            if self.inner_len() <= p.min_inner {
                 break;
             }
             self.shift(i, Place::Outer, Reason::Hot, now, &mut moves);
@@ -336,7 +342,7 @@ impl Engine {
         let want = p.min_inner.max(1);
         for pass_unhealthy in [false, true] {
             for i in self.outer() {
-                if self.inner().len() >= want {
+                if self.inner_len() >= want {
                     break;
                 }
                 let m = &self.members[i];
@@ -355,7 +361,7 @@ impl Engine {
             .inner()
             .iter()
             .any(|i| self.members[*i].unhealthy.is_some())
-            || self.inner().len() < want;
+            || self.inner_len() < want;
         moves
     }
 }
