@@ -348,13 +348,38 @@ impl Testbed {
         let addr = SocketAddr::from((backend_ip(i), HTTP_PORT));
         let path = format!("/admin?{query}");
         in_ns(&self.backends[i], move || {
-            let mut s = TcpStream::connect_timeout(&addr, Duration::from_secs(2))?;
-            s.set_read_timeout(Some(Duration::from_secs(2)))?;
-            s.write_all(format!("GET {path} HTTP/1.0\r\n\r\n").as_bytes())?;
-            let mut resp = String::new();
-            s.read_to_string(&mut resp)?;
-            Ok(resp)
+            http_get_path(addr, &path, Duration::from_secs(2))
         })
+    }
+
+    /// Polls the balancer every 5 ms until backend `addr` is in `place`
+    /// ("inner", "outer"); returns how long after `since` that was seen.
+    pub fn wait_place(
+        &self,
+        addr: &str,
+        place: &str,
+        since: Instant,
+        limit: Duration,
+    ) -> Result<Duration> {
+        loop {
+            let st = self.status()?;
+            let b = st.services[0]
+                .backends
+                .iter()
+                .find(|b| b.addr == addr)
+                .with_context(|| format!("{addr} is not in the status"))?;
+            if b.place == place {
+                return Ok(since.elapsed());
+            }
+            if since.elapsed() > limit {
+                bail!(
+                    "{addr} not {place} within {limit:?}:\n{}\n{}",
+                    st.render(),
+                    self.huddle_log()
+                );
+            }
+            thread::sleep(Duration::from_millis(5));
+        }
     }
 
     /// Sends `sig` to backend `i`'s server process (started first, so its
@@ -612,12 +637,20 @@ pub fn wait_until(timeout: Duration, mut f: impl FnMut() -> bool) -> Result<()> 
     bail!("condition not met within {timeout:?}")
 }
 
-/// One HTTP/1.0 request on a new connection; returns the body.
+/// One HTTP/1.0 request for `/` on a new connection; returns the body.
 pub fn http_get(addr: SocketAddr, timeout: Duration) -> Result<String> {
+    http_get_path(addr, "/", timeout)
+}
+
+/// One HTTP/1.0 request for `path` on a new connection; returns the body of
+/// a 200 answer.
+pub fn http_get_path(addr: SocketAddr, path: &str, timeout: Duration) -> Result<String> {
     let mut s = TcpStream::connect_timeout(&addr, timeout)?;
     s.set_read_timeout(Some(timeout))?;
     s.set_write_timeout(Some(timeout))?;
-    s.write_all(b"GET / HTTP/1.0\r\nHost: vip\r\nConnection: close\r\n\r\n")?;
+    s.write_all(
+        format!("GET {path} HTTP/1.0\r\nHost: vip\r\nConnection: close\r\n\r\n").as_bytes(),
+    )?;
     let mut resp = String::new();
     s.read_to_string(&mut resp)?;
     let (head, body) = resp.split_once("\r\n\r\n").context("no HTTP header end")?;
@@ -625,6 +658,33 @@ pub fn http_get(addr: SocketAddr, timeout: Duration) -> Result<String> {
         bail!("unexpected response {head:?}");
     }
     Ok(body.trim().to_string())
+}
+
+/// The binary `name` next to the running one.
+pub fn sibling(name: &str) -> Result<PathBuf> {
+    Ok(std::env::current_exe()?
+        .parent()
+        .context("binary folder")?
+        .join(name))
+}
+
+/// Answers per backend, and the failures, among `outcomes` sent in
+/// [from, to).
+#[must_use]
+pub fn tally(
+    outcomes: &[Outcome],
+    from: Duration,
+    to: Duration,
+) -> (std::collections::BTreeMap<String, u32>, Vec<String>) {
+    let mut by = std::collections::BTreeMap::new();
+    let mut failed = Vec::new();
+    for o in outcomes.iter().filter(|o| o.at >= from && o.at < to) {
+        match &o.result {
+            Ok(b) => *by.entry(b.clone()).or_default() += 1,
+            Err(e) => failed.push(format!("at {:?}: {e}", o.at)),
+        }
+    }
+    (by, failed)
 }
 
 /// A keep-alive HTTP/1.1 connection.

@@ -8,14 +8,14 @@
 
 use huddle_user::status::{BackendStatus, Status};
 use std::{
-    collections::BTreeMap,
-    net::SocketAddr,
     path::Path,
     sync::{Mutex, MutexGuard},
     thread,
     time::{Duration, Instant},
 };
-use testbed::{backend_ip, in_ns, require_root, OpenLoop, Outcome, Testbed, HTTP_PORT, VIP};
+use testbed::{
+    backend_ip, http_get_path, in_ns, require_root, tally, OpenLoop, Testbed, HTTP_PORT, VIP,
+};
 
 const HUDDLE: &str = env!("CARGO_BIN_EXE_hc-huddle");
 const BACKEND: &str = env!("CARGO_BIN_EXE_hc-backend");
@@ -86,39 +86,6 @@ fn backend(st: &Status, i: usize) -> &BackendStatus {
         .expect("backend in status")
 }
 
-/// Polls status every 5 ms until backend `i` is in `place`; returns how
-/// long after `since` that was seen.
-fn wait_place(bed: &Testbed, i: usize, place: &str, since: Instant, limit: Duration) -> Duration {
-    loop {
-        let st = bed.status().expect("status");
-        if backend(&st, i).place == place {
-            return since.elapsed();
-        }
-        assert!(
-            since.elapsed() < limit,
-            "backend b{i} not {place} within {limit:?}:\n{}\n{}",
-            st.render(),
-            bed.huddle_log()
-        );
-        thread::sleep(Duration::from_millis(5));
-    }
-}
-
-/// The balancer's Prometheus page, fetched inside its namespace.
-fn metrics_page(bed: &Testbed) -> String {
-    let addr: SocketAddr = "127.0.0.1:9477".parse().unwrap();
-    in_ns(&bed.lb, move || {
-        use std::io::{Read, Write};
-        let mut s = std::net::TcpStream::connect_timeout(&addr, Duration::from_secs(2))
-            .expect("connect to the metrics endpoint");
-        s.set_read_timeout(Some(Duration::from_secs(2))).unwrap();
-        s.write_all(b"GET /metrics HTTP/1.0\r\n\r\n").unwrap();
-        let mut page = String::new();
-        s.read_to_string(&mut page).unwrap();
-        page
-    })
-}
-
 fn metric(page: &str, name: &str, i: usize) -> Option<f64> {
     let key = format!(
         "{name}{{service=\"{VIP}:80/tcp\",backend=\"{}\"}} ",
@@ -127,23 +94,6 @@ fn metric(page: &str, name: &str, i: usize) -> Option<f64> {
     page.lines()
         .find_map(|l| l.strip_prefix(&key))
         .and_then(|v| v.trim().parse().ok())
-}
-
-/// Answers per backend and failures among `outcomes` sent in [from, to).
-fn tally(
-    outcomes: &[Outcome],
-    from: Duration,
-    to: Duration,
-) -> (BTreeMap<String, u32>, Vec<String>) {
-    let mut by = BTreeMap::new();
-    let mut failed = Vec::new();
-    for o in outcomes.iter().filter(|o| o.at >= from && o.at < to) {
-        match &o.result {
-            Ok(b) => *by.entry(b.clone()).or_default() += 1,
-            Err(e) => failed.push(format!("at {:?}: {e}", o.at)),
-        }
-    }
-    (by, failed)
 }
 
 #[test]
@@ -164,7 +114,9 @@ fn a_backend_made_5x_slower_rests_within_the_bound_and_returns_when_fast() {
     let t0 = Instant::now();
     bed.backend_admin(2, &format!("delay_ms={}", BASE_MS * 5))
         .unwrap();
-    let out = wait_place(&bed, 2, "outer", t0, Duration::from_secs(5));
+    let out = bed
+        .wait_place(&addr(2), "outer", t0, Duration::from_secs(5))
+        .expect("rotation");
     let st = bed.status().unwrap();
     println!(
         "5x slow backend b2 left the inner ring {} ms after it became slow",
@@ -179,7 +131,15 @@ fn a_backend_made_5x_slower_rests_within_the_bound_and_returns_when_fast() {
     assert!(b2.temperature >= 0.55, "evicted hot: {b2:?}");
 
     // Status and /metrics show it live.
-    let page = metrics_page(&bed);
+    // The balancer's Prometheus page, fetched inside its namespace.
+    let page = in_ns(&bed.lb, || {
+        http_get_path(
+            "127.0.0.1:9477".parse().unwrap(),
+            "/metrics",
+            Duration::from_secs(2),
+        )
+    })
+    .expect("metrics page");
     assert_eq!(
         metric(&page, "huddle_backend_inner", 2),
         Some(0.0),
@@ -195,7 +155,9 @@ fn a_backend_made_5x_slower_rests_within_the_bound_and_returns_when_fast() {
     let t1 = Instant::now();
     bed.backend_admin(2, &format!("delay_ms={BASE_MS}"))
         .unwrap();
-    let back = wait_place(&bed, 2, "inner", t1, Duration::from_secs(15));
+    let back = bed
+        .wait_place(&addr(2), "inner", t1, Duration::from_secs(15))
+        .expect("rotation");
     println!(
         "b2 back in the inner ring {} ms after it was made fast again (min rest 2 s)",
         back.as_millis()
@@ -238,7 +200,9 @@ fn a_killed_backend_leaves_within_the_bound() {
     thread::sleep(Duration::from_secs(2));
     let t0 = Instant::now();
     bed.signal_backend(1, libc::SIGKILL);
-    let out = wait_place(&bed, 1, "outer", t0, Duration::from_secs(5));
+    let out = bed
+        .wait_place(&addr(1), "outer", t0, Duration::from_secs(5))
+        .expect("rotation");
     thread::sleep(Duration::from_secs(1));
     let st = bed.status().unwrap();
     let outcomes = load.stop();
@@ -271,7 +235,9 @@ fn a_hung_backend_leaves_within_the_bound() {
     thread::sleep(Duration::from_secs(2));
     let t0 = Instant::now();
     bed.signal_backend(3, libc::SIGSTOP);
-    let out = wait_place(&bed, 3, "outer", t0, Duration::from_secs(5));
+    let out = bed
+        .wait_place(&addr(3), "outer", t0, Duration::from_secs(5))
+        .expect("rotation");
     thread::sleep(Duration::from_secs(1));
     let st = bed.status().unwrap();
     bed.signal_backend(3, libc::SIGCONT);

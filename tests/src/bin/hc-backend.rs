@@ -42,24 +42,9 @@ fn arg(args: &[String], name: &str) -> Option<String> {
         .and_then(|i| args.get(i + 1).cloned())
 }
 
-/// Lifts the open-file limit to its hard maximum: a churn test holds
-/// thousands of connections.
-fn raise_nofile() {
-    let mut lim = libc::rlimit {
-        rlim_cur: 0,
-        rlim_max: 0,
-    };
-    // SAFETY: get/setrlimit with a struct we own.
-    unsafe {
-        if libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) == 0 {
-            lim.rlim_cur = lim.rlim_max;
-            libc::setrlimit(libc::RLIMIT_NOFILE, &lim);
-        }
-    }
-}
-
 fn main() {
-    raise_nofile();
+    // A churn test holds thousands of connections.
+    testbed::raise_nofile();
     let args: Vec<String> = std::env::args().collect();
     let id = arg(&args, "--id").unwrap_or_else(|| "backend".into());
     let http: u16 = arg(&args, "--http").map_or(8080, |p| p.parse().expect("--http PORT"));

@@ -15,7 +15,7 @@ use std::{
     thread,
     time::{Duration, Instant},
 };
-use testbed::{backend_ip, http_get, OpenLoop, Outcome, Testbed, HTTP_PORT, VIP};
+use testbed::{backend_ip, http_get, sibling, tally, OpenLoop, Testbed, HTTP_PORT, VIP};
 
 const BACKENDS: usize = 4;
 /// Normal service time of a backend (ms); the slow one gets 5x.
@@ -26,13 +26,6 @@ fn main() {
         eprintln!("demo failed: {e:#}");
         std::process::exit(1);
     }
-}
-
-fn sibling(name: &str) -> Result<PathBuf> {
-    Ok(std::env::current_exe()?
-        .parent()
-        .context("binary folder")?
-        .join(name))
 }
 
 /// `n` requests from each of `threads` client threads, a new connection
@@ -82,38 +75,6 @@ fn show(title: &str, counts: &BTreeMap<String, u32>, failed: u32) {
     println!("  failed requests: {failed}");
 }
 
-/// Polls the balancer until backend `addr` is in `place`.
-fn wait_place(bed: &Testbed, addr: &str, place: &str, limit: Duration) -> Result<Duration> {
-    let start = Instant::now();
-    loop {
-        let st = bed.status()?;
-        let b = st.services[0]
-            .backends
-            .iter()
-            .find(|b| b.addr == addr)
-            .context("backend missing from status")?;
-        if b.place == place {
-            return Ok(start.elapsed());
-        }
-        if start.elapsed() > limit {
-            anyhow::bail!("{addr} not {place} within {limit:?}:\n{}", st.render());
-        }
-        thread::sleep(Duration::from_millis(5));
-    }
-}
-
-fn tally(outcomes: &[Outcome], from: Duration, to: Duration) -> (BTreeMap<String, u32>, u32) {
-    let mut by = BTreeMap::new();
-    let mut failed = 0;
-    for o in outcomes.iter().filter(|o| o.at >= from && o.at < to) {
-        match &o.result {
-            Ok(b) => *by.entry(b.clone()).or_default() += 1,
-            Err(_) => failed += 1,
-        }
-    }
-    (by, failed)
-}
-
 /// One backend made 5x slower under load: it rests, then returns.
 fn rotation_demo(bed: &Testbed) -> Result<()> {
     let slow = 2;
@@ -123,7 +84,7 @@ fn rotation_demo(bed: &Testbed) -> Result<()> {
     thread::sleep(Duration::from_secs(2));
     let slow_at = load.start.elapsed();
     bed.backend_admin(slow, &format!("delay_ms={}", BASE_MS * 5))?;
-    let out = wait_place(bed, &addr, "outer", Duration::from_secs(10))?;
+    let out = bed.wait_place(&addr, "outer", Instant::now(), Duration::from_secs(10))?;
     println!(
         "\n>>> b{slow} ({addr}) moved to the outer ring {} ms after it became slow",
         out.as_millis()
@@ -134,7 +95,7 @@ fn rotation_demo(bed: &Testbed) -> Result<()> {
     let fast_at = load.start.elapsed();
     bed.backend_admin(slow, &format!("delay_ms={BASE_MS}"))?;
     println!("\nb{slow} is fast again; it rests at least 3 s in all, and returns once its probes show it has cooled");
-    let back = wait_place(bed, &addr, "inner", Duration::from_secs(20))?;
+    let back = bed.wait_place(&addr, "inner", Instant::now(), Duration::from_secs(20))?;
     println!(
         ">>> b{slow} returned to the inner ring {} ms after it was made fast again",
         back.as_millis()
@@ -149,7 +110,7 @@ fn rotation_demo(bed: &Testbed) -> Result<()> {
         ("after it returned", fast_at + back, Duration::MAX),
     ] {
         let (c, f) = tally(&outcomes, from, to);
-        show(&format!("requests sent {title}:"), &c, f);
+        show(&format!("requests sent {title}:"), &c, f.len() as u32);
     }
     let st = bed.status()?;
     println!("\nrotations logged by the balancer:");

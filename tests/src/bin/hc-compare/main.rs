@@ -25,7 +25,7 @@ use std::{
     thread,
     time::{Duration, Instant},
 };
-use testbed::{backend_ip, OpenLoop, Testbed, HTTP_PORT, VIP};
+use testbed::{backend_ip, sibling, OpenLoop, Testbed, HTTP_PORT, VIP};
 
 const BACKENDS: usize = 4;
 
@@ -45,13 +45,6 @@ struct Opts {
     closed_secs: f64,
     /// Requests per (keep-alive) connection in the open-loop runs.
     per_conn: usize,
-}
-
-fn sibling(name: &str) -> Result<PathBuf> {
-    Ok(std::env::current_exe()?
-        .parent()
-        .context("binary folder")?
-        .join(name))
 }
 
 fn opts() -> Result<Opts> {
