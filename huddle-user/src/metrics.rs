@@ -5,7 +5,7 @@
 use crate::{
     daemon::{lock, Balancer},
     http::Answer,
-    status::Status,
+    status::{BackendStatus, ServiceStatus, Status},
 };
 use std::{fmt::Write as _, sync::Mutex};
 
@@ -62,11 +62,48 @@ fn escape(v: &str) -> String {
         .replace('\n', "\\n")
 }
 
+const KERNEL: &str = "Kernel counter, summed over CPUs.";
+
+/// One family with a sample per backend (labels service, backend); a
+/// backend for which `get` has no value is left out.
+fn backends(
+    out: &mut String,
+    st: &Status,
+    name: &str,
+    kind: &str,
+    help: &str,
+    get: impl Fn(&BackendStatus) -> Option<f64>,
+) {
+    let mut f = Family::new(out, name, kind, help);
+    for s in &st.services {
+        for b in &s.backends {
+            if let Some(v) = get(b) {
+                f.sample(name, &[("service", &s.name), ("backend", &b.addr)], v);
+            }
+        }
+    }
+}
+
+/// One family with a sample per service (label service).
+fn services(
+    out: &mut String,
+    st: &Status,
+    name: &str,
+    kind: &str,
+    help: &str,
+    get: impl Fn(&ServiceStatus) -> f64,
+) {
+    let mut f = Family::new(out, name, kind, help);
+    for s in &st.services {
+        f.sample(name, &[("service", &s.name)], get(s));
+    }
+}
+
 /// The whole exposition.
 #[must_use]
 pub fn render(st: &Status) -> String {
     let mut out = String::new();
-    type Get = fn(&crate::status::BackendStatus) -> Option<f64>;
+    type Get = fn(&BackendStatus) -> Option<f64>;
     let gauges: [(&str, &str, Get); 12] = [
         (
             "huddle_backend_temperature",
@@ -130,31 +167,16 @@ pub fn render(st: &Status) -> String {
         ),
     ];
     for (name, help, get) in gauges {
-        let mut f = Family::new(&mut out, name, "gauge", help);
-        for s in &st.services {
-            for b in &s.backends {
-                if let Some(v) = get(b) {
-                    f.sample(name, &[("service", &s.name), ("backend", &b.addr)], v);
-                }
-            }
-        }
+        backends(&mut out, st, name, "gauge", help, get);
     }
-    let name = "huddle_backend_rotations_total";
-    let mut f = Family::new(
+    backends(
         &mut out,
-        name,
+        st,
+        "huddle_backend_rotations_total",
         "counter",
         "Moves between the inner and outer ring.",
+        |b| Some(b.rotations as f64),
     );
-    for s in &st.services {
-        for b in &s.backends {
-            f.sample(
-                name,
-                &[("service", &s.name), ("backend", &b.addr)],
-                b.rotations as f64,
-            );
-        }
-    }
     // Kernel counters, one family each.
     let mut names: Vec<&String> = st
         .services
@@ -164,72 +186,54 @@ pub fn render(st: &Status) -> String {
     names.sort();
     names.dedup();
     for c in names {
-        let name = format!("huddle_backend_{c}_total");
-        let mut f = Family::new(
+        backends(
             &mut out,
-            &name,
+            st,
+            &format!("huddle_backend_{c}_total"),
             "counter",
-            "Kernel counter, summed over CPUs.",
+            KERNEL,
+            |b| Some(b.counters.get(c).copied().unwrap_or(0) as f64),
         );
-        for s in &st.services {
-            for b in &s.backends {
-                let v = b.counters.get(c).copied().unwrap_or(0);
-                f.sample(
-                    &name,
-                    &[("service", &s.name), ("backend", &b.addr)],
-                    v as f64,
-                );
-            }
-        }
     }
-    let name = "huddle_service_inner_size";
-    let mut f = Family::new(&mut out, name, "gauge", "Backends in the live ring.");
-    for s in &st.services {
-        f.sample(name, &[("service", &s.name)], s.ring.len() as f64);
-    }
-    let name = "huddle_service_panic";
-    let mut f = Family::new(
+    services(
         &mut out,
-        name,
+        st,
+        "huddle_service_inner_size",
+        "gauge",
+        "Backends in the live ring.",
+        |s| s.ring.len() as f64,
+    );
+    services(
+        &mut out,
+        st,
+        "huddle_service_panic",
         "gauge",
         "1 while too few healthy backends remain.",
+        |s| f64::from(u8::from(s.panic)),
     );
-    for s in &st.services {
-        f.sample(name, &[("service", &s.name)], f64::from(u8::from(s.panic)));
-    }
-    let name = "huddle_service_ring_generation";
-    let mut f = Family::new(
+    services(
         &mut out,
-        name,
+        st,
+        "huddle_service_ring_generation",
         "counter",
         "Ring swaps written to the kernel.",
+        |s| s.ring_generation as f64,
     );
-    for s in &st.services {
-        f.sample(name, &[("service", &s.name)], s.ring_generation as f64);
-    }
     if let Some(first) = st.services.first() {
         for c in first.counters.keys() {
-            let name = format!("huddle_service_{c}_total");
-            let mut f = Family::new(
+            services(
                 &mut out,
-                &name,
+                st,
+                &format!("huddle_service_{c}_total"),
                 "counter",
-                "Kernel counter, summed over CPUs.",
+                KERNEL,
+                |s| s.counters.get(c).copied().unwrap_or(0) as f64,
             );
-            for s in &st.services {
-                let v = s.counters.get(c).copied().unwrap_or(0);
-                f.sample(&name, &[("service", &s.name)], v as f64);
-            }
         }
     }
     for (c, v) in &st.global {
         let name = format!("huddle_{c}_total");
-        let mut f = Family::new(
-            &mut out,
-            &name,
-            "counter",
-            "Kernel counter, summed over CPUs.",
-        );
+        let mut f = Family::new(&mut out, &name, "counter", KERNEL);
         f.sample(&name, &[("interface", &st.interface)], *v as f64);
     }
     out
