@@ -121,6 +121,25 @@ fn run_tests(args: &[&str]) -> Result<()> {
     Ok(())
 }
 
+/// Builds the release binaries of `packages`.
+fn build_release(packages: &[&str]) -> Result<()> {
+    let mut a = vec!["build", "--release", "--bins"];
+    for p in packages {
+        a.extend(["-p", p]);
+    }
+    run("cargo", &a)
+}
+
+/// The path of release binary `name`.
+fn release_bin(name: &str) -> Result<String> {
+    root()
+        .join("target/release")
+        .join(name)
+        .to_str()
+        .map(str::to_string)
+        .context("a non-UTF-8 path")
+}
+
 fn main() -> Result<()> {
     match Cli::parse().cmd {
         Cmd::Setup => setup::all(),
@@ -134,66 +153,30 @@ fn main() -> Result<()> {
         Cmd::Demo => {
             require_root("cargo xtask demo")?;
             setup::all()?;
-            run(
-                "cargo",
-                &[
-                    "build",
-                    "--release",
-                    "-p",
-                    "huddle-user",
-                    "-p",
-                    "tests",
-                    "--bins",
-                ],
-            )?;
-            let t = root().join("target/release");
-            let huddle = t.join("huddle");
-            run(
-                t.join("hc-demo").to_str().context("path")?,
-                &["--huddle", huddle.to_str().context("path")?],
-            )
+            build_release(&["huddle-user", "tests"])?;
+            let huddle = release_bin("huddle")?;
+            run(&release_bin("hc-demo")?, &["--huddle", &huddle])
         }
         Cmd::BenchHuddle { args } => {
             require_root("cargo xtask bench-huddle")?;
             setup::all()?;
-            run(
-                "cargo",
-                &[
-                    "build",
-                    "--release",
-                    "-p",
-                    "huddle-user",
-                    "-p",
-                    "tests",
-                    "--bins",
-                ],
-            )?;
-            let t = root().join("target/release");
-            let huddle = t.join("huddle");
-            let huddle = huddle.to_str().context("path")?;
+            build_release(&["huddle-user", "tests"])?;
+            let huddle = release_bin("huddle")?;
+            let huddle = huddle.as_str();
             println!("\n## Data plane: ns per packet (BPF_PROG_TEST_RUN) and packets per second on veth\n");
             run(huddle, &["bench"])?;
             println!("\n## Balancers compared on slow and failing backends\n");
             let mut a = vec!["--huddle", huddle];
             a.extend(args.iter().map(String::as_str));
-            run(t.join("hc-compare").to_str().context("path")?, &a)
+            run(&release_bin("hc-compare")?, &a)
         }
         Cmd::Bench { args } => {
             require_root("cargo xtask bench")?;
             setup::all()?;
-            run(
-                "cargo",
-                &["build", "--release", "-p", "huddle-user", "--bins"],
-            )?;
+            build_release(&["huddle-user"])?;
             let mut a = vec!["bench"];
             a.extend(args.iter().map(String::as_str));
-            run(
-                root()
-                    .join("target/release/huddle")
-                    .to_str()
-                    .context("path")?,
-                &a,
-            )
+            run(&release_bin("huddle")?, &a)
         }
     }
 }
