@@ -3,7 +3,10 @@
 //! process CPU time of a proxy, the XDP program's own run time (kernel
 //! BPF statistics) for HuddleCluster.
 
-use crate::peers::{self, Balancer};
+use crate::{
+    peers::{self, Balancer},
+    stats,
+};
 use anyhow::{Context, Result};
 use serde::Serialize;
 use std::{
@@ -156,11 +159,6 @@ pub fn run(
     };
     peers::stop(running, bed)?;
     lat.sort_by(f64::total_cmp);
-    let q = |x: f64| {
-        lat.get(((x * lat.len() as f64) as usize).min(lat.len().saturating_sub(1)))
-            .copied()
-            .unwrap_or(f64::NAN)
-    };
     let n = lat.len().max(1) as f64;
     let (cpu_us, cpu_of) = match prog_ns {
         Some(ns) => (
@@ -174,8 +172,8 @@ pub fn run(
         keepalive,
         connections: conns,
         rps: lat.len() as f64 / took,
-        p50_ms: q(0.5),
-        p99_ms: q(0.99),
+        p50_ms: stats::quantile(&lat, 0.5),
+        p99_ms: stats::quantile(&lat, 0.99),
         failed,
         cpu_us_per_request: cpu_us,
         cpu_of,

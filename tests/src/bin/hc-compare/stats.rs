@@ -23,7 +23,8 @@ pub struct Trial {
     pub throughput: f64,
 }
 
-fn quantile(sorted: &[f64], q: f64) -> f64 {
+/// Nearest-rank quantile of sorted values (NaN when there are none).
+pub fn quantile(sorted: &[f64], q: f64) -> f64 {
     if sorted.is_empty() {
         return f64::NAN;
     }
