@@ -192,76 +192,94 @@ fn a_backend_made_5x_slower_rests_within_the_bound_and_returns_when_fast() {
     );
 }
 
-#[test]
-fn a_killed_backend_leaves_within_the_bound() {
+/// What a fault run measured.
+struct Fault {
+    /// From the fault until the backend was seen outside the inner ring.
+    out: Duration,
+    /// The balancer's status a second after that.
+    st: Status,
+    requests: usize,
+    failed: Vec<String>,
+    by_backend: std::collections::BTreeMap<String, u32>,
+}
+
+/// Load at `RATE`, then signal backend `i` with `sig` and wait until it
+/// leaves the inner ring; `then`, if given, is sent before the load stops
+/// (SIGCONT for a stopped backend).
+fn fault(tag: &str, i: usize, sig: i32, then: Option<i32>) -> Fault {
     let _turn = serial();
-    let bed = bed("hkill", "", false);
+    let bed = bed(tag, "", false);
     let load = OpenLoop::start(&bed.client, (VIP, 80).into(), RATE, Duration::from_secs(2));
     thread::sleep(Duration::from_secs(2));
     let t0 = Instant::now();
-    bed.signal_backend(1, libc::SIGKILL);
+    bed.signal_backend(i, sig);
     let out = bed
-        .wait_place(&addr(1), "outer", t0, Duration::from_secs(5))
+        .wait_place(&addr(i), "outer", t0, Duration::from_secs(5))
         .expect("rotation");
     thread::sleep(Duration::from_secs(1));
     let st = bed.status().unwrap();
+    if let Some(s) = then {
+        bed.signal_backend(i, s);
+    }
     let outcomes = load.stop();
-    let (all, failed) = tally(&outcomes, Duration::ZERO, Duration::MAX);
-    println!(
-        "killed backend b1 left the inner ring {} ms after SIGKILL; {} of {} requests failed (refused before it left): {all:?}",
-        out.as_millis(),
-        failed.len(),
-        outcomes.len()
-    );
+    let (by_backend, failed) = tally(&outcomes, Duration::ZERO, Duration::MAX);
     print!("{}", st.render());
-    let b1 = backend(&st, 1);
+    Fault {
+        out,
+        st,
+        requests: outcomes.len(),
+        failed,
+        by_backend,
+    }
+}
+
+#[test]
+fn a_killed_backend_leaves_within_the_bound() {
+    let f = fault("hkill", 1, libc::SIGKILL, None);
+    println!(
+        "killed backend b1 left the inner ring {} ms after SIGKILL; {} of {} requests failed (refused before it left): {:?}",
+        f.out.as_millis(),
+        f.failed.len(),
+        f.requests,
+        f.by_backend
+    );
+    let b1 = backend(&f.st, 1);
     assert!(
         b1.unhealthy.is_some(),
         "a refusing backend is unhealthy: {b1:?}"
     );
+    let out = f.out;
     assert!(
         out <= BOUND,
         "killed backend took {out:?} to leave (bound {BOUND:?})"
     );
     // Only the window before it left may fail: about RATE/4 per second.
-    assert!(failed.len() <= 40, "too many failures: {failed:?}");
+    assert!(f.failed.len() <= 40, "too many failures: {:?}", f.failed);
 }
 
 #[test]
 fn a_hung_backend_leaves_within_the_bound() {
-    let _turn = serial();
-    let bed = bed("hhung", "", false);
-    let load = OpenLoop::start(&bed.client, (VIP, 80).into(), RATE, Duration::from_secs(2));
-    thread::sleep(Duration::from_secs(2));
-    let t0 = Instant::now();
-    bed.signal_backend(3, libc::SIGSTOP);
-    let out = bed
-        .wait_place(&addr(3), "outer", t0, Duration::from_secs(5))
-        .expect("rotation");
-    thread::sleep(Duration::from_secs(1));
-    let st = bed.status().unwrap();
-    bed.signal_backend(3, libc::SIGCONT);
-    let outcomes = load.stop();
-    let (all, failed) = tally(&outcomes, Duration::ZERO, Duration::MAX);
+    let f = fault("hhung", 3, libc::SIGSTOP, Some(libc::SIGCONT));
     println!(
-        "hung backend b3 (SIGSTOP) left the inner ring {} ms after it stopped; {} of {} requests failed (stuck on it before it left): {all:?}",
-        out.as_millis(),
-        failed.len(),
-        outcomes.len()
+        "hung backend b3 (SIGSTOP) left the inner ring {} ms after it stopped; {} of {} requests failed (stuck on it before it left): {:?}",
+        f.out.as_millis(),
+        f.failed.len(),
+        f.requests,
+        f.by_backend
     );
-    print!("{}", st.render());
-    let b3 = backend(&st, 3);
+    let b3 = backend(&f.st, 3);
     assert!(
         b3.unhealthy
             .as_deref()
             .is_some_and(|u| u.contains("hung") || u.contains("probe")),
         "{b3:?}"
     );
+    let out = f.out;
     assert!(
         out <= BOUND,
         "hung backend took {out:?} to leave (bound {BOUND:?})"
     );
-    assert!(failed.len() <= 40, "too many failures: {failed:?}");
+    assert!(f.failed.len() <= 40, "too many failures: {:?}", f.failed);
 }
 
 #[test]
