@@ -322,11 +322,40 @@ fn sigterm_leaves_the_data_plane_running_and_stop_removes_it() {
     assert!(!bed.pins.exists(), "--detach-on-exit left pins behind");
 }
 
+/// Runs `huddle ARGS` in the balancer's namespace (with the testbed's
+/// socket and pin folder) and checks it is refused with one line naming
+/// `want`, leaving nothing attached and nothing pinned. Returns the error.
+fn refused(bed: &Testbed, args: &[&str], want: &str) -> String {
+    let sock = bed.socket().display().to_string();
+    let pins = bed.pins.display().to_string();
+    let mut full: Vec<String> = args.iter().map(ToString::to_string).collect();
+    full.extend(["--control-socket".into(), sock, "--pin-dir".into(), pins]);
+    let (ok, _, err) = in_ns(&bed.lb, move || {
+        let args: Vec<&str> = full.iter().map(String::as_str).collect();
+        output(Path::new(HUDDLE), &args).unwrap()
+    });
+    assert!(!ok, "{args:?} should fail");
+    assert_eq!(
+        err.trim().lines().count(),
+        1,
+        "{args:?}: error should be one line: {err:?}"
+    );
+    assert!(
+        err.contains(want),
+        "{args:?}: {err:?} should mention {want:?}"
+    );
+    assert!(
+        !xdp_attached(&bed.lb),
+        "{args:?} left an XDP program attached"
+    );
+    assert!(!bed.pins.exists(), "{args:?} left pins behind");
+    err
+}
+
 #[test]
 fn bad_invocations_fail_with_one_line_and_attach_nothing() {
     require_root();
     let bed = Testbed::new("err", 1).unwrap();
-    let sock = bed.socket().display().to_string();
     let b = format!("{}:{HTTP_PORT}", backend_ip(0));
     let vip = format!("{VIP}:80");
     // (interface, VIP, further arguments, what the error must mention)
@@ -369,32 +398,10 @@ fn bad_invocations_fail_with_one_line_and_attach_nothing() {
             "service[0].backends[0]: backend 192.0.2.1:80 is unreachable",
         ),
     ];
-    let pins = bed.pins.display().to_string();
     for (iface, vip, extra, want) in cases {
         let mut args = vec!["run", "--iface", iface, "--vip", vip];
         args.extend(extra.split_whitespace());
-        let mut full = args.clone();
-        full.extend_from_slice(&["--control-socket", &sock, "--pin-dir", &pins]);
-        let full: Vec<String> = full.iter().map(|s| s.to_string()).collect();
-        let (ok, _, err) = in_ns(&bed.lb, move || {
-            let args: Vec<&str> = full.iter().map(String::as_str).collect();
-            output(Path::new(HUDDLE), &args).unwrap()
-        });
-        assert!(!ok, "{args:?} should fail");
-        assert_eq!(
-            err.trim().lines().count(),
-            1,
-            "{args:?}: error should be one line: {err:?}"
-        );
-        assert!(
-            err.contains(want),
-            "{args:?}: {err:?} should mention {want:?}"
-        );
-        assert!(
-            !xdp_attached(&bed.lb),
-            "{args:?} left an XDP program attached"
-        );
-        assert!(!bed.pins.exists(), "{args:?} left pins behind");
+        refused(&bed, &args, want);
     }
     // Config files: the error names the field, and the line where TOML
     // itself is wrong.
@@ -426,41 +433,11 @@ fn bad_invocations_fail_with_one_line_and_attach_nothing() {
     for (i, (text, want)) in files.iter().enumerate() {
         let path = bed.dir.join(format!("bad{i}.toml"));
         std::fs::write(&path, text).unwrap();
-        let args: Vec<String> = [
-            "run",
-            "--iface",
-            "eth0",
-            "--config",
-            &path.display().to_string(),
-            "--control-socket",
-            &sock,
-            "--pin-dir",
-            &pins,
-        ]
-        .iter()
-        .map(ToString::to_string)
-        .collect();
-        let (ok, _, err) = in_ns(&bed.lb, move || {
-            let args: Vec<&str> = args.iter().map(String::as_str).collect();
-            output(Path::new(HUDDLE), &args).unwrap()
-        });
-        assert!(!ok, "{text:?} should fail");
-        assert_eq!(
-            err.trim().lines().count(),
-            1,
-            "{text:?}: error should be one line: {err:?}"
-        );
-        assert!(
-            err.contains(want),
-            "{text:?}: {err:?} should mention {want:?}"
-        );
+        let path = path.display().to_string();
+        let err = refused(&bed, &["run", "--iface", "eth0", "--config", &path], want);
         assert!(
             err.contains(&format!("bad{i}.toml")),
             "{err:?} should name the file"
-        );
-        assert!(
-            !xdp_attached(&bed.lb) && !bed.pins.exists(),
-            "{text:?} left something behind"
         );
     }
     // Without privileges.
