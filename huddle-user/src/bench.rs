@@ -39,29 +39,21 @@ const VIP: Ipv4Addr = Ipv4Addr::new(10, 213, 100, 1);
 const BACKENDS: u8 = 16;
 
 fn bench_config() -> Config {
-    Config {
-        interface: crate::prog_run::IFACE.into(),
-        snat_ip: Some(BALANCER_IP),
-        xdp_mode: XdpMode::Auto,
-        nat_ports: PortRange {
-            min: 1024,
-            max: 65535,
-        },
-        flow_table_size: 1 << 18,
-        half_open_table_size: 65_536,
-        control_socket: "/dev/null".into(),
-        pin_dir: None,
-        state_file: "/dev/null".into(),
-        detach_on_exit: true,
-        services: vec![Service::plain(
+    crate::prog_run::config(
+        vec![Service::plain(
             (VIP, 80).into(),
             Proto::Tcp,
             (0..BACKENDS)
                 .map(|i| (Ipv4Addr::new(10, 213, 0, 10 + i), 8080).into())
                 .collect(),
         )],
-        huddle: crate::config::Huddle::default(),
-    }
+        PortRange {
+            min: 1024,
+            max: 65535,
+        },
+        1 << 18,
+        65_536,
+    )
 }
 
 fn pin(cpu: usize) -> Result<()> {

@@ -5,7 +5,11 @@
 //! veth pair), its address and permanent neighbour entries: the output
 //! frames are then fully determined, MAC addresses included.
 
-use crate::{config::Config, dataplane::Dataplane, netns::Netns};
+use crate::{
+    config::{Config, Huddle, PortRange, Service, XdpMode},
+    dataplane::Dataplane,
+    netns::Netns,
+};
 use anyhow::{Context, Result};
 use aya::{programs::Xdp, TestRun, TestRunOptions};
 use std::{net::Ipv4Addr, time::Duration};
@@ -14,6 +18,31 @@ use std::{net::Ipv4Addr, time::Duration};
 pub const IFACE: &str = "hb0";
 pub const BALANCER_IP: Ipv4Addr = Ipv4Addr::new(10, 213, 0, 1);
 pub const BALANCER_MAC: [u8; 6] = [0x02, 0x00, 10, 213, 0, 1];
+
+/// A configuration for the program run here: the namespace's interface and
+/// SNAT address, nothing pinned or kept after the process, `services`.
+#[must_use]
+pub fn config(
+    services: Vec<Service>,
+    nat_ports: PortRange,
+    flow_table_size: u32,
+    half_open_table_size: u32,
+) -> Config {
+    Config {
+        interface: IFACE.into(),
+        snat_ip: Some(BALANCER_IP),
+        xdp_mode: XdpMode::Auto,
+        nat_ports,
+        flow_table_size,
+        half_open_table_size,
+        control_socket: "/dev/null".into(),
+        pin_dir: None,
+        state_file: "/dev/null".into(),
+        detach_on_exit: true,
+        services,
+        huddle: Huddle::default(),
+    }
+}
 
 /// The MAC address the environment gives a neighbour.
 #[must_use]

@@ -17,7 +17,7 @@
 //! packet in hex.
 
 use huddle_user::{
-    config::{Config, Huddle, PortRange, Proto, Service, XdpMode},
+    config::{Config, PortRange, Proto, Service},
     packet::{checksum, checksums_valid, endpoints, l4_checksum, Frame, ACK, ETH_LEN, SYN},
     prog_run::{mac_of, ProgRun, BALANCER_IP, BALANCER_MAC},
 };
@@ -315,20 +315,12 @@ fn config() -> Config {
             bs.iter().map(|b| SocketAddr::from((*b, port))).collect(),
         )
     };
-    Config {
-        interface: "hb0".into(),
-        snat_ip: Some(BALANCER_IP),
-        xdp_mode: XdpMode::Auto,
-        nat_ports: NAT,
-        flow_table_size: 4096,
-        half_open_table_size: 1024,
-        control_socket: "/dev/null".into(),
-        pin_dir: None,
-        state_file: "/dev/null".into(),
-        detach_on_exit: true,
-        services: vec![svc(80, Proto::Tcp, 8080), svc(53, Proto::Udp, 5353)],
-        huddle: Huddle::default(),
-    }
+    huddle_user::prog_run::config(
+        vec![svc(80, Proto::Tcp, 8080), svc(53, Proto::Udp, 5353)],
+        NAT,
+        4096,
+        1024,
+    )
 }
 
 fn env_u64(name: &str, default: u64) -> u64 {

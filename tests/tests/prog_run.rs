@@ -3,7 +3,7 @@
 
 use huddle_common::{BackendStats, GlobalStats};
 use huddle_user::{
-    config::{Config, Huddle, PortRange, Proto, Service, XdpMode},
+    config::{Config, PortRange, Proto, Service},
     packet::{checksums_valid, endpoints, Frame, ACK, ETH_LEN, FIN, PSH, RST, SYN},
     prog_run::{mac_of, ProgRun, BALANCER_IP, BALANCER_MAC},
 };
@@ -40,20 +40,7 @@ fn config(backends: &[Ipv4Addr], udp: bool) -> Config {
     if udp {
         services.push(service(53, Proto::Udp, 5353));
     }
-    Config {
-        interface: "hb0".into(),
-        snat_ip: Some(BALANCER_IP),
-        xdp_mode: XdpMode::Auto,
-        nat_ports: NAT,
-        flow_table_size: 4096,
-        half_open_table_size: 1024,
-        control_socket: "/dev/null".into(),
-        pin_dir: None,
-        state_file: "/dev/null".into(),
-        detach_on_exit: true,
-        services,
-        huddle: Huddle::default(),
-    }
+    huddle_user::prog_run::config(services, NAT, 4096, 1024)
 }
 
 /// An environment with three backends, all neighbours resolved.
