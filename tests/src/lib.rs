@@ -625,6 +625,106 @@ impl OpenLoop {
     }
 }
 
+/// Long-lived keep-alive connections kept busy: `threads` threads with
+/// `per_thread` connections each; every connection asks once a round, a
+/// round every `every`. A failed request is an error and retires its
+/// connection.
+pub struct HeldConnections {
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    handles: Vec<thread::JoinHandle<Vec<String>>>,
+    /// Connections opened (or refused) so far.
+    pub opened: std::sync::Arc<std::sync::atomic::AtomicU64>,
+    /// Requests answered or failed so far.
+    pub asked: std::sync::Arc<std::sync::atomic::AtomicU64>,
+    /// The slowest request so far, in microseconds.
+    pub slowest_us: std::sync::Arc<std::sync::atomic::AtomicU64>,
+}
+
+impl HeldConnections {
+    #[must_use]
+    pub fn start(
+        ns: &Netns,
+        addr: SocketAddr,
+        threads: usize,
+        per_thread: usize,
+        every: Duration,
+    ) -> HeldConnections {
+        use std::sync::{atomic::AtomicU64, Arc};
+        let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let (opened, asked, slowest_us) = (
+            Arc::new(AtomicU64::new(0)),
+            Arc::new(AtomicU64::new(0)),
+            Arc::new(AtomicU64::new(0)),
+        );
+        let handles = (0..threads)
+            .map(|_| {
+                let (stop, opened, asked, slowest, ns) = (
+                    stop.clone(),
+                    opened.clone(),
+                    asked.clone(),
+                    slowest_us.clone(),
+                    ns.name.clone(),
+                );
+                thread::spawn(move || {
+                    huddle_user::netns::enter(&ns).expect("enter client namespace");
+                    let mut errors = Vec::new();
+                    let mut conns = Vec::new();
+                    for _ in 0..per_thread {
+                        match KeepAlive::connect(addr, Duration::from_secs(5)) {
+                            Ok(c) => conns.push(c),
+                            Err(e) => errors.push(format!("connect: {e:#}")),
+                        }
+                        opened.fetch_add(1, Ordering::Relaxed);
+                    }
+                    // Bounded even if never stopped.
+                    let deadline = Instant::now() + Duration::from_secs(120);
+                    while !stop.load(Ordering::Relaxed) && Instant::now() < deadline {
+                        let round = Instant::now();
+                        conns.retain_mut(|c| {
+                            let t0 = Instant::now();
+                            let r = c.get();
+                            slowest.fetch_max(t0.elapsed().as_micros() as u64, Ordering::Relaxed);
+                            asked.fetch_add(1, Ordering::Relaxed);
+                            match r {
+                                Ok(_) => true,
+                                Err(e) => {
+                                    errors.push(format!("keep-alive request: {e:#}"));
+                                    false
+                                }
+                            }
+                        });
+                        if let Some(rest) = every.checked_sub(round.elapsed()) {
+                            thread::sleep(rest);
+                        }
+                    }
+                    errors
+                })
+            })
+            .collect();
+        HeldConnections {
+            stop,
+            handles,
+            opened,
+            asked,
+            slowest_us,
+        }
+    }
+
+    /// Waits until every connection was tried.
+    pub fn wait_opened(&self, n: u64, limit: Duration) -> Result<()> {
+        wait_until(limit, || self.opened.load(Ordering::Relaxed) >= n)
+    }
+
+    /// Stops asking; returns every error seen.
+    pub fn stop(self) -> Vec<String> {
+        self.stop.store(true, Ordering::Relaxed);
+        self.handles
+            .into_iter()
+            .flat_map(|h| h.join().expect("keep-alive thread"))
+            .collect()
+    }
+}
+
 /// Polls `f` every 50 ms until it holds or `timeout` passes.
 pub fn wait_until(timeout: Duration, mut f: impl FnMut() -> bool) -> Result<()> {
     let start = Instant::now();

@@ -8,15 +8,12 @@ use huddle_user::control::Request;
 use std::{
     net::SocketAddr,
     path::Path,
-    sync::{
-        atomic::{AtomicBool, AtomicU64, Ordering},
-        Arc,
-    },
+    sync::atomic::Ordering,
     thread,
     time::{Duration, Instant},
 };
 use testbed::{
-    backend_ip, raise_nofile, require_root, KeepAlive, OpenLoop, Testbed, HTTP_PORT, VIP,
+    backend_ip, raise_nofile, require_root, HeldConnections, OpenLoop, Testbed, HTTP_PORT, VIP,
 };
 
 const HUDDLE: &str = env!("CARGO_BIN_EXE_hc-huddle");
@@ -54,52 +51,15 @@ fn swaps_and_churn_under_2000_connections_break_nothing() {
 
     // 2,000 keep-alive connections in 20 threads, each asking about once a
     // second; a reset or a 5 s silence is a failure.
-    let stop = Arc::new(AtomicBool::new(false));
-    let asked = Arc::new(AtomicU64::new(0));
-    let ready = Arc::new(AtomicU64::new(0));
-    let mut workers = Vec::new();
-    for _ in 0..THREADS {
-        let (stop, asked, ready, ns) = (
-            stop.clone(),
-            asked.clone(),
-            ready.clone(),
-            bed.client.name.clone(),
-        );
-        workers.push(thread::spawn(move || -> Vec<String> {
-            huddle_user::netns::enter(&ns).expect("client namespace");
-            let mut errors = Vec::new();
-            let mut conns = Vec::new();
-            for _ in 0..CONNS / THREADS {
-                match KeepAlive::connect(vip, Duration::from_secs(5)) {
-                    Ok(mut c) => match c.get() {
-                        Ok(_) => conns.push(c),
-                        Err(e) => errors.push(format!("first request: {e:#}")),
-                    },
-                    Err(e) => errors.push(format!("connect: {e:#}")),
-                }
-                ready.fetch_add(1, Ordering::Relaxed);
-            }
-            let deadline = Instant::now() + Duration::from_secs(120);
-            while !stop.load(Ordering::Relaxed) && Instant::now() < deadline {
-                let round = Instant::now();
-                for c in &mut conns {
-                    if let Err(e) = c.get() {
-                        errors.push(format!("keep-alive request: {e:#}"));
-                    }
-                    asked.fetch_add(1, Ordering::Relaxed);
-                }
-                if let Some(rest) = Duration::from_secs(1).checked_sub(round.elapsed()) {
-                    thread::sleep(rest);
-                }
-            }
-            errors
-        }));
-    }
-    let t = Instant::now();
-    while ready.load(Ordering::Relaxed) < CONNS as u64 {
-        assert!(t.elapsed() < Duration::from_secs(60), "connections not up");
-        thread::sleep(Duration::from_millis(50));
-    }
+    let held = HeldConnections::start(
+        &bed.client,
+        vip,
+        THREADS,
+        CONNS / THREADS,
+        Duration::from_secs(1),
+    );
+    held.wait_opened(CONNS as u64, Duration::from_secs(60))
+        .expect("connections not up");
     let live_at_start = {
         let st = bed.status().unwrap();
         st.services[0]
@@ -149,12 +109,9 @@ fn swaps_and_churn_under_2000_connections_break_nothing() {
     let stray = st.global.get("ring_stray").copied().unwrap_or(0);
     let retries = st.global.get("ring_retry").copied().unwrap_or(0);
     thread::sleep(Duration::from_millis(1500));
-    stop.store(true, Ordering::Relaxed);
+    let asked = held.asked.clone();
+    let errors = held.stop();
     let outcomes = new_conns.stop();
-    let mut errors = Vec::new();
-    for w in workers {
-        errors.extend(w.join().expect("client thread"));
-    }
     let failed_new: Vec<&String> = outcomes
         .iter()
         .filter_map(|o| o.result.as_ref().err())

@@ -18,13 +18,13 @@ use std::{
     net::{Ipv4Addr, SocketAddr},
     path::Path,
     sync::{
-        atomic::{AtomicBool, AtomicU64, Ordering},
+        atomic::{AtomicBool, Ordering},
         Arc,
     },
     thread,
     time::{Duration, Instant},
 };
-use testbed::{backend_ip, require_root, KeepAlive, Testbed, HTTP_PORT, VIP};
+use testbed::{backend_ip, require_root, HeldConnections, Testbed, HTTP_PORT, VIP};
 
 const HUDDLE: &str = env!("CARGO_BIN_EXE_hc-huddle");
 const BACKEND: &str = env!("CARGO_BIN_EXE_hc-backend");
@@ -108,47 +108,10 @@ fn established_connections_survive_a_syn_flood() {
     bed.start_huddle(Path::new(HUDDLE), &args).expect("huddle");
     let vip: SocketAddr = (VIP, 80).into();
 
-    let stop = Arc::new(AtomicBool::new(false));
-    let asked = Arc::new(AtomicU64::new(0));
-    let slowest = Arc::new(AtomicU64::new(0));
-    let mut held = Vec::new();
-    for t in 0..4 {
-        let (stop, asked, slowest, ns) = (
-            stop.clone(),
-            asked.clone(),
-            slowest.clone(),
-            bed.client.name.clone(),
-        );
-        held.push(thread::spawn(move || -> Vec<String> {
-            huddle_user::netns::enter(&ns).expect("client namespace");
-            let mut errors = Vec::new();
-            let mut conns: Vec<KeepAlive> = (0..HELD / 4)
-                .filter_map(|_| match KeepAlive::connect(vip, Duration::from_secs(5)) {
-                    Ok(c) => Some(c),
-                    Err(e) => {
-                        errors.push(format!("thread {t} connect: {e:#}"));
-                        None
-                    }
-                })
-                .collect();
-            let deadline = Instant::now() + FLOOD * 3;
-            while !stop.load(Ordering::Relaxed) && Instant::now() < deadline {
-                for c in &mut conns {
-                    let t0 = Instant::now();
-                    if let Err(e) = c.get() {
-                        errors.push(format!("request: {e:#}"));
-                    }
-                    slowest.fetch_max(t0.elapsed().as_micros() as u64, Ordering::Relaxed);
-                    asked.fetch_add(1, Ordering::Relaxed);
-                }
-                thread::sleep(Duration::from_millis(50));
-            }
-            errors
-        }));
-    }
+    let held = HeldConnections::start(&bed.client, vip, 4, HELD / 4, Duration::from_millis(50));
     thread::sleep(Duration::from_secs(1));
     let before = bed.status().unwrap();
-    let asked_before = asked.load(Ordering::Relaxed);
+    let asked_before = held.asked.load(Ordering::Relaxed);
     let flood_stop = Arc::new(AtomicBool::new(false));
     let (fs, ns) = (flood_stop.clone(), bed.client.name.clone());
     let started = Instant::now();
@@ -161,13 +124,10 @@ fn established_connections_survive_a_syn_flood() {
     flood_stop.store(true, Ordering::Relaxed);
     let sent = gen.join().expect("flood thread");
     let took = started.elapsed();
-    let during = asked.load(Ordering::Relaxed) - asked_before;
+    let during = held.asked.load(Ordering::Relaxed) - asked_before;
     thread::sleep(Duration::from_millis(500));
-    stop.store(true, Ordering::Relaxed);
-    let mut errors = Vec::new();
-    for h in held {
-        errors.extend(h.join().expect("client thread"));
-    }
+    let slowest = held.slowest_us.clone();
+    let errors = held.stop();
     let st = bed.status().unwrap();
     let c = |s: &huddle_user::status::Status, k: &str| {
         s.services[0].counters.get(k).copied().unwrap_or(0)

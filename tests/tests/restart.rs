@@ -5,15 +5,12 @@
 use std::{
     net::SocketAddr,
     path::Path,
-    sync::{
-        atomic::{AtomicBool, AtomicU64, Ordering},
-        Arc,
-    },
+    sync::atomic::Ordering,
     thread,
     time::{Duration, Instant},
 };
 use testbed::{
-    backend_ip, require_root, xdp_attached, KeepAlive, OpenLoop, Testbed, HTTP_PORT, VIP,
+    backend_ip, require_root, xdp_attached, HeldConnections, OpenLoop, Testbed, HTTP_PORT, VIP,
 };
 
 const HUDDLE: &str = env!("CARGO_BIN_EXE_hc-huddle");
@@ -72,25 +69,7 @@ fn sigkill_restarts_lose_no_request_and_reset_no_connection() {
     let vip: SocketAddr = (VIP, 80).into();
     let load = OpenLoop::start(&bed.client, vip, 200.0, Duration::from_secs(3));
     // Long-lived keep-alive connections, each asking every 20 ms.
-    let stop = Arc::new(AtomicBool::new(false));
-    let asked = Arc::new(AtomicU64::new(0));
-    let mut held = Vec::new();
-    for _ in 0..KEEPALIVE {
-        let (stop, asked, ns) = (stop.clone(), asked.clone(), bed.client.name.clone());
-        held.push(thread::spawn(move || -> Result<(), String> {
-            huddle_user::netns::enter(&ns).map_err(|e| e.to_string())?;
-            let mut c =
-                KeepAlive::connect(vip, Duration::from_secs(3)).map_err(|e| format!("{e:#}"))?;
-            let deadline = Instant::now() + Duration::from_secs(120);
-            while !stop.load(Ordering::Relaxed) && Instant::now() < deadline {
-                c.get()
-                    .map_err(|e| format!("keep-alive request failed: {e:#}"))?;
-                asked.fetch_add(1, Ordering::Relaxed);
-                thread::sleep(Duration::from_millis(20));
-            }
-            Ok(())
-        }));
-    }
+    let held = HeldConnections::start(&bed.client, vip, KEEPALIVE, 1, Duration::from_millis(20));
     thread::sleep(Duration::from_secs(1));
 
     // One backend slow and resting, so the state file has something to
@@ -133,14 +112,9 @@ fn sigkill_restarts_lose_no_request_and_reset_no_connection() {
         assert_eq!(st.xdp_mode, "adopted", "kill {k}");
     }
     thread::sleep(Duration::from_millis(500));
-    stop.store(true, Ordering::Relaxed);
+    let asked = held.asked.clone();
+    let reset = held.stop();
     let outcomes = load.stop();
-    let mut reset = Vec::new();
-    for h in held {
-        if let Err(e) = h.join().expect("keep-alive thread") {
-            reset.push(e);
-        }
-    }
     let failed: Vec<String> = outcomes
         .iter()
         .filter_map(|o| {
