@@ -284,15 +284,20 @@ impl Testbed {
             self.procs.push(p);
         }
         for i in 0..self.backends.len() {
-            let addr = SocketAddr::from((backend_ip(i), HTTP_PORT));
-            wait_until(Duration::from_secs(10), || {
-                in_ns(&self.backends[i], move || {
-                    http_get(addr, Duration::from_millis(300)).is_ok()
-                })
-            })
-            .with_context(|| format!("backend b{i} did not start"))?;
+            self.wait_backend(i)
+                .with_context(|| format!("backend b{i} did not start"))?;
         }
         Ok(())
+    }
+
+    /// Waits up to 10 s until backend `i` answers HTTP.
+    fn wait_backend(&self, i: usize) -> Result<()> {
+        let addr = SocketAddr::from((backend_ip(i), HTTP_PORT));
+        wait_until(Duration::from_secs(10), || {
+            in_ns(&self.backends[i], move || {
+                http_get(addr, Duration::from_millis(500)).is_ok()
+            })
+        })
     }
 
     fn spawn_backend(&self, i: usize) -> Result<Proc> {
@@ -320,14 +325,8 @@ impl Testbed {
             let _ = self.procs[i].child.wait();
             self.procs[i] = self.spawn_backend(i)?;
         }
-        let addr = SocketAddr::from((backend_ip(i), HTTP_PORT));
-        wait_until(Duration::from_secs(10), || {
-            in_ns(&self.backends[i], move || {
-                http_get(addr, Duration::from_millis(500)).is_ok()
-            })
-        })
-        .with_context(|| format!("backend b{i} did not come back"))?;
-        Ok(())
+        self.wait_backend(i)
+            .with_context(|| format!("backend b{i} did not come back"))
     }
 
     /// Makes the VIP an address of the balancer host (for proxies, which
