@@ -57,7 +57,9 @@ impl FromStr for Proto {
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize, clap::ValueEnum)]
 #[serde(rename_all = "lowercase")]
 pub enum XdpMode {
-    /// Native (driver) mode, falling back to generic mode with a warning.
+    /// Native (driver) mode, falling back to generic mode with a warning;
+    /// generic on a veth whose peer runs no XDP program (native XDP_TX
+    /// frames are lost there).
     #[default]
     Auto,
     /// Native (driver) mode only.

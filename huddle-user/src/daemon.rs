@@ -53,7 +53,29 @@ pub struct Balancer {
     pub sysctl_originals: Vec<(PathBuf, String)>,
     /// Re-reads the configuration (file and flags) for a reload.
     pub reloader: Option<Reloader>,
+    /// Things about the data plane an operator must know (shown by
+    /// `huddle status`): how it was attached and why, pins that do not
+    /// outlive the daemon, a mode that forwards nothing.
+    pub notes: Vec<String>,
+    /// Start-up check that transmitted frames get answers.
+    watch: Option<TxWatch>,
 }
+
+/// Frames sent and answers translated at the first tick, to tell an
+/// attach mode that loses what it transmits (XDP_TX counted, nothing ever
+/// answered) in the first seconds.
+#[derive(Clone, Copy)]
+struct TxWatch {
+    sent: u64,
+    answered: u64,
+    /// Answered, or already reported: nothing more to watch.
+    done: bool,
+}
+
+/// How long after start the daemon checks that sent frames are answered.
+const TX_WATCH: Duration = Duration::from_secs(5);
+/// Frames that must go out unanswered before it says so.
+const TX_WATCH_MIN_SENT: u64 = 20;
 
 /// Produces a fresh, validated configuration.
 pub type Reloader = Arc<dyn Fn() -> Result<Config> + Send + Sync>;
@@ -83,6 +105,8 @@ impl Balancer {
             remove_on_exit: false,
             sysctl_originals: Vec::new(),
             reloader: None,
+            notes: Vec::new(),
+            watch: None,
         };
         if let Some(saved) = saved {
             b.restore(saved);
@@ -337,6 +361,52 @@ impl Balancer {
         if rotated {
             self.save_state();
         }
+        if now < TX_WATCH + self.cfg.huddle.tick {
+            self.watch_tx(now);
+        }
+    }
+
+    /// In the first seconds: frames sent toward backends while not one
+    /// answer came back means every backend is down or the attach mode
+    /// loses transmitted frames; either way the operator must hear it.
+    fn watch_tx(&mut self, now: Duration) {
+        let read = || -> Result<TxWatch> {
+            let g = self.dp.global_stats()?;
+            let mut answered = 0;
+            for slot in &self.dp.services {
+                for id in &slot.backend_ids {
+                    answered += self.dp.backend_stats(*id)?.pkts_from;
+                }
+            }
+            Ok(TxWatch {
+                sent: g.tx + g.redirect,
+                answered,
+                done: false,
+            })
+        };
+        if self.watch.is_some_and(|w| w.done) {
+            return;
+        }
+        let Ok(cur) = read() else { return };
+        let Some(first) = self.watch else {
+            self.watch = Some(cur);
+            return;
+        };
+        let sent = cur.sent.wrapping_sub(first.sent);
+        if cur.answered != first.answered {
+            self.watch = Some(TxWatch { done: true, ..cur });
+            return;
+        }
+        if sent >= TX_WATCH_MIN_SENT && now >= TX_WATCH {
+            let mode = self.dp.mode.map_or("detached", |m| m.as_str());
+            let note = format!(
+                "forwarding nothing: {sent} frames sent toward backends in the first {}s in {mode} mode and not one answer came back; either every backend is down, or this mode loses what it transmits (on a veth, native XDP_TX needs an XDP program on the peer and senders that compute checksums: try --xdp-mode generic)",
+                TX_WATCH.as_secs()
+            );
+            warn!("{note}");
+            self.notes.push(note);
+            self.watch = Some(TxWatch { done: true, ..cur });
+        }
     }
 
     /// Flags backends that left for being unhealthy so the kernel moves
@@ -482,6 +552,13 @@ impl Balancer {
             tick_ms: self.cfg.huddle.tick.as_secs_f64() * 1e3,
             services,
             global: counters(&self.dp.global_stats()?),
+            notes: self
+                .dp
+                .mode_note
+                .iter()
+                .chain(&self.notes)
+                .cloned()
+                .collect(),
         })
     }
 
@@ -638,7 +715,12 @@ pub async fn run(cfg: Config, reloader: Option<Reloader>) -> Result<()> {
         .pin_dir
         .clone()
         .unwrap_or_else(|| host::default_pin_dir(&cfg.interface));
-    host::ensure_bpffs(&pins)?;
+    let place = host::pin_place(&pins)?;
+    if let Some(n) = place.note.as_ref().filter(|_| place.survives) {
+        info!("{n}");
+    }
+    let shown = pins.clone();
+    let pins = place.dir.clone();
     let saved = state::load(&cfg.state_file);
     // A start that fails must leave nothing behind: pins it created go.
     let existed = pins.join(huddle_common::maps::FLOWS).exists();
@@ -670,7 +752,7 @@ pub async fn run(cfg: Config, reloader: Option<Reloader>) -> Result<()> {
         info!(
             "took over the running data plane on {} (pinned under {}): flows, NAT entries and counters carry on",
             cfg.interface,
-            pins.display()
+            shown.display()
         );
     }
     info!(
@@ -679,9 +761,12 @@ pub async fn run(cfg: Config, reloader: Option<Reloader>) -> Result<()> {
         mode.as_str(),
         cfg.nat_ports,
         cfg.control_socket.display(),
-        pins.display()
+        shown.display()
     );
     let mut balancer = balancer;
+    if let Some(n) = place.note.clone().filter(|_| !place.survives) {
+        balancer.notes.push(n);
+    }
     balancer.sysctl_originals = sysctls.saved.clone();
     balancer.reloader = reloader;
     balancer.save_state();
@@ -760,20 +845,26 @@ pub async fn run(cfg: Config, reloader: Option<Reloader>) -> Result<()> {
         let _ = t.await;
     }
     let remove = cfg.detach_on_exit || lock(&shared).remove_on_exit;
-    if !remove {
+    if !remove && place.survives {
         lock(&shared).save_state();
         sysctls.keep();
         info!(
             "exiting; the data plane keeps running on {} (pinned under {}); `huddle run` again takes it over, `huddle stop --iface {}` removes it",
             cfg.interface,
-            pins.display(),
+            shown.display(),
             cfg.interface
         );
         return Ok(());
     }
+    if !remove {
+        info!(
+            "exiting; the pins die with this process's mount namespace, so the data plane on {} goes with it",
+            cfg.interface
+        );
+    }
     // Unpin first, then close our descriptors: the link goes with the last.
     match dataplane::unpin(&pins) {
-        Ok(n) => info!("removed {n} pinned objects under {}", pins.display()),
+        Ok(n) => info!("removed {n} pinned objects under {}", shown.display()),
         Err(e) => warn!("{e:#}"),
     }
     match Arc::try_unwrap(shared) {
@@ -816,7 +907,7 @@ pub fn stop(socket: &Path, pins: &Path, state_file: &Path) -> Result<String> {
         return Ok(reply.message.unwrap_or_default());
     }
     let saved = state::load(state_file);
-    let n = dataplane::unpin(pins)?;
+    let n = dataplane::unpin(&host::host_pin_dir(pins).unwrap_or_else(|| pins.to_path_buf()))?;
     let mut restored = false;
     if let Some(s) = &saved {
         // The sysctls are per namespace: restore only in the daemon's own.

@@ -99,6 +99,8 @@ pub struct Dataplane {
     /// The maps were left by an earlier run and taken over.
     pub adopted: bool,
     pub mode: Option<AttachedMode>,
+    /// Why `auto` chose the mode it did, when that needs saying.
+    pub mode_note: Option<String>,
     pub snat: Ipv4Addr,
     pub nat_ports: PortRange,
     services_map: HashMap<MapData, ServiceKey, ServiceValue>,
@@ -211,6 +213,7 @@ impl Dataplane {
             pins: pins.map(Path::to_path_buf),
             adopted,
             mode: None,
+            mode_note: None,
             snat,
             nat_ports: cfg.nat_ports,
             services: Vec::new(),
@@ -377,6 +380,9 @@ impl Dataplane {
                 }
             }
         }
+        let auto_reason = (mode == XdpMode::Auto)
+            .then(|| auto_generic_reason(ifindex))
+            .flatten();
         let prog: &mut Xdp = self
             .ebpf
             .program_mut(PROGRAM_NAME)
@@ -393,19 +399,29 @@ impl Dataplane {
                     .context("attaching in native mode (try --xdp-mode generic)")?,
                 AttachedMode::Native,
             ),
-            XdpMode::Auto => {
-                match prog.attach_to_if_index(ifindex, aya::programs::xdp::XdpMode::Driver) {
-                    Ok(link) => (link, AttachedMode::Native),
-                    Err(e) => {
-                        warn!("native XDP refused ({e}); falling back to generic mode, which is slower");
-                        (
-                            prog.attach_to_if_index(ifindex, aya::programs::xdp::XdpMode::Skb)
-                                .context("attaching in generic mode")?,
-                            AttachedMode::Generic,
-                        )
+            XdpMode::Auto => match &auto_reason {
+                Some(why) => {
+                    info!("{why}");
+                    (
+                        prog.attach_to_if_index(ifindex, aya::programs::xdp::XdpMode::Skb)
+                            .context("attaching in generic mode")?,
+                        AttachedMode::Generic,
+                    )
+                }
+                None => {
+                    match prog.attach_to_if_index(ifindex, aya::programs::xdp::XdpMode::Driver) {
+                        Ok(link) => (link, AttachedMode::Native),
+                        Err(e) => {
+                            warn!("native XDP refused ({e}); falling back to generic mode, which is slower");
+                            (
+                                prog.attach_to_if_index(ifindex, aya::programs::xdp::XdpMode::Skb)
+                                    .context("attaching in generic mode")?,
+                                AttachedMode::Generic,
+                            )
+                        }
                     }
                 }
-            }
+            },
         };
         if let Some(pin) = link_pin {
             let owned = prog.take_link(link).context("taking the XDP link")?;
@@ -422,6 +438,7 @@ impl Dataplane {
             self.link = Some(link);
         }
         self.mode = Some(mode);
+        self.mode_note = auto_reason;
         Ok(mode)
     }
 
@@ -554,6 +571,34 @@ impl Dataplane {
     pub fn program_id(&self) -> Option<u32> {
         let prog: &Xdp = self.ebpf.program(PROGRAM_NAME)?.try_into().ok()?;
         prog.info().ok().map(|i| i.id())
+    }
+}
+
+/// Why `auto` mode must not attach natively to `ifindex`, if it must not:
+/// a veth whose peer runs no XDP program drops every frame sent back with
+/// XDP_TX (the kernel counts it and moves on), so native mode forwards
+/// nothing there. Generic mode works on any veth.
+fn auto_generic_reason(ifindex: u32) -> Option<String> {
+    match crate::link::veth_peer_xdp(ifindex) {
+        Ok(Some(Some(true))) => {
+            info!(
+                "the interface is a veth whose peer runs an XDP program: native mode (senders must compute their own checksums, e.g. `ethtool -K IFACE tx off`, or rewritten frames arrive with bad checksums)"
+            );
+            None
+        }
+        Ok(Some(peer)) => Some(format!(
+            "xdp mode auto: generic, because the interface is a veth whose peer {}, and native XDP_TX on a veth is lost unless the peer runs one; for native mode attach an XDP program to the peer, have senders compute checksums (`ethtool -K IFACE tx off`), and pass --xdp-mode native",
+            if peer.is_none() {
+                "cannot be checked for an XDP program"
+            } else {
+                "runs no XDP program"
+            }
+        )),
+        Ok(None) => None,
+        Err(e) => {
+            warn!("cannot tell what kind of link this is ({e:#}); trying native mode");
+            None
+        }
     }
 }
 

@@ -11,6 +11,7 @@ pub mod dataplane;
 pub mod host;
 pub mod http;
 pub mod huddle;
+pub mod link;
 pub mod logs;
 pub mod metrics;
 pub mod netns;

@@ -29,6 +29,10 @@ pub struct Status {
     pub tick_ms: f64,
     pub services: Vec<ServiceStatus>,
     pub global: Counters,
+    /// What the operator must know about the data plane: why this attach
+    /// mode, pins that do not outlive the daemon, a mode forwarding nothing.
+    #[serde(default)]
+    pub notes: Vec<String>,
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -112,6 +116,9 @@ impl Status {
             self.uptime_s,
             self.tick_ms
         );
+        for n in &self.notes {
+            let _ = writeln!(out, "note: {n}");
+        }
         for s in &self.services {
             let _ = writeln!(
                 out,

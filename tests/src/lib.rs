@@ -196,13 +196,28 @@ pub struct Testbed {
     backend_extra: Vec<String>,
     /// Folder for sockets and logs of this testbed.
     pub dir: PathBuf,
+    /// Start the balancer with `ip netns exec` (a fresh /sys without the
+    /// host's bpffs, as a user would) instead of a namespace switch only.
+    pub ip_netns_exec: bool,
     // Dropped last: the bridge the others hang off.
     pub switch: Netns,
 }
 
 impl Testbed {
-    /// Builds the namespaces and links; starts nothing.
+    /// Builds the namespaces and links; starts nothing. The balancer's
+    /// peer runs an XDP program and hosts compute their own checksums, so
+    /// native XDP works on its veth.
     pub fn new(tag: &str, n_backends: usize) -> Result<Testbed> {
+        Testbed::build(tag, n_backends, true)
+    }
+
+    /// As `new`, but as anyone's first testbed: plain veth pairs with
+    /// default offloads and nothing attached to the balancer's peer.
+    pub fn plain(tag: &str, n_backends: usize) -> Result<Testbed> {
+        Testbed::build(tag, n_backends, false)
+    }
+
+    fn build(tag: &str, n_backends: usize, tuned: bool) -> Result<Testbed> {
         sweep_stale();
         let prefix = unique(tag);
         let switch = Netns::create(&format!("{prefix}-sw"))?;
@@ -222,15 +237,31 @@ impl Testbed {
             backend_bin: PathBuf::new(),
             backend_extra: Vec::new(),
             dir,
+            ip_netns_exec: false,
             switch,
         };
-        bed.attach("pl", &bed.lb, LB_IP)?;
+        bed.attach("pl", &bed.lb, LB_IP, tuned)?;
+        if tuned {
+            bed.peer_xdp()?;
+        }
+        bed.attach("pc", &bed.client, CLIENT_IP, tuned)?;
+        bed.client
+            .ip(&["route", "add", "10.213.100.0/24", "via", &LB_IP.to_string()])?;
+        for i in 0..n_backends {
+            let ns = Netns::create(&format!("{prefix}-b{i}"))?;
+            bed.attach(&format!("pb{i}"), &ns, backend_ip(i), tuned)?;
+            bed.backends.push(ns);
+        }
+        Ok(bed)
+    }
+
+    fn peer_xdp(&self) -> Result<()> {
         // A frame sent with XDP_TX from a veth is only taken by a peer that
         // runs XDP itself (with only GRO on the peer, this kernel accepted
         // the frames and then lost them): give the peer an XDP_PASS program.
-        let obj = bed.dir.join("baseline.o");
+        let obj = self.dir.join("baseline.o");
         std::fs::write(&obj, huddle_user::object::BASELINE)?;
-        bed.switch.ip(&[
+        self.switch.ip(&[
             "link",
             "set",
             "dev",
@@ -240,19 +271,10 @@ impl Testbed {
             &obj.display().to_string(),
             "sec",
             "xdp",
-        ])?;
-        bed.attach("pc", &bed.client, CLIENT_IP)?;
-        bed.client
-            .ip(&["route", "add", "10.213.100.0/24", "via", &LB_IP.to_string()])?;
-        for i in 0..n_backends {
-            let ns = Netns::create(&format!("{prefix}-b{i}"))?;
-            bed.attach(&format!("pb{i}"), &ns, backend_ip(i))?;
-            bed.backends.push(ns);
-        }
-        Ok(bed)
+        ])
     }
 
-    fn attach(&self, port: &str, ns: &Netns, ip: Ipv4Addr) -> Result<()> {
+    fn attach(&self, port: &str, ns: &Netns, ip: Ipv4Addr, tuned: bool) -> Result<()> {
         self.switch.ip(&[
             "link", "add", port, "type", "veth", "peer", "name", "eth0", "netns", &ns.name,
         ])?;
@@ -265,7 +287,9 @@ impl Testbed {
         // state on the way to its peer and arrives with a bad checksum, so
         // hosts whose traffic crosses the balancer compute checksums in
         // software, as a NIC on a wire would have.
-        ns.exec("ethtool", &["-K", "eth0", "tx", "off"])?;
+        if tuned {
+            ns.exec("ethtool", &["-K", "eth0", "tx", "off"])?;
+        }
         Ok(())
     }
 
@@ -450,8 +474,14 @@ impl Testbed {
             .create(true)
             .append(true)
             .open(&log)?;
-        // Not `ip netns exec`: the daemon must see the host's bpffs.
-        let mut cmd = huddle_user::netns::command_in(&self.lb.name, &self.huddle_bin)?;
+        let mut cmd = if self.ip_netns_exec {
+            let mut c = Command::new("ip");
+            c.args(["netns", "exec", &self.lb.name])
+                .arg(&self.huddle_bin);
+            c
+        } else {
+            huddle_user::netns::command_in(&self.lb.name, &self.huddle_bin)?
+        };
         cmd.args(&args)
             .stdin(Stdio::null())
             .stdout(file.try_clone()?)

@@ -463,3 +463,105 @@ fn bad_invocations_fail_with_one_line_and_attach_nothing() {
     .unwrap();
     assert!(!ok && err.contains("needs root"), "{err}");
 }
+
+/// Anyone's first try: `ip netns exec NS huddle run` with default flags on
+/// plain veth pairs (nothing on the peer, checksum offload on). Native
+/// XDP_TX would lose every frame there; `auto` must pick generic mode and
+/// say why.
+#[test]
+fn default_flags_on_a_plain_veth_forward_every_request() {
+    require_root();
+    let mut bed = Testbed::plain("plain", 3).expect("build testbed");
+    bed.ip_netns_exec = true;
+    bed.start_backends(Path::new(BACKEND))
+        .expect("start backends");
+    let mut args: Vec<String> = vec!["--vip".into(), format!("{VIP}:80")];
+    for i in 0..3 {
+        args.push("--backend".into());
+        args.push(format!("{}:{HTTP_PORT}", backend_ip(i)));
+    }
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    bed.start_huddle(Path::new(HUDDLE), &args)
+        .expect("start huddle");
+    let vip: SocketAddr = (VIP, 80).into();
+    let (ok, failures) = in_ns(&bed.client, move || {
+        let mut ok = 0;
+        let mut failures = Vec::new();
+        for i in 0..300 {
+            match http_get(vip, TIMEOUT) {
+                Ok(_) => ok += 1,
+                Err(e) => failures.push(format!("request {i}: {e:#}")),
+            }
+            if failures.len() >= 5 {
+                break;
+            }
+        }
+        (ok, failures)
+    });
+    let st = bed.status().expect("status");
+    println!(
+        "plain veth, default flags: {ok} of 300 answered, mode {}, notes {:?}",
+        st.xdp_mode, st.notes
+    );
+    assert!(
+        failures.is_empty(),
+        "failed requests: {failures:?}\n{}",
+        bed.huddle_log()
+    );
+    assert_eq!(st.xdp_mode, "generic");
+    let log = bed.huddle_log();
+    assert!(
+        log.contains("xdp mode auto: generic, because the interface is a veth whose peer runs no XDP program"),
+        "the log must say which mode and why:\n{log}"
+    );
+    assert!(
+        st.notes.iter().any(|n| n.contains("generic")),
+        "status must say it too: {:?}",
+        st.notes
+    );
+}
+
+/// Native mode insisted on where it cannot work: the daemon must notice in
+/// the first seconds that nothing it sends is answered, and say so.
+#[test]
+fn a_mode_that_forwards_nothing_is_reported() {
+    require_root();
+    let mut bed = Testbed::plain("blackhole", 2).expect("build testbed");
+    bed.start_backends(Path::new(BACKEND))
+        .expect("start backends");
+    let args: Vec<String> = vec![
+        "--vip".into(),
+        format!("{VIP}:80"),
+        "--backend".into(),
+        format!("{}:{HTTP_PORT}", backend_ip(0)),
+        "--backend".into(),
+        format!("{}:{HTTP_PORT}", backend_ip(1)),
+        "--xdp-mode".into(),
+        "native".into(),
+    ];
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    bed.start_huddle(Path::new(HUDDLE), &args)
+        .expect("start huddle");
+    let vip: SocketAddr = (VIP, 80).into();
+    let failed = in_ns(&bed.client, move || {
+        let mut failed = 0;
+        for _ in 0..70 {
+            if http_get(vip, Duration::from_millis(100)).is_err() {
+                failed += 1;
+            }
+        }
+        failed
+    });
+    let st = bed.status().expect("status");
+    println!(
+        "native on a plain veth: {failed} of 70 failed; notes {:?}",
+        st.notes
+    );
+    assert!(
+        st.notes.iter().any(|n| n.contains("forwarding nothing")),
+        "no note in the status: {:?}\n{}",
+        st.notes,
+        bed.huddle_log()
+    );
+    assert!(bed.huddle_log().contains("forwarding nothing"));
+}

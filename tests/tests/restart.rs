@@ -149,3 +149,59 @@ fn sigkill_restarts_lose_no_request_and_reset_no_connection() {
         "{log}"
     );
 }
+
+/// As a user starts it: `ip netns exec` gives every run a fresh /sys, so
+/// the pins must go to the host's bpffs or they die with the daemon. A
+/// SIGKILL and a restart the same way, under keep-alive load, break no
+/// connection.
+#[test]
+fn ip_netns_exec_restart_keeps_every_connection() {
+    require_root();
+    let mut bed = Testbed::plain("nsexec", 2).expect("testbed");
+    bed.ip_netns_exec = true;
+    bed.start_backends(Path::new(BACKEND)).expect("backends");
+    let args: Vec<String> = vec![
+        "--vip".into(),
+        format!("{VIP}:80"),
+        "--backend".into(),
+        format!("{}:{HTTP_PORT}", backend_ip(0)),
+        "--backend".into(),
+        format!("{}:{HTTP_PORT}", backend_ip(1)),
+    ];
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    bed.start_huddle(Path::new(HUDDLE), &args).expect("huddle");
+    let vip: SocketAddr = (VIP, 80).into();
+    let held = HeldConnections::start(&bed.client, vip, KEEPALIVE, 1, Duration::from_millis(20));
+    held.wait_opened(KEEPALIVE as u64, Duration::from_secs(10))
+        .expect("connections open");
+    thread::sleep(Duration::from_millis(500));
+    bed.kill_huddle(libc::SIGKILL);
+    thread::sleep(Duration::from_millis(100));
+    let attached = xdp_attached(&bed.lb);
+    thread::sleep(Duration::from_millis(400));
+    bed.restart_huddle()
+        .unwrap_or_else(|e| panic!("restart: {e:#}\n{}", bed.huddle_log()));
+    thread::sleep(Duration::from_millis(1000));
+    let asked = held.asked.load(Ordering::Relaxed);
+    let broken = held.stop();
+    let st = bed.status().expect("status");
+    println!(
+        "ip netns exec, SIGKILL and restart: XDP attached while down {attached}; {KEEPALIVE} keep-alive connections made {asked} requests, {} broke; mode after restart {}",
+        broken.len(),
+        st.xdp_mode
+    );
+    assert!(
+        attached,
+        "the program left with the daemon\n{}",
+        bed.huddle_log()
+    );
+    assert!(
+        broken.is_empty(),
+        "connections broke: {broken:?}\n{}",
+        bed.huddle_log()
+    );
+    assert_eq!(st.xdp_mode, "adopted");
+    let log = bed.huddle_log();
+    assert!(log.contains("pinning into the host's bpffs"), "{log}");
+    assert!(log.contains("took over the running data plane"), "{log}");
+}
