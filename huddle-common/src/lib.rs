@@ -3,7 +3,10 @@
 //! Every map name, size and on-map layout lives here, once. All types are
 //! `#[repr(C)]`, `Copy`, made of fixed-width integers with explicit padding
 //! (no `bool`, enum or `Option`), so the kernel and user space agree byte for
-//! byte. Sizes are asserted at compile time.
+//! byte. Sizes are asserted at compile time. Keys and values the packet path
+//! builds on its stack are 8-byte aligned: the BPF backend then fills and
+//! copies them with word stores instead of calls to byte-wise memset and
+//! memmove.
 //!
 //! Addresses are always 16 bytes with a family tag, so IPv6 services fit
 //! later without a new layout; an IPv4 address sits in the first 4 bytes in
@@ -18,7 +21,8 @@ pub use stats::{BackendStats, Counters, GlobalStats, ServiceStats};
 
 /// Map names, as the XDP program declares them (the static's identifier).
 pub mod maps {
-    /// `HashMap<ServiceKey, ServiceValue>`: which VIP:port/proto is balanced.
+    /// `HashMap<ServiceKey, ServiceValue>`: the addresses the program
+    /// answers for: each VIP:port/proto balanced, and each SNAT address.
     pub const SERVICES: &str = "SERVICES";
     /// `Array<Backend>` indexed by backend id.
     pub const BACKENDS: &str = "BACKENDS";
@@ -46,17 +50,22 @@ pub mod maps {
     /// `Array<Pulse>` indexed by backend id: since when the backend owes an
     /// answer (shared by all CPUs).
     pub const PULSE: &str = "PULSE";
-    /// `LruHashMap<FlowKey, FlowValue>`: TCP flows whose handshake is not
-    /// complete. Kept apart so a SYN flood never evicts an established flow.
+    /// `Array<HalfOpen>`: TCP flows whose handshake is not complete, one
+    /// slot per hash of the client tuple. Kept apart so a SYN flood never
+    /// evicts an established flow.
     pub const HALF_OPEN: &str = "HALF_OPEN";
-    /// `LruHashMap<NatKey, NatValue>`: NAT entries of half-open flows.
+    /// `Array<HalfOpenNat>`: the NAT side of half-open flows, one slot per
+    /// hash of the NAT tuple.
     pub const HALF_OPEN_NAT: &str = "HALF_OPEN_NAT";
     /// `PerCpuArray<NextHop>` indexed by backend id: the FIB's answer for
-    /// it, reused for `NEXT_HOP_TTL_NS`.
+    /// it, reused while `Config::hop_generation` is unchanged.
     pub const NEXT_HOP: &str = "NEXT_HOP";
+    /// `PerCpuArray<NatCursor>` indexed by backend id: where this CPU's
+    /// walk over its slice of NAT tuples toward the backend stands.
+    pub const NAT_CURSOR: &str = "NAT_CURSOR";
 
     /// Every map the control plane opens, for checks against the object.
-    pub const ALL: [&str; 16] = [
+    pub const ALL: [&str; 17] = [
         SERVICES,
         BACKENDS,
         RINGS,
@@ -73,6 +82,7 @@ pub mod maps {
         HALF_OPEN,
         HALF_OPEN_NAT,
         NEXT_HOP,
+        NAT_CURSOR,
     ];
 }
 
@@ -87,13 +97,23 @@ pub const MAX_BACKENDS: u32 = 1024;
 pub const RING_CAPACITY: usize = 256;
 /// Flow table entries unless configured otherwise.
 pub const DEFAULT_FLOW_TABLE_SIZE: u32 = 131_072;
-/// Half-open table entries unless configured otherwise.
+/// Half-open table slots unless configured otherwise (a power of two).
 pub const DEFAULT_HALF_OPEN_SIZE: u32 = 65_536;
 /// A closing flow keeps its NAT port this long, so its last segments
 /// (final ACKs, retransmitted FINs) are still translated to it.
 pub const NAT_LINGER_NS: u64 = 2_000_000_000;
 /// Tries to find a free NAT port before a new flow is refused.
 pub const NAT_PORT_TRIES: u32 = 8;
+/// How long a backend keeps a closed connection's 4-tuple in TIME_WAIT
+/// (Linux: 60 s). A NAT tuple handed out again sooner may meet it.
+pub const TIME_WAIT_NS: u64 = 60_000_000_000;
+/// SNAT addresses one balancer can use (a power of two: the program masks
+/// indexes with it).
+pub const MAX_SNAT: usize = 16;
+const _: () = assert!(MAX_SNAT.is_power_of_two());
+/// CPUs whose NAT port slices the program tells apart; a CPU id at or
+/// above the configured count shares the slice of its id modulo it.
+pub const MAX_NAT_SLICES: u16 = 1024;
 /// Ring slot of `service` for generation `generation` (double buffer).
 #[inline(always)]
 #[must_use]
@@ -147,27 +167,37 @@ pub const fn addr_v4(octets: [u8; 4]) -> Addr {
     a
 }
 
-/// Key of `SERVICES`: a VIP, its port (network order) and protocol.
-#[repr(C)]
+/// Key of `SERVICES`: an IPv4 address the program answers for. For a VIP
+/// the port (network order) and protocol of the service; for a SNAT
+/// address port and protocol are 0 and `kind` is `SERVICE_KIND_SNAT`.
+/// Every packet is looked up here first (8 bytes hash fast), so traffic
+/// that is not ours costs one small lookup.
+#[repr(C, align(8))]
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct ServiceKey {
-    pub addr: Addr,
+    pub addr: [u8; 4],
     pub port_be: u16,
     pub proto: u8,
-    pub family: u8,
+    pub kind: u8,
 }
+
+/// `ServiceKey::kind` of a balanced VIP:port/proto.
+pub const SERVICE_KIND_VIP: u8 = 0;
+/// `ServiceKey::kind` of a SNAT address (replies from backends come to it).
+pub const SERVICE_KIND_SNAT: u8 = 1;
 
 /// Value of `SERVICES`.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct ServiceValue {
-    /// Index into `RING_GEN`, `RR_CURSOR` and `SERVICE_STATS`.
+    /// A VIP: index into `RING_GEN`, `RR_CURSOR` and `SERVICE_STATS`. A
+    /// SNAT address: its index in `Config::snat_addrs`.
     pub id: u32,
     pub flags: u32,
 }
 
 /// A backend, indexed by its id in `BACKENDS`.
-#[repr(C)]
+#[repr(C, align(8))]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Backend {
     pub addr: Addr,
@@ -213,7 +243,7 @@ impl Ring {
 }
 
 /// Key of `FLOWS`: the client's side of a flow.
-#[repr(C)]
+#[repr(C, align(8))]
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct FlowKey {
     pub client: Addr,
@@ -235,7 +265,8 @@ pub struct FlowValue {
     pub nat_port_be: u16,
     /// `flow_flags` bits.
     pub flags: u8,
-    pub _pad: u8,
+    /// Index of the flow's SNAT address in `Config::snat_addrs`.
+    pub snat: u8,
     /// Sequence number of the backend's SYN-ACK (half-open flows).
     pub synack_seq: u32,
     /// `bpf_ktime_get_ns()` when the flow was created, then when it started
@@ -246,7 +277,7 @@ pub struct FlowValue {
 }
 
 /// Key of `NAT`: a reply as the backend sends it.
-#[repr(C)]
+#[repr(C, align(8))]
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct NatKey {
     pub backend: Addr,
@@ -260,7 +291,7 @@ pub struct NatKey {
 }
 
 /// Value of `NAT`: the client flow a reply belongs to.
-#[repr(C)]
+#[repr(C, align(8))]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct NatValue {
     pub flow: FlowKey,
@@ -272,20 +303,137 @@ pub struct NatValue {
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Config {
-    /// Source address of translated packets toward backends.
-    pub snat_addr: Addr,
+    /// Source addresses of translated packets toward backends (the pool
+    /// NAT tuples are drawn from), `snat_count` of them.
+    pub snat_addrs: [Addr; MAX_SNAT],
+    pub snat_count: u16,
     pub family: u8,
     pub _pad: u8,
     /// Inclusive NAT port range, host order.
     pub nat_port_min: u16,
     pub nat_port_max: u16,
-    pub _pad2: u16,
+    /// Ports in each CPU's slice of the range, and how many slices (one
+    /// per possible CPU): CPU c walks `nat_port_min + c * slice_ports ..`
+    /// and no two CPUs ever hand out the same tuple.
+    pub slice_ports: u16,
+    pub slices: u16,
     pub flags: u32,
+    /// Bumped by the control plane every second: a cached next hop from
+    /// an older generation is asked of the FIB again (no clock read per
+    /// packet).
+    pub hop_generation: u64,
+    /// Slots of the half-open tables minus one (their size is a power of
+    /// two).
+    pub half_open_mask: u32,
+    pub _pad3: u32,
+    /// Secret seed of the half-open tables' hash, so nobody outside can
+    /// aim SYNs at one slot. Kept across restarts (the slots stay valid).
+    pub hash_seed: u64,
 }
 
-/// How long a cached next hop of a backend is used before the FIB is asked
-/// again (a neighbour's new MAC is picked up within this).
-pub const NEXT_HOP_TTL_NS: u64 = 1_000_000_000;
+impl Config {
+    /// Splits the inclusive range `min..=max` into one slice per CPU.
+    /// Returns `(slice_ports, slices)`; a range smaller than the CPU count
+    /// gets as many one-port slices as it has ports.
+    #[must_use]
+    pub fn slices_for(min: u16, max: u16, cpus: u16) -> (u16, u16) {
+        let span = u32::from(max.saturating_sub(min)) + 1;
+        let slices = u32::from(cpus.clamp(1, MAX_NAT_SLICES)).min(span);
+        ((span / slices) as u16, slices as u16)
+    }
+}
+
+/// A half-open flow, client side: slot `hash(key) & half_open_mask` of
+/// `HALF_OPEN`. A direct-mapped table instead of an LRU hash: a SYN costs
+/// one slot write (no lock, no LRU lists to rotate, one cache line or two)
+/// and a newer SYN hashing to a taken slot takes it, much as an LRU evicts
+/// its oldest entry under a flood.
+#[repr(C, align(8))]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct HalfOpen {
+    /// `slot_tag(hash of key)`; 0: empty (never used, or promoted).
+    pub tag: u64,
+    pub key: FlowKey,
+    pub flow: FlowValue,
+}
+
+/// The NAT side of a half-open flow: slot `hash(key) & half_open_mask` of
+/// `HALF_OPEN_NAT`, so the backend's SYN-ACK finds its client.
+#[repr(C, align(8))]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct HalfOpenNat {
+    /// `slot_tag(hash of key)`; 0: empty.
+    pub tag: u64,
+    pub key: NatKey,
+    pub nat: NatValue,
+}
+
+/// The tag a slot holding a key of hash `h` carries: never 0.
+#[inline(always)]
+#[must_use]
+pub const fn slot_tag(h: u64) -> u64 {
+    h | 1
+}
+
+/// Hash of five 64-bit words with a secret seed (multiply-xorshift, as in
+/// splitmix64): cheap in BPF, and without the seed nobody can predict
+/// which slot a tuple takes.
+#[inline(always)]
+#[must_use]
+pub fn hash_words(w: &[u64; 5], seed: u64) -> u64 {
+    let mut h = seed ^ 0x9e37_79b9_7f4a_7c15;
+    let mut i = 0;
+    while i < 5 {
+        h = (h ^ w[i]).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        h ^= h >> 31;
+        i += 1;
+    }
+    h = h.wrapping_mul(0x94d0_49bb_1331_11eb);
+    h ^ (h >> 29)
+}
+
+impl FlowKey {
+    /// Hash for the half-open table.
+    #[inline(always)]
+    #[must_use]
+    pub fn hash(&self, seed: u64) -> u64 {
+        // SAFETY: 40 bytes of integers and byte arrays, 8-byte aligned:
+        // every bit pattern is a valid [u64; 5].
+        let w: &[u64; 5] = unsafe { &*(self as *const FlowKey).cast() };
+        hash_words(w, seed)
+    }
+}
+
+impl NatKey {
+    /// Hash for the half-open NAT table.
+    #[inline(always)]
+    #[must_use]
+    pub fn hash(&self, seed: u64) -> u64 {
+        // SAFETY: as for `FlowKey::hash`.
+        let w: &[u64; 5] = unsafe { &*(self as *const NatKey).cast() };
+        hash_words(w, seed)
+    }
+}
+
+/// Per backend, per CPU: the next NAT tuple this CPU hands out toward the
+/// backend, walking its slice (ports x SNAT addresses) in order, so a
+/// tuple comes back only after every other one of the slice was used:
+/// the oldest first, never a random recent one still in TIME_WAIT.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct NatCursor {
+    /// Next port, as an offset into this CPU's slice.
+    pub port: u32,
+    /// Index of the SNAT address that port goes with; the walk takes
+    /// every port of one address, then of the next.
+    pub addr: u32,
+    /// When the current round over all tuples started.
+    pub round_ns: u64,
+    /// 1: the last round took less than `TIME_WAIT_NS`, so tuples handed
+    /// out now may meet a TIME_WAIT on the backend (counted).
+    pub early: u32,
+    pub _pad: u32,
+}
 
 /// A backend's next hop as the FIB gave it, per CPU.
 #[repr(C)]
@@ -297,8 +445,8 @@ pub struct NextHop {
     pub ifindex: u32,
     pub ingress: u32,
     pub _pad: u32,
-    /// When the FIB answered; 0: never.
-    pub stamp_ns: u64,
+    /// `Config::hop_generation` when the FIB answered, plus one (0: never).
+    pub generation: u64,
 }
 
 /// Settings of the packet generator in the baseline object (`gen`):
@@ -324,7 +472,7 @@ macro_rules! assert_size {
     };
 }
 
-assert_size!(ServiceKey, 20);
+assert_size!(ServiceKey, 8);
 assert_size!(ServiceValue, 8);
 assert_size!(Backend, 24);
 assert_size!(Ring, 8 + 4 * RING_CAPACITY + 8 * MEMBER_WORDS);
@@ -336,7 +484,10 @@ assert_size!(GenConfig, 16);
 assert_size!(NextHop, 32);
 assert_size!(NatKey, 40);
 assert_size!(NatValue, 48);
-assert_size!(Config, 28);
+assert_size!(Config, 16 * MAX_SNAT + 40);
+assert_size!(HalfOpen, 80);
+assert_size!(HalfOpenNat, 96);
+assert_size!(NatCursor, 24);
 
 #[cfg(feature = "user")]
 mod pod {
@@ -359,6 +510,9 @@ mod pod {
     unsafe impl aya::Pod for Pulse {}
     unsafe impl aya::Pod for GenConfig {}
     unsafe impl aya::Pod for NextHop {}
+    unsafe impl aya::Pod for NatCursor {}
+    unsafe impl aya::Pod for HalfOpen {}
+    unsafe impl aya::Pod for HalfOpenNat {}
 }
 
 #[cfg(test)]
@@ -379,6 +533,17 @@ mod tests {
         let a = addr_v4([10, 1, 2, 3]);
         assert_eq!(&a[..4], &[10, 1, 2, 3]);
         assert!(a[4..].iter().all(|b| *b == 0));
+    }
+
+    #[test]
+    fn nat_slices_cover_the_range_without_overlap() {
+        assert_eq!(Config::slices_for(20000, 32767, 2), (6384, 2));
+        assert_eq!(Config::slices_for(20000, 20999, 3), (333, 3));
+        // Fewer ports than CPUs: one port each, as many slices as ports.
+        assert_eq!(Config::slices_for(100, 101, 8), (1, 2));
+        assert_eq!(Config::slices_for(1024, 65535, 0), (64512, 1));
+        let (ports, n) = Config::slices_for(1024, 65535, 4096);
+        assert!(u32::from(ports) * u32::from(n) <= 64512);
     }
 
     #[test]

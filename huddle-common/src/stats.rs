@@ -70,6 +70,11 @@ counters!(
         abandoned,
         /// Flows moved off this backend because it was marked dead.
         flows_moved,
+        /// New flows given a NAT tuple less than `TIME_WAIT_NS` after its
+        /// last use (this CPU's slice went round too fast: more new flows a
+        /// second toward this backend than the port space holds); the
+        /// backend may still hold the old connection in TIME_WAIT.
+        nat_reuse_early,
     }
 );
 
@@ -77,6 +82,8 @@ counters!(
     /// Per service, indexed by service id.
     ServiceStats {
         /// Packets balanced to a backend (client to backend direction).
+        /// The program does not count these per service: the control plane
+        /// sums them from the service's backends' `pkts_to`/`bytes_to`.
         pkts,
         bytes,
         flows_new,
@@ -92,8 +99,9 @@ counters!(
         /// to the flow table by a client ACK of the backend's SYN-ACK.
         half_open,
         promoted,
-        /// Half-open flows that lost their NAT port to a newer one (only
-        /// under a flood) before the client's ACK came.
+        /// Half-open flows whose table slot a newer SYN took before the
+        /// client's ACK came (under a flood; or a handshake abandoned
+        /// earlier, whose slot was still marked taken).
         half_open_lost,
     }
 );

@@ -1,9 +1,10 @@
 //! Sending a rewritten packet: next hop from the kernel's FIB, then XDP_TX
 //! or a redirect; anything the FIB cannot settle goes to the kernel.
 //!
-//! Toward a backend the FIB's answer is cached per CPU for
-//! `NEXT_HOP_TTL_NS`: a FIB lookup costs more than the rest of the
-//! established-flow path, and a backend's next hop rarely changes.
+//! Toward a backend the FIB's answer is cached per CPU until the control
+//! plane bumps `Config::hop_generation` (every second): a FIB lookup costs
+//! more than the rest of the established-flow path, a backend's next hop
+//! rarely changes, and comparing a generation costs no clock read.
 
 use crate::{
     maps::{global, NEXT_HOP},
@@ -11,41 +12,31 @@ use crate::{
 };
 use aya_ebpf::{
     bindings::{bpf_fib_lookup, xdp_action, BPF_FIB_LKUP_RET_NO_NEIGH, BPF_FIB_LKUP_RET_SUCCESS},
-    helpers::{
-        bpf_ktime_get_ns,
-        generated::{bpf_fib_lookup as fib_lookup, bpf_redirect},
-    },
+    helpers::generated::{bpf_fib_lookup as fib_lookup, bpf_redirect},
     programs::XdpContext,
 };
 use core::mem::{size_of, zeroed};
-use huddle_common::NEXT_HOP_TTL_NS;
 
 const AF_INET: u8 = 2;
 
-/// Forwards the already rewritten packet `p` toward its new destination.
+/// Forwards the already rewritten packet `p` toward its new destination;
+/// `generation` is the control plane's current next-hop generation.
 ///
 /// When the neighbour is not resolved the packet goes up to the kernel,
 /// which resolves it and forwards (the control plane enables forwarding
 /// and `accept_local` on the interface for this); it is never dropped here.
 #[inline(always)]
-pub fn send(ctx: &XdpContext, p: &Packet, backend: Option<u32>) -> u32 {
+pub fn send(ctx: &XdpContext, p: &Packet, backend: Option<u32>, generation: u64) -> u32 {
     let ingress = ctx.ingress_ifindex() as u32;
     let cache = backend.and_then(|id| NEXT_HOP.get_ptr_mut(id));
-    // SAFETY: plain helper call.
-    let now = if cache.is_some() {
-        unsafe { bpf_ktime_get_ns() }
-    } else {
-        0
-    };
+    // Stored plus one, so a never-filled entry (0) never matches.
+    let current = generation.wrapping_add(1);
     if let Some(c) = cache {
         // SAFETY: this CPU's element; the Ethernet header was
         // bounds-checked by `parse`.
         unsafe {
             let hop = &*c;
-            if hop.stamp_ns != 0
-                && hop.ingress == ingress
-                && now.wrapping_sub(hop.stamp_ns) < NEXT_HOP_TTL_NS
-            {
+            if hop.generation == current && hop.ingress == ingress {
                 (*p.eth).dst_addr = hop.dmac;
                 (*p.eth).src_addr = hop.smac;
                 return out(ingress, hop.ifindex);
@@ -84,7 +75,7 @@ pub fn send(ctx: &XdpContext, p: &Packet, backend: Option<u32>) -> u32 {
                     (*c).dmac = params.dmac;
                     (*c).ifindex = params.ifindex;
                     (*c).ingress = ingress;
-                    (*c).stamp_ns = now;
+                    (*c).generation = current;
                 }
             }
             out(ingress, params.ifindex)

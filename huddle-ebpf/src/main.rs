@@ -6,7 +6,9 @@
 mod balance;
 mod csum;
 mod forward;
+mod halfopen;
 mod maps;
+mod nat;
 mod parse;
 mod rewrite;
 mod ring;

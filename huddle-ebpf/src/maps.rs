@@ -2,17 +2,17 @@
 //! `huddle_common::maps` (a user-space test checks the built object).
 
 use aya_ebpf::{
-    bindings::BPF_F_NO_COMMON_LRU,
     macros::map,
     maps::{Array, HashMap, LruHashMap, PerCpuArray},
 };
 use huddle_common::{
-    Backend, BackendStats, Config, FlowKey, FlowValue, GlobalStats, Latency, NatKey, NatValue,
-    NextHop, Pulse, Ring, ServiceKey, ServiceStats, ServiceValue, DEFAULT_FLOW_TABLE_SIZE,
-    DEFAULT_HALF_OPEN_SIZE, MAX_BACKENDS, MAX_SERVICES,
+    Backend, BackendStats, Config, FlowKey, FlowValue, GlobalStats, HalfOpen, HalfOpenNat, Latency,
+    NatCursor, NatKey, NatValue, NextHop, Pulse, Ring, ServiceKey, ServiceStats, ServiceValue,
+    DEFAULT_FLOW_TABLE_SIZE, DEFAULT_HALF_OPEN_SIZE, MAX_BACKENDS, MAX_SERVICES,
 };
 
-/// VIP:port/proto -> service id. Written only by the control plane.
+/// VIP:port/proto -> service id, and SNAT address -> its index. Written
+/// only by the control plane; every packet is looked up here first.
 #[map]
 pub static SERVICES: HashMap<ServiceKey, ServiceValue> = HashMap::with_max_entries(MAX_SERVICES, 0);
 
@@ -42,24 +42,39 @@ pub static FLOWS: LruHashMap<FlowKey, FlowValue> =
 pub static NAT: LruHashMap<NatKey, NatValue> =
     LruHashMap::with_max_entries(DEFAULT_FLOW_TABLE_SIZE, 0);
 
-/// TCP flows between SYN and the client's ACK of the SYN-ACK. A flood of
-/// SYNs only ever evicts entries here. Size set by the control plane.
-/// Every new flow inserts here: per-CPU LRU lists keep those inserts off a
-/// shared lock (the table itself is shared, so any CPU finds any entry).
+/// TCP flows between SYN and the client's ACK of the SYN-ACK, one slot per
+/// hash of the client tuple. A flood of SYNs only ever takes slots here.
+/// Size (a power of two) set by the control plane.
 #[map]
-pub static HALF_OPEN: LruHashMap<FlowKey, FlowValue> =
-    LruHashMap::with_max_entries(DEFAULT_HALF_OPEN_SIZE, BPF_F_NO_COMMON_LRU);
+pub static HALF_OPEN: Array<HalfOpen> = Array::with_max_entries(DEFAULT_HALF_OPEN_SIZE, 0);
 
-/// NAT entries of half-open flows. Same size as `HALF_OPEN`.
+/// The NAT side of half-open flows, one slot per hash of the NAT tuple.
+/// Same size as `HALF_OPEN`.
 #[map]
-pub static HALF_OPEN_NAT: LruHashMap<NatKey, NatValue> =
-    LruHashMap::with_max_entries(DEFAULT_HALF_OPEN_SIZE, BPF_F_NO_COMMON_LRU);
+pub static HALF_OPEN_NAT: Array<HalfOpenNat> = Array::with_max_entries(DEFAULT_HALF_OPEN_SIZE, 0);
+
+/// Per-CPU room for the keys a packet builds: the BPF stack holds 512
+/// bytes for the whole call chain, and these alone are 128.
+#[map]
+pub static SCRATCH: PerCpuArray<Scratch> = PerCpuArray::with_max_entries(1, 0);
+
+/// The keys and values of one packet's lookups and inserts.
+#[repr(C)]
+pub struct Scratch {
+    /// The NAT entry of the packet's flow; `nval.flow` is the flow's key.
+    pub nval: NatValue,
+    pub nkey: NatKey,
+}
 
 /// Backend id -> this CPU's cached next hop toward it.
 #[map]
 pub static NEXT_HOP: PerCpuArray<NextHop> = PerCpuArray::with_max_entries(MAX_BACKENDS, 0);
 
-/// Data plane settings (SNAT address, NAT port range).
+/// Backend id -> this CPU's position in its NAT tuple slice.
+#[map]
+pub static NAT_CURSOR: PerCpuArray<NatCursor> = PerCpuArray::with_max_entries(MAX_BACKENDS, 0);
+
+/// Data plane settings (SNAT addresses, NAT port range and slices).
 #[map]
 pub static CONFIG: Array<Config> = Array::with_max_entries(1, 0);
 

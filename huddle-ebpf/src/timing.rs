@@ -15,21 +15,30 @@ use aya_ebpf::helpers::bpf_ktime_get_ns;
 use huddle_common::{flow_flags, latency_bucket, FlowValue, LATENCY_BUCKETS};
 
 /// The wait a new flow starts with: a SYN waits for its SYN-ACK, a first
-/// datagram for its answer. Returns the flow's initial wait flags.
+/// datagram for its answer. Returns the flow's initial wait flags; the
+/// wait itself starts with `start_first` once the flow is recorded.
 #[inline(always)]
-pub fn first_wait(p: &Packet, backend: u32, now: u64) -> u8 {
+pub fn first_flags(p: &Packet) -> u8 {
     if p.is_tcp() {
         if p.has_flag(TCP_SYN) {
-            owe(backend, now, true);
             return flow_flags::SYN_WAIT;
         }
         return 0;
     }
     if p.payload_len > 0 {
-        start_turn(backend, now);
         return flow_flags::TURN_WAIT;
     }
     0
+}
+
+/// Starts the wait `first_flags` named: `backend` owes an answer from now.
+#[inline(always)]
+pub fn start_first(flags: u8, backend: u32, now: u64) {
+    if flags & flow_flags::SYN_WAIT != 0 {
+        owe(backend, now, true);
+    } else if flags & flow_flags::TURN_WAIT != 0 {
+        start_turn(backend, now);
+    }
 }
 
 /// Client to backend on an existing flow: data starts a turn unless one is
@@ -84,10 +93,10 @@ fn owe(backend: u32, now: u64, syn: bool) {
 }
 
 /// Backend to client: any answer clears what the backend owes; the first
-/// answer to this flow's pending wait is a latency sample. `f` is `None`
+/// answer to this flow's pending wait is a latency sample. `f` is null
 /// when the flow is gone or no longer this backend's.
 #[inline(always)]
-pub fn reply(f: Option<*mut FlowValue>, p: &Packet, backend: u32) {
+pub fn reply(f: *mut FlowValue, p: &Packet, backend: u32) {
     let syn_answer = p.has_flag(TCP_SYN | TCP_RST);
     let data = p.payload_len > 0;
     if !syn_answer && !data {
@@ -105,9 +114,9 @@ pub fn reply(f: Option<*mut FlowValue>, p: &Packet, backend: u32) {
             }
         }
     }
-    let Some(f) = f else {
+    if f.is_null() {
         return;
-    };
+    }
     // SAFETY: as in `request`.
     unsafe {
         let flags = (*f).flags;

@@ -118,9 +118,10 @@ struct RunArgs {
     /// Backend IP:PORT of --vip; repeat for each backend.
     #[arg(long = "backend")]
     backends: Vec<String>,
-    /// Source address toward backends (default: the interface's IPv4).
-    #[arg(long)]
-    snat_ip: Option<Ipv4Addr>,
+    /// Source address toward backends (default: the interface's IPv4);
+    /// repeat for a pool (more NAT tuples per backend).
+    #[arg(long = "snat-ip")]
+    snat_ips: Vec<Ipv4Addr>,
     /// Attach mode.
     #[arg(long, value_enum)]
     xdp_mode: Option<XdpMode>,
@@ -161,7 +162,10 @@ impl RunArgs {
             None => ConfigFile::default(),
         };
         file.interface = this.iface.or(file.interface);
-        file.snat_ip = this.snat_ip.or(file.snat_ip);
+        if !this.snat_ips.is_empty() {
+            file.snat_ip = None;
+            file.snat_ips = Some(this.snat_ips.clone());
+        }
         file.xdp_mode = this.xdp_mode.or(file.xdp_mode);
         file.nat_ports = this.nat_ports.or(file.nat_ports);
         file.flow_table_size = this.flow_table_size.or(file.flow_table_size);

@@ -230,12 +230,17 @@ pub struct ConfigFile {
     pub interface: Option<String>,
     /// Source address toward backends; default: the interface's address.
     pub snat_ip: Option<Ipv4Addr>,
+    /// Several source addresses toward backends (instead of `snat_ip`):
+    /// each multiplies the NAT tuples a backend can be given without
+    /// reusing one still in TIME_WAIT. Each must be an address of this host.
+    pub snat_ips: Option<Vec<Ipv4Addr>>,
     pub xdp_mode: Option<XdpMode>,
     /// NAT source port range, `"low-high"`.
     pub nat_ports: Option<PortRange>,
     /// Entries in the flow table (and in the NAT table).
     pub flow_table_size: Option<u32>,
-    /// Entries in the half-open table (TCP flows before the client's ACK).
+    /// Slots in the half-open table (TCP flows before the client's ACK),
+    /// rounded up to a power of two.
     pub half_open_table_size: Option<u32>,
     /// Path of the control socket `huddle status` talks to.
     pub control_socket: Option<PathBuf>,
@@ -342,7 +347,8 @@ impl Service {
 #[derive(Clone, Debug)]
 pub struct Config {
     pub interface: String,
-    pub snat_ip: Option<Ipv4Addr>,
+    /// SNAT addresses; empty: the interface's IPv4 address.
+    pub snat_ips: Vec<Ipv4Addr>,
     pub xdp_mode: XdpMode,
     pub nat_ports: PortRange,
     pub flow_table_size: u32,
@@ -440,13 +446,39 @@ impl ConfigFile {
                 "half_open_table_size: {half_open_table_size} is outside {MIN_FLOW_TABLE}..={MAX_FLOW_TABLE}"
             );
         }
+        // Slots are found by masking a hash: a power of two.
+        let half_open_table_size = half_open_table_size.next_power_of_two();
         let nat_ports = self.nat_ports.unwrap_or(DEFAULT_NAT_PORTS);
         if nat_ports.max - nat_ports.min < 255 {
             bail!("nat_ports: {nat_ports} leaves fewer than 256 ports per backend");
         }
-        if let Some(ip) = self.snat_ip {
+        let snat_ips: Vec<Ipv4Addr> = match (self.snat_ip, &self.snat_ips) {
+            (Some(_), Some(_)) => bail!("snat_ip and snat_ips: give one of them"),
+            (Some(ip), None) => vec![ip],
+            (None, Some(list)) if list.is_empty() => {
+                bail!("snat_ips: empty (leave it out to use the interface's address)")
+            }
+            (None, Some(list)) => list.clone(),
+            (None, None) => Vec::new(),
+        };
+        let field = if self.snat_ips.is_some() {
+            "snat_ips"
+        } else {
+            "snat_ip"
+        };
+        if snat_ips.len() > huddle_common::MAX_SNAT {
+            bail!(
+                "snat_ips: {} addresses, at most {} are supported",
+                snat_ips.len(),
+                huddle_common::MAX_SNAT
+            );
+        }
+        for (i, ip) in snat_ips.iter().enumerate() {
             if ip.is_unspecified() || ip.is_multicast() || ip.is_broadcast() {
-                bail!("snat_ip: {ip} is not a unicast address");
+                bail!("{field}: {ip} is not a unicast address");
+            }
+            if snat_ips[..i].contains(ip) {
+                bail!("{field}: {ip} is listed twice");
             }
         }
         if self.services.is_empty() {
@@ -510,8 +542,8 @@ impl ConfigFile {
                 if addr.ip() == vip.ip() {
                     bail!("{field}.backends[{j}]: backend {addr} has the VIP's address");
                 }
-                if Some(addr.ip()) == self.snat_ip.map(IpAddr::V4) {
-                    bail!("{field}.backends[{j}]: backend {addr} has the SNAT address");
+                if snat_ips.iter().any(|s| IpAddr::V4(*s) == addr.ip()) {
+                    bail!("{field}.backends[{j}]: backend {addr} has a SNAT address");
                 }
                 backends.push(addr);
             }
@@ -544,7 +576,7 @@ impl ConfigFile {
         }
         Ok(Config {
             interface,
-            snat_ip: self.snat_ip,
+            snat_ips,
             xdp_mode: self.xdp_mode.unwrap_or_default(),
             nat_ports,
             flow_table_size,

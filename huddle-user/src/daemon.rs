@@ -16,6 +16,7 @@ use crate::{
 };
 use anyhow::{bail, Context, Result};
 use huddle_common::{backend_flags, Pulse};
+use std::net::Ipv4Addr;
 use std::{
     collections::{HashSet, VecDeque},
     net::SocketAddr,
@@ -59,6 +60,10 @@ pub struct Balancer {
     pub notes: Vec<String>,
     /// Start-up check that transmitted frames get answers.
     watch: Option<TxWatch>,
+    /// Per backend id: early NAT tuple reuses counted so far, and whether
+    /// they are being reported (one line when they start, one when they
+    /// stop).
+    nat_reuse: std::collections::HashMap<u32, (u64, bool)>,
 }
 
 /// Frames sent and answers translated at the first tick, to tell an
@@ -107,6 +112,7 @@ impl Balancer {
             reloader: None,
             notes: Vec::new(),
             watch: None,
+            nat_reuse: std::collections::HashMap::new(),
         };
         if let Some(saved) = saved {
             b.restore(saved);
@@ -138,7 +144,7 @@ impl Balancer {
         let old = &self.cfg;
         let fixed = [
             ("interface", old.interface == new.interface),
-            ("snat_ip", old.snat_ip == new.snat_ip),
+            ("snat_ips", old.snat_ips == new.snat_ips),
             ("nat_ports", old.nat_ports == new.nat_ports),
             (
                 "flow_table_size",
@@ -309,13 +315,16 @@ impl Balancer {
                     Ok((self.dp.backend_stats(id)?, self.dp.latency(id)?, pulse))
                 })();
                 match read {
-                    Ok((st, lat, pulse)) => self.huddles[si].trackers[bi].observe(
-                        &st,
-                        &lat,
-                        &pulse,
-                        now_ns,
-                        &self.cfg.huddle,
-                    ),
+                    Ok((st, lat, pulse)) => {
+                        self.watch_nat_reuse(si, bi, id, st.nat_reuse_early);
+                        self.huddles[si].trackers[bi].observe(
+                            &st,
+                            &lat,
+                            &pulse,
+                            now_ns,
+                            &self.cfg.huddle,
+                        );
+                    }
                     Err(e) => warn!("reading counters of backend {id}: {e:#}"),
                 }
             }
@@ -363,6 +372,28 @@ impl Balancer {
         }
         if now < TX_WATCH + self.cfg.huddle.tick {
             self.watch_tx(now);
+        }
+    }
+
+    /// Says when new flows toward a backend start (and stop) getting NAT
+    /// tuples used less than a TIME_WAIT ago: the backend may still hold
+    /// the old connection, and then the client waits a retransmission.
+    fn watch_nat_reuse(&mut self, si: usize, bi: usize, id: u32, count: u64) {
+        let e = self.nat_reuse.entry(id).or_insert((count, false));
+        let new = count.wrapping_sub(e.0);
+        e.0 = count;
+        let addr = self.cfg.services[si].backends[bi];
+        let tuples = u64::from(self.dp.nat_ports.max - self.dp.nat_ports.min + 1)
+            * self.dp.snat.len() as u64;
+        if new > 0 && !e.1 {
+            e.1 = true;
+            warn!(
+                "NAT tuples toward backend {addr} are being reused less than 60 s after their last use ({new} new flows this tick): more new connections a second toward it than {tuples} tuples / 60 s = {} a second; the oldest tuple goes first, but the backend may still hold it in TIME_WAIT (widen nat_ports or add snat_ips); counted in nat_reuse_early",
+                tuples / 60
+            );
+        } else if new == 0 && e.1 {
+            e.1 = false;
+            info!("NAT tuples toward backend {addr} rest 60 s again before reuse");
         }
     }
 
@@ -546,7 +577,13 @@ impl Balancer {
             interface: self.cfg.interface.clone(),
             xdp_mode: self.dp.mode.map_or("detached", |m| m.as_str()).to_string(),
             program_id: self.dp.program_id(),
-            snat: self.dp.snat.to_string(),
+            snat: self
+                .dp
+                .snat
+                .iter()
+                .map(ToString::to_string)
+                .collect::<Vec<_>>()
+                .join(", "),
             nat_ports: self.dp.nat_ports.to_string(),
             uptime_s: now.as_secs_f64(),
             tick_ms: self.cfg.huddle.tick.as_secs_f64() * 1e3,
@@ -675,14 +712,24 @@ impl Drop for SocketFile {
 pub async fn run(cfg: Config, reloader: Option<Reloader>) -> Result<()> {
     host::check_privileges()?;
     let ifindex = host::ifindex(&cfg.interface)?;
-    let snat = match cfg.snat_ip {
-        Some(ip) => ip,
-        None => host::interface_ipv4(&cfg.interface)?.with_context(|| {
+    let snat: Vec<Ipv4Addr> = if cfg.snat_ips.is_empty() {
+        vec![host::interface_ipv4(&cfg.interface)?.with_context(|| {
             format!(
                 "interface {} has no IPv4 address; pass --snat-ip",
                 cfg.interface
             )
-        })?,
+        })?]
+    } else {
+        let local = host::ipv4_addrs()?;
+        for ip in &cfg.snat_ips {
+            if !local.iter().any(|(_, a)| a == ip) {
+                bail!(
+                    "snat_ips: {ip} is not an address of this host, so backends' replies to it would not reach the balancer; add it (`ip addr add {ip}/32 dev {}`) or leave it out",
+                    cfg.interface
+                );
+            }
+        }
+        cfg.snat_ips.clone()
     };
     let ephemeral = host::ephemeral_ports()?;
     if cfg.nat_ports.overlaps(&ephemeral) {
@@ -693,7 +740,9 @@ pub async fn run(cfg: Config, reloader: Option<Reloader>) -> Result<()> {
         );
     }
     for s in &cfg.services {
-        if s.vip.ip() == snat && (cfg.nat_ports.min..=cfg.nat_ports.max).contains(&s.vip.port()) {
+        if snat.iter().any(|a| s.vip.ip() == *a)
+            && (cfg.nat_ports.min..=cfg.nat_ports.max).contains(&s.vip.port())
+        {
             bail!(
                 "VIP {} lies in the SNAT address's NAT port range {}",
                 s.name(),
@@ -725,7 +774,7 @@ pub async fn run(cfg: Config, reloader: Option<Reloader>) -> Result<()> {
     // A start that fails must leave nothing behind: pins it created go.
     let existed = pins.join(huddle_common::maps::FLOWS).exists();
     let started = (|| -> Result<_> {
-        let dp = Dataplane::load(&cfg, snat, Some(&pins))?;
+        let dp = Dataplane::load(&cfg, &snat, Some(&pins))?;
         let sysctls = host::Sysctls::apply(
             &cfg.interface,
             saved
@@ -756,9 +805,13 @@ pub async fn run(cfg: Config, reloader: Option<Reloader>) -> Result<()> {
         );
     }
     info!(
-        "attached to {} in {} mode; SNAT {snat}, NAT ports {}; control socket {}; pinned under {}",
+        "attached to {} in {} mode; SNAT {}, NAT ports {}; control socket {}; pinned under {}",
         cfg.interface,
         mode.as_str(),
+        snat.iter()
+            .map(ToString::to_string)
+            .collect::<Vec<_>>()
+            .join(", "),
         cfg.nat_ports,
         cfg.control_socket.display(),
         shown.display()
@@ -880,12 +933,17 @@ pub async fn run(cfg: Config, reloader: Option<Reloader>) -> Result<()> {
     Ok(())
 }
 
-/// Writes the state file every second (and `tick` after any rotation).
+/// Writes the state file every second (and `tick` after any rotation),
+/// and moves the next-hop generation on so every CPU asks the FIB again.
 async fn saver(shared: Arc<Mutex<Balancer>>) {
     let mut tick = tokio::time::interval(Duration::from_secs(1));
     loop {
         tick.tick().await;
-        lock(&shared).save_state();
+        let mut b = lock(&shared);
+        b.save_state();
+        if let Err(e) = b.dp.refresh_next_hops() {
+            warn!("{e:#}");
+        }
     }
 }
 

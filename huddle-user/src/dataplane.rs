@@ -18,8 +18,8 @@ use aya::{
 };
 use huddle_common::{
     addr_v4, maps, ring_slot, Backend, BackendStats, Config as KernelConfig, Counters, GlobalStats,
-    Latency, Pulse, Ring, ServiceKey, ServiceStats, ServiceValue, FAMILY_V4, PROGRAM_NAME,
-    RING_CAPACITY,
+    Latency, Pulse, Ring, ServiceKey, ServiceStats, ServiceValue, FAMILY_V4, MAX_SNAT,
+    PROGRAM_NAME, RING_CAPACITY, SERVICE_KIND_SNAT, SERVICE_KIND_VIP,
 };
 use huddle_common::{MAX_BACKENDS, MAX_SERVICES};
 use std::{
@@ -101,8 +101,12 @@ pub struct Dataplane {
     pub mode: Option<AttachedMode>,
     /// Why `auto` chose the mode it did, when that needs saying.
     pub mode_note: Option<String>,
-    pub snat: Ipv4Addr,
+    /// SNAT addresses, in `Config::snat_addrs` order.
+    pub snat: Vec<Ipv4Addr>,
     pub nat_ports: PortRange,
+    config: Array<MapData, KernelConfig>,
+    /// The kernel settings as last written (the next-hop generation moves).
+    kernel_config: KernelConfig,
     services_map: HashMap<MapData, ServiceKey, ServiceValue>,
     backends_map: Array<MapData, Backend>,
     rings: Array<MapData, Ring>,
@@ -134,17 +138,36 @@ impl Dataplane {
     /// their ids, and the configuration is reconciled into them. Without
     /// `pins` (tests, benchmarks) nothing outlives the process, and a
     /// failure leaves nothing behind.
-    pub fn load(cfg: &Config, snat: Ipv4Addr, pins: Option<&Path>) -> Result<Dataplane> {
+    pub fn load(cfg: &Config, snat: &[Ipv4Addr], pins: Option<&Path>) -> Result<Dataplane> {
+        if snat.is_empty() || snat.len() > MAX_SNAT {
+            bail!(
+                "1 to {MAX_SNAT} SNAT addresses are needed, not {}",
+                snat.len()
+            );
+        }
         let mut loader = EbpfLoader::new();
+        // HUDDLE_VERIFIER_LOG=1: the verifier's whole log on a refusal
+        // (for whoever changes the program).
+        if std::env::var_os("HUDDLE_VERIFIER_LOG").is_some() {
+            loader
+                .verifier_log_level(aya::VerifierLogLevel::VERBOSE | aya::VerifierLogLevel::STATS);
+        }
         loader
             .map_max_entries(maps::FLOWS, cfg.flow_table_size)
             .map_max_entries(maps::NAT, cfg.flow_table_size)
-            .map_max_entries(maps::HALF_OPEN, cfg.half_open_table_size)
-            .map_max_entries(maps::HALF_OPEN_NAT, cfg.half_open_table_size);
+            .map_max_entries(
+                maps::HALF_OPEN,
+                cfg.half_open_table_size.next_power_of_two(),
+            )
+            .map_max_entries(
+                maps::HALF_OPEN_NAT,
+                cfg.half_open_table_size.next_power_of_two(),
+            );
         let mut adopted = false;
         if let Some(dir) = pins {
             std::fs::create_dir_all(dir)
                 .with_context(|| format!("creating the pin folder {}", dir.display()))?;
+            check_pinned_layouts(dir)?;
             adopted = dir.join(maps::FLOWS).exists();
             for name in maps::ALL {
                 loader.map_pin_path(name, dir.join(name));
@@ -181,21 +204,41 @@ impl Dataplane {
         }
 
         let mut config: Array<MapData, KernelConfig> = take(&mut ebpf, maps::CONFIG)?;
-        config
-            .set(
-                0,
-                KernelConfig {
-                    snat_addr: addr_v4(snat.octets()),
-                    family: FAMILY_V4,
-                    _pad: 0,
-                    nat_port_min: cfg.nat_ports.min,
-                    nat_port_max: cfg.nat_ports.max,
-                    _pad2: 0,
-                    flags: 0,
-                },
-                0,
-            )
-            .context("writing CONFIG")?;
+        let cpus = crate::host::possible_cpus()?;
+        let (slice_ports, slices) = KernelConfig::slices_for(
+            cfg.nat_ports.min,
+            cfg.nat_ports.max,
+            u16::try_from(cpus).unwrap_or(u16::MAX),
+        );
+        let mut snat_addrs = [[0u8; 16]; MAX_SNAT];
+        for (slot, ip) in snat_addrs.iter_mut().zip(snat) {
+            *slot = addr_v4(ip.octets());
+        }
+        // An adopted data plane keeps its next-hop generation moving on,
+        // and its hash seed (half-open slots in use stay findable).
+        let old = config.get(&0, 0).ok().filter(|c| c.hash_seed != 0);
+        let hop_generation = old.map_or(0, |c| c.hop_generation) + 1;
+        let hash_seed = match old {
+            Some(c) => c.hash_seed,
+            None => random_seed()?,
+        };
+        let half_open = cfg.half_open_table_size.next_power_of_two();
+        let kernel_config = KernelConfig {
+            snat_addrs,
+            snat_count: snat.len() as u16,
+            family: FAMILY_V4,
+            _pad: 0,
+            nat_port_min: cfg.nat_ports.min,
+            nat_port_max: cfg.nat_ports.max,
+            slice_ports,
+            slices,
+            flags: 0,
+            hop_generation,
+            half_open_mask: half_open - 1,
+            _pad3: 0,
+            hash_seed,
+        };
+        config.set(0, kernel_config, 0).context("writing CONFIG")?;
 
         let mut dp = Dataplane {
             services_map: take(&mut ebpf, maps::SERVICES)?,
@@ -214,12 +257,55 @@ impl Dataplane {
             adopted,
             mode: None,
             mode_note: None,
-            snat,
+            snat: snat.to_vec(),
             nat_ports: cfg.nat_ports,
+            config,
+            kernel_config,
             services: Vec::new(),
         };
+        dp.program_snat()?;
         dp.reconcile(cfg)?;
         Ok(dp)
+    }
+
+    /// Makes `SERVICES` name exactly this run's SNAT addresses, so replies
+    /// to them are translated (and an adopted map forgets old ones).
+    fn program_snat(&mut self) -> Result<()> {
+        let old: Vec<ServiceKey> = self
+            .services_map
+            .keys()
+            .filter_map(Result::ok)
+            .filter(|k| k.kind == SERVICE_KIND_SNAT)
+            .collect();
+        let want: Vec<ServiceKey> = self.snat.iter().map(|ip| snat_key(*ip)).collect();
+        for k in old.iter().filter(|k| !want.contains(k)) {
+            self.services_map
+                .remove(k)
+                .context("removing an old SNAT address")?;
+        }
+        for (i, k) in want.iter().enumerate() {
+            self.services_map
+                .insert(
+                    k,
+                    ServiceValue {
+                        id: i as u32,
+                        flags: 0,
+                    },
+                    0,
+                )
+                .context("writing a SNAT address")?;
+        }
+        Ok(())
+    }
+
+    /// Moves the next-hop generation on: every CPU asks the FIB again for
+    /// each backend's next hop on its next packet (a changed neighbour is
+    /// picked up within one call of this).
+    pub fn refresh_next_hops(&mut self) -> Result<()> {
+        self.kernel_config.hop_generation = self.kernel_config.hop_generation.wrapping_add(1);
+        self.config
+            .set(0, self.kernel_config, 0)
+            .context("writing CONFIG")
     }
 
     /// Makes the maps say what `cfg` says, keeping the ids of services and
@@ -238,6 +324,7 @@ impl Dataplane {
             .services_map
             .iter()
             .filter_map(Result::ok)
+            .filter(|(k, _)| k.kind == SERVICE_KIND_VIP)
             .map(|(k, v)| (k, v.id))
             .collect();
         let mut used_sids: HashSet<u32> = HashSet::new();
@@ -519,8 +606,18 @@ impl Dataplane {
         Ok(sum(&self.backend_stats.get(&id, 0)?))
     }
 
+    /// Sum over CPUs of one service's counters; its packets and bytes are
+    /// its backends' (the program counts them only per backend).
     pub fn service_stats(&self, id: u32) -> Result<ServiceStats> {
-        Ok(sum(&self.service_stats.get(&id, 0)?))
+        let mut st: ServiceStats = sum(&self.service_stats.get(&id, 0)?);
+        if let Some(slot) = self.services.iter().find(|s| s.id == id) {
+            for b in &slot.backend_ids {
+                let b = self.backend_stats(*b)?;
+                st.pkts += b.pkts_to;
+                st.bytes += b.bytes_to;
+            }
+        }
+        Ok(st)
     }
 
     pub fn global_stats(&self) -> Result<GlobalStats> {
@@ -574,6 +671,68 @@ impl Dataplane {
     }
 }
 
+/// Maps a restart may make afresh when the build that pinned them laid
+/// them out differently: settings, caches, counters and handshakes in
+/// flight (their clients resend the SYN). Flows, NAT entries, services,
+/// backends and rings must carry over, or a restart would misroute.
+const RECREATABLE: [&str; 10] = [
+    maps::CONFIG,
+    maps::HALF_OPEN,
+    maps::HALF_OPEN_NAT,
+    maps::NEXT_HOP,
+    maps::RR_CURSOR,
+    maps::NAT_CURSOR,
+    maps::BACKEND_STATS,
+    maps::SERVICE_STATS,
+    maps::GLOBAL_STATS,
+    maps::LATENCY,
+];
+
+/// Compares each map pinned in `dir` with this build's layout of it. A
+/// recreatable one laid out otherwise is unpinned (made afresh by the
+/// load); any other mismatch is refused with what to do, rather than left
+/// to fail in the verifier.
+fn check_pinned_layouts(dir: &Path) -> Result<()> {
+    let obj = aya_obj::Object::parse(object::HUDDLE).context("parsing the embedded object")?;
+    for name in maps::ALL {
+        let pin = dir.join(name);
+        if !pin.exists() {
+            continue;
+        }
+        let Some(want) = obj.maps.get(name) else {
+            continue;
+        };
+        let have = aya::maps::MapInfo::from_pin(&pin)
+            .with_context(|| format!("reading the pinned map {}", pin.display()))?;
+        if have.key_size() == want.key_size() && have.value_size() == want.value_size() {
+            continue;
+        }
+        if RECREATABLE.contains(&name) {
+            info!("{name} has another layout in this build: made afresh");
+            std::fs::remove_file(&pin).with_context(|| format!("removing {}", pin.display()))?;
+            continue;
+        }
+        bail!(
+            "the data plane pinned under {} was left by a build with another layout of {name} (key {} and value {} bytes, this build {} and {}): `huddle stop` removes it (its flows drop), then start again",
+            dir.display(),
+            have.key_size(),
+            have.value_size(),
+            want.key_size(),
+            want.value_size()
+        );
+    }
+    Ok(())
+}
+
+/// A secret, never-zero seed for the half-open tables' hash.
+fn random_seed() -> Result<u64> {
+    let mut b = [0u8; 8];
+    std::fs::File::open("/dev/urandom")
+        .and_then(|mut f| std::io::Read::read_exact(&mut f, &mut b))
+        .context("reading /dev/urandom for the hash seed")?;
+    Ok(u64::from_ne_bytes(b) | 1)
+}
+
 /// Why `auto` mode must not attach natively to `ifindex`, if it must not:
 /// a veth whose peer runs no XDP program drops every frame sent back with
 /// XDP_TX (the kernel counts it and moves on), so native mode forwards
@@ -614,11 +773,27 @@ fn sum<T: Counters + aya::Pod>(per_cpu: &PerCpuValues<T>) -> T {
 /// Map key of a service.
 #[must_use]
 pub fn service_key(vip: SocketAddr, proto: Proto) -> ServiceKey {
+    let addr = match vip.ip() {
+        IpAddr::V4(v4) => v4.octets(),
+        // Refused by config validation before it gets here.
+        IpAddr::V6(_) => [0; 4],
+    };
     ServiceKey {
-        addr: ip_bytes(vip.ip()),
+        addr,
         port_be: vip.port().to_be(),
         proto: proto.number(),
-        family: FAMILY_V4,
+        kind: SERVICE_KIND_VIP,
+    }
+}
+
+/// Map key of a SNAT address.
+#[must_use]
+pub fn snat_key(ip: Ipv4Addr) -> ServiceKey {
+    ServiceKey {
+        addr: ip.octets(),
+        port_be: 0,
+        proto: 0,
+        kind: SERVICE_KIND_SNAT,
     }
 }
 
@@ -654,7 +829,9 @@ mod tests {
     #[test]
     fn keys_hold_network_order_ports() {
         let k = service_key("10.1.2.3:8080".parse().unwrap(), Proto::Tcp);
-        assert_eq!(&k.addr[..4], &[10, 1, 2, 3]);
+        assert_eq!(k.addr, [10, 1, 2, 3]);
+        assert_eq!(k.kind, SERVICE_KIND_VIP);
+        assert_eq!(snat_key(Ipv4Addr::new(10, 0, 0, 1)).kind, SERVICE_KIND_SNAT);
         assert_eq!(k.port_be.to_ne_bytes(), 8080u16.to_be_bytes());
         assert_eq!(k.proto, 6);
         let b = backend_value("10.9.9.9:53".parse().unwrap());

@@ -46,12 +46,28 @@ pub fn ifindex(name: &str) -> Result<u32> {
 
 /// First IPv4 address of interface `name`.
 pub fn interface_ipv4(name: &str) -> Result<Option<Ipv4Addr>> {
+    Ok(ipv4_addrs()?
+        .into_iter()
+        .find(|(n, _)| n == name)
+        .map(|(_, a)| a))
+}
+
+/// CPUs the kernel may ever run (per-CPU maps and NAT slices are sized by
+/// this, not by the online count).
+pub fn possible_cpus() -> Result<usize> {
+    aya::util::nr_cpus()
+        .map_err(|(_, e)| e)
+        .context("counting the possible CPUs")
+}
+
+/// Every IPv4 address of this namespace's interfaces, with the interface.
+pub fn ipv4_addrs() -> Result<Vec<(String, Ipv4Addr)>> {
     let mut addrs: *mut libc::ifaddrs = std::ptr::null_mut();
     // SAFETY: getifaddrs fills `addrs` with a list we free below.
     if unsafe { libc::getifaddrs(&mut addrs) } != 0 {
         return Err(std::io::Error::last_os_error()).context("getifaddrs");
     }
-    let mut found = None;
+    let mut found = Vec::new();
     let mut cur = addrs;
     while !cur.is_null() {
         // SAFETY: `cur` walks the list getifaddrs returned.
@@ -64,11 +80,13 @@ pub fn interface_ipv4(name: &str) -> Result<Option<Ipv4Addr>> {
         let ifname = unsafe { CStr::from_ptr(ifa.ifa_name) };
         // SAFETY: non-null sockaddr; family read before the cast.
         let family = i32::from(unsafe { (*ifa.ifa_addr).sa_family });
-        if ifname.to_bytes() == name.as_bytes() && family == libc::AF_INET {
+        if family == libc::AF_INET {
             // SAFETY: AF_INET addresses are sockaddr_in.
             let sin = unsafe { &*ifa.ifa_addr.cast::<libc::sockaddr_in>() };
-            found = Some(Ipv4Addr::from(u32::from_be(sin.sin_addr.s_addr)));
-            break;
+            found.push((
+                ifname.to_string_lossy().into_owned(),
+                Ipv4Addr::from(u32::from_be(sin.sin_addr.s_addr)),
+            ));
         }
     }
     // SAFETY: frees the list from getifaddrs exactly once.

@@ -30,7 +30,7 @@ pub fn config(
 ) -> Config {
     Config {
         interface: IFACE.into(),
-        snat_ip: Some(BALANCER_IP),
+        snat_ips: vec![BALANCER_IP],
         xdp_mode: XdpMode::Auto,
         nat_ports,
         flow_table_size,
@@ -68,12 +68,15 @@ pub struct ProgRun {
 impl ProgRun {
     /// Builds the namespace `ns_name`, gives `neighbours` permanent entries,
     /// moves the calling thread into it and loads the program with `cfg`
-    /// (SNAT address `BALANCER_IP`).
+    /// (its SNAT addresses, `BALANCER_IP` first, are the interface's).
     pub fn new(ns_name: &str, cfg: &Config, neighbours: &[Ipv4Addr]) -> Result<ProgRun> {
         let ns = Netns::create(ns_name)?;
         ns.ip(&["link", "add", IFACE, "type", "veth", "peer", "name", "hb1"])?;
         ns.ip(&["link", "set", IFACE, "address", &mac_str(BALANCER_MAC)])?;
         ns.ip(&["addr", "add", &format!("{BALANCER_IP}/16"), "dev", IFACE])?;
+        for extra in cfg.snat_ips.iter().filter(|a| **a != BALANCER_IP) {
+            ns.ip(&["addr", "add", &format!("{extra}/32"), "dev", IFACE])?;
+        }
         ns.ip(&["link", "set", IFACE, "up"])?;
         ns.ip(&["link", "set", "hb1", "up"])?;
         for n in neighbours {
@@ -92,7 +95,12 @@ impl ProgRun {
         ns.sysctl(&format!("net.ipv4.conf.{IFACE}.forwarding"), "1")?;
         ns.enter()?;
         let ifindex = crate::host::ifindex(IFACE)?;
-        let dp = Dataplane::load(cfg, BALANCER_IP, None)?;
+        let snat = if cfg.snat_ips.is_empty() {
+            vec![BALANCER_IP]
+        } else {
+            cfg.snat_ips.clone()
+        };
+        let dp = Dataplane::load(cfg, &snat, None)?;
         Ok(ProgRun { dp, ifindex, ns })
     }
 

@@ -614,3 +614,152 @@ fn nat_ports_of_finished_flows_are_reused_but_live_ones_never_stolen() {
     assert_eq!(v, XDP_TX);
     assert_eq!(endpoints(&out).1, (CLIENT, 46001));
 }
+
+/// Runs the rest of the calling thread on `cpu` (PROG_TEST_RUN runs the
+/// program on the caller's CPU, and each CPU has its own NAT slice).
+fn pin_to(cpu: usize) {
+    // SAFETY: a zeroed cpu_set_t is empty; the calls get valid pointers.
+    unsafe {
+        let mut set: libc::cpu_set_t = std::mem::zeroed();
+        libc::CPU_SET(cpu, &mut set);
+        assert_eq!(
+            libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set),
+            0,
+            "pinning to CPU {cpu}"
+        );
+    }
+}
+
+/// A balancer with one backend and `ports` NAT ports from 20000, SNAT
+/// addresses `snat` (the first is `BALANCER_IP`).
+fn nat_env(tag: &str, ports: u16, snat: &[Ipv4Addr]) -> ProgRun {
+    require_root();
+    let mut cfg = config(&[backend(0)], false);
+    cfg.nat_ports = PortRange {
+        min: 20000,
+        max: 20000 + ports - 1,
+    };
+    cfg.snat_ips = snat.to_vec();
+    ProgRun::new(&unique(tag), &cfg, &[backend(0), CLIENT]).unwrap()
+}
+
+/// A SYN from client port `sport`: the (SNAT address, NAT port) it left with.
+fn syn_tuple(env: &ProgRun, sport: u16) -> (Ipv4Addr, u16) {
+    let (v, out) = env.run(&client_frame(sport).syn().build()).unwrap();
+    assert_eq!(v, XDP_TX, "SYN from port {sport}");
+    endpoints(&out).0
+}
+
+fn cpus() -> usize {
+    huddle_user::host::possible_cpus().expect("possible CPUs")
+}
+
+#[test]
+fn nat_tuples_walk_each_cpus_own_slice_in_order() {
+    let env = nat_env("pr-slice", 1000, &[BALANCER_IP]);
+    let n = cpus();
+    let slice = 1000 / n as u16;
+    for cpu in 0..n.min(2) {
+        pin_to(cpu);
+        let base = 20000 + cpu as u16 * slice;
+        let ports: Vec<u16> = (0..5)
+            .map(|i| syn_tuple(&env, 41000 + cpu as u16 * 100 + i).1)
+            .collect();
+        assert_eq!(
+            ports,
+            (base..base + 5).collect::<Vec<_>>(),
+            "CPU {cpu} walks its slice from its start, one port after the other"
+        );
+    }
+}
+
+#[test]
+fn a_slice_gone_round_hands_out_its_oldest_tuple_and_counts_the_early_reuse() {
+    // Two ports per CPU (with two CPUs): the third SYN wraps round.
+    let n = cpus() as u16;
+    let env = nat_env("pr-wrap", 2 * n, &[BALANCER_IP]);
+    pin_to(0);
+    let got: Vec<u16> = (0..5).map(|i| syn_tuple(&env, 42000 + i).1).collect();
+    assert_eq!(got, vec![20000, 20001, 20000, 20001, 20000]);
+    let id = env.dp.services[0].backend_ids[0];
+    let st = env.dp.backend_stats(id).unwrap();
+    // The round took far less than TIME_WAIT: every tuple of the second
+    // round is counted.
+    assert_eq!(st.nat_reuse_early, 3, "{st:?}");
+}
+
+#[test]
+fn a_tuple_an_established_flow_holds_is_skipped_when_the_slice_comes_round() {
+    let n = cpus() as u16;
+    let env = nat_env("pr-skip", 2 * n, &[BALANCER_IP]);
+    pin_to(0);
+    let (_, held) = establish(&env, 43000, &[backend(0)]);
+    assert_eq!(held, 20000);
+    // 20001, then round: 20000 is a live flow's, so 20001 again.
+    assert_eq!(syn_tuple(&env, 43001).1, 20001);
+    assert_eq!(syn_tuple(&env, 43002).1, 20001);
+    // The established flow still owns its tuple both ways.
+    let reply = Frame::tcp((backend(0), 8080), (BALANCER_IP, held))
+        .flags(ACK | PSH)
+        .payload(b"ok")
+        .macs(mac_of(backend(0)), BALANCER_MAC);
+    let (v, out) = env.run(&reply.build()).unwrap();
+    assert_eq!(v, XDP_TX);
+    assert_eq!(endpoints(&out).1, (CLIENT, 43000));
+}
+
+#[test]
+fn a_second_snat_address_doubles_the_tuples_and_its_replies_come_back() {
+    let second = Ipv4Addr::new(10, 213, 0, 3);
+    let n = cpus() as u16;
+    // One port per CPU, two addresses: two tuples before the round ends.
+    let env = nat_env("pr-snat2", n, &[BALANCER_IP, second]);
+    pin_to(0);
+    let got: Vec<(Ipv4Addr, u16)> = (0..3).map(|i| syn_tuple(&env, 44000 + i)).collect();
+    assert_eq!(
+        got,
+        vec![(BALANCER_IP, 20000), (second, 20000), (BALANCER_IP, 20000)]
+    );
+    let id = env.dp.services[0].backend_ids[0];
+    assert_eq!(env.dp.backend_stats(id).unwrap().nat_reuse_early, 1);
+    // The SYN-ACK to the second address reaches the client of port 44001.
+    let synack = Frame::tcp((backend(0), 8080), (second, 20000))
+        .flags(SYN | ACK)
+        .seq_ack(9000, 1001)
+        .macs(mac_of(backend(0)), BALANCER_MAC);
+    let (v, out) = env.run(&synack.build()).unwrap();
+    assert_eq!(v, XDP_TX);
+    assert_eq!(endpoints(&out), ((VIP, 80), (CLIENT, 44001)));
+    assert!(checksums_valid(&out));
+    // Its handshake completes and the flow keeps the second address.
+    let ack = client_frame(44001).flags(ACK).seq_ack(1001, 9001);
+    let (v, out) = env.run(&ack.build()).unwrap();
+    assert_eq!(v, XDP_TX);
+    assert_eq!(endpoints(&out), ((second, 20000), (backend(0), 8080)));
+}
+
+#[test]
+fn a_client_port_reused_right_after_a_close_reaches_its_new_connection() {
+    let env = env("pr-reopen");
+    let ring = [backend(0), backend(1), backend(2)];
+    pin_to(0);
+    let (b, port) = establish(&env, 48000, &ring);
+    // The backend closes; the client's port is free again at once.
+    let fin = Frame::tcp((b, 8080), (BALANCER_IP, port))
+        .flags(FIN | ACK)
+        .macs(mac_of(b), BALANCER_MAC);
+    assert_eq!(env.run(&fin.build()).unwrap().0, XDP_TX);
+    // A new connection from the same port: SYN, SYN-ACK, ACK.
+    let (b2, port2) = establish(&env, 48000, &ring);
+    assert_ne!((b2, port2), (b, port), "a new connection gets a new tuple");
+    // Its data goes to the new backend and tuple, not the closed flow's.
+    let data = client_frame(48000).flags(ACK | PSH).payload(b"GET /");
+    let (v, out) = env.run(&data.build()).unwrap();
+    assert_eq!(v, XDP_TX);
+    assert_eq!(endpoints(&out), ((BALANCER_IP, port2), (b2, 8080)));
+    // And the closed flow's tuple no longer translates anything.
+    let stale = Frame::tcp((b, 8080), (BALANCER_IP, port))
+        .flags(ACK)
+        .build();
+    assert_eq!(env.run(&stale).unwrap(), (XDP_PASS, stale));
+}

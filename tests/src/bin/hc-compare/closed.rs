@@ -89,7 +89,7 @@ pub fn run(
     keepalive: bool,
     secs: f64,
 ) -> Result<Throughput> {
-    let running = peers::start(b, bed, huddle, 4)?;
+    let running = peers::start(b, bed, huddle, 4, &[])?;
     thread::sleep(Duration::from_millis(500));
     let vip = SocketAddr::from((VIP, 80));
     let _stats = aya::sys::enable_stats(aya::sys::Stats::RunTime)

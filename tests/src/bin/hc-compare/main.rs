@@ -6,7 +6,7 @@
 //!
 //! `hc-compare [--quick] [--trials N] [--secs S] [--rate R] [--out DIR]
 //!   [--per-conn K] [--closed-secs S] [--huddle PATH] [--only SLUG,...]
-//!   [--scenarios SLUG,...]`
+//!   [--scenarios SLUG,...] [--nat-ports MIN-MAX]`
 
 mod closed;
 mod peers;
@@ -45,6 +45,8 @@ struct Opts {
     closed_secs: f64,
     /// Requests per (keep-alive) connection in the open-loop runs.
     per_conn: usize,
+    /// More arguments for the XDP balancer (`--nat-ports RANGE`).
+    huddle_extra: Vec<String>,
 }
 
 fn opts() -> Result<Opts> {
@@ -96,6 +98,9 @@ fn opts() -> Result<Opts> {
         quick,
         closed_secs: num("--closed-secs", if quick { 1.5 } else { 10.0 })?,
         per_conn: (num("--per-conn", 1.0)? as usize).max(1),
+        huddle_extra: val("--nat-ports")
+            .map(|r| vec!["--nat-ports".to_string(), r])
+            .unwrap_or_default(),
     })
 }
 
@@ -143,7 +148,7 @@ fn one(
         bed.reset_backend(i)?;
         bed.backend_admin(i, &format!("delay_ms={}", o.base_ms))?;
     }
-    let running = peers::start(b, bed, &o.huddle, BACKENDS)?;
+    let running = peers::start(b, bed, &o.huddle, BACKENDS, &o.huddle_extra)?;
     thread::sleep(o.warmup);
     let uptime_at_start = if b.is_xdp() {
         bed.status()?.uptime_s

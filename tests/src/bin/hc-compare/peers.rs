@@ -103,7 +103,14 @@ fn haproxy_conf(least_conn: bool, n: usize) -> String {
 }
 
 /// Starts `b` in front of the testbed's backends.
-pub fn start(b: Balancer, bed: &mut Testbed, huddle: &Path, n: usize) -> Result<Running> {
+/// `huddle_extra`: more arguments for the XDP balancer (e.g. `--nat-ports`).
+pub fn start(
+    b: Balancer,
+    bed: &mut Testbed,
+    huddle: &Path,
+    n: usize,
+    huddle_extra: &[String],
+) -> Result<Running> {
     let dir: PathBuf = bed.dir.clone();
     match b {
         Balancer::Huddle | Balancer::XdpRoundRobin => {
@@ -118,6 +125,7 @@ pub fn start(b: Balancer, bed: &mut Testbed, huddle: &Path, n: usize) -> Result<
             if b == Balancer::XdpRoundRobin {
                 args.push("--no-rotation".into());
             }
+            args.extend(huddle_extra.iter().cloned());
             let args: Vec<&str> = args.iter().map(String::as_str).collect();
             bed.start_huddle(huddle, &args)?;
             Ok(Running::Xdp)

@@ -1,0 +1,44 @@
+//! The half-open tables: direct-mapped arrays of slots, one per hash of a
+//! tuple (see `huddle_common::HalfOpen` for why not an LRU hash).
+//!
+//! Two CPUs may write one slot at the same instant (two SYNs whose tuples
+//! hash alike); a reader checks the tag and the whole key, so such a slot
+//! reads as another flow's or as empty, and at worst one handshake is
+//! retried by its client.
+
+use crate::maps::{HALF_OPEN, HALF_OPEN_NAT};
+use huddle_common::{slot_tag, Config, FlowKey, HalfOpen, HalfOpenNat, NatKey};
+
+/// The slot of client tuple `key` (hash `h`), whoever holds it.
+#[inline(always)]
+pub fn client_slot(cfg: &Config, h: u64) -> Option<*mut HalfOpen> {
+    HALF_OPEN.get_ptr_mut((h as u32) & cfg.half_open_mask)
+}
+
+/// The slot of NAT tuple `key` (hash `h`), whoever holds it.
+#[inline(always)]
+pub fn nat_slot(cfg: &Config, h: u64) -> Option<*mut HalfOpenNat> {
+    HALF_OPEN_NAT.get_ptr_mut((h as u32) & cfg.half_open_mask)
+}
+
+/// Whether `slot` holds the half-open flow `key` (of hash `h`).
+#[inline(always)]
+pub fn holds(slot: *const HalfOpen, h: u64, key: &FlowKey) -> bool {
+    // SAFETY: a map value pointer from a lookup in this run.
+    unsafe { (*slot).tag == slot_tag(h) && (*slot).key == *key }
+}
+
+/// Whether `slot` holds the NAT side of a half-open flow with NAT tuple
+/// `key` (of hash `h`).
+#[inline(always)]
+pub fn nat_holds(slot: *const HalfOpenNat, h: u64, key: &NatKey) -> bool {
+    // SAFETY: as above.
+    unsafe { (*slot).tag == slot_tag(h) && (*slot).key == *key }
+}
+
+/// The NAT slot of a half-open flow, if it still holds it.
+#[inline(always)]
+pub fn find_nat(cfg: &Config, key: &NatKey) -> Option<*mut HalfOpenNat> {
+    let h = key.hash(cfg.hash_seed);
+    nat_slot(cfg, h).filter(|s| nat_holds(*s, h, key))
+}

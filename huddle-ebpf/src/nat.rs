@@ -1,0 +1,203 @@
+//! Source-NAT tuples: which (SNAT address, port) a new flow gets toward
+//! its backend, and freeing the tuples of finished flows.
+//!
+//! Each CPU owns a slice of the port range and walks it, per backend, with
+//! a cursor (`NAT_CURSOR`): a tuple comes back only after every other one of
+//! the slice (times the SNAT addresses) has been handed out. A random pick
+//! would soon hand out a tuple whose last connection the backend still
+//! holds in TIME_WAIT (60 s on Linux); half the time that connection's
+//! PAWS or sequence check then refuses the new SYN with an ACK of the old
+//! connection, the client answers RST and resends its SYN a timer tick
+//! later (TCP_TIMEOUT_MIN, 8 ms at HZ=250): a 10 ms latency tail. Walking
+//! in order gives every tuple the longest rest the port space allows, and
+//! no two CPUs ever share a cursor or a tuple.
+
+use crate::maps::{bump, BACKEND_STATS, FLOWS, NAT, NAT_CURSOR};
+use aya_ebpf::{
+    bindings::BPF_NOEXIST,
+    helpers::{bpf_get_smp_processor_id, bpf_ktime_get_ns},
+};
+use huddle_common::{
+    flow_flags, Addr, Config, FlowValue, NatKey, NatValue, FAMILY_V4, MAX_SNAT, NAT_LINGER_NS,
+    NAT_PORT_TRIES, TIME_WAIT_NS,
+};
+
+/// The tuple a new flow got: SNAT address index and port (network order).
+pub struct Tuple {
+    pub snat: u8,
+    pub port_be: u16,
+}
+
+#[inline(always)]
+pub fn key(
+    local: Addr,
+    backend: Addr,
+    backend_port_be: u16,
+    nat_port_be: u16,
+    proto: u8,
+) -> NatKey {
+    NatKey {
+        backend,
+        local,
+        backend_port_be,
+        nat_port_be,
+        proto,
+        family: FAMILY_V4,
+        _pad: [0; 2],
+    }
+}
+
+/// The SNAT address with index `i` (always below `MAX_SNAT`, a power of
+/// two: the mask is what the verifier needs to see, a comparison LLVM may
+/// turn into a select it cannot follow).
+#[inline(always)]
+pub fn snat_addr(cfg: &Config, i: u8) -> &Addr {
+    &cfg.snat_addrs[usize::from(i) & (MAX_SNAT - 1)]
+}
+
+/// Hands out the next free tuple of this CPU's slice toward backend `id`
+/// (`addr`:`port_be`), leaving its NAT key in `nkey`. Outside a handshake
+/// (`half` false: UDP, a moved flow) it is recorded at once for `nval`'s
+/// flow in the NAT table; a half-open flow's goes to its half-open slot.
+/// `now` is the clock. `None`: every tuple tried is held by a live flow.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+pub fn allocate(
+    cfg: &Config,
+    id: u32,
+    addr: &Addr,
+    port_be: u16,
+    proto: u8,
+    nval: &NatValue,
+    nkey: &mut NatKey,
+    half: bool,
+    now: u64,
+) -> Option<Tuple> {
+    let cursor = NAT_CURSOR.get_ptr_mut(id)?;
+    // SAFETY: plain helper call.
+    let cpu = unsafe { bpf_get_smp_processor_id() };
+    let ports = u32::from(cfg.slice_ports).max(1);
+    let addrs = u32::from(cfg.snat_count).clamp(1, MAX_SNAT as u32);
+    // One slice per possible CPU; `checked_rem` only guards the divisor
+    // for the compiler (a panic path would not pass the verifier).
+    let slice = if cpu < u32::from(cfg.slices) {
+        cpu
+    } else {
+        cpu.checked_rem(u32::from(cfg.slices)).unwrap_or(0)
+    };
+    let base = u32::from(cfg.nat_port_min) + slice * ports;
+    // SAFETY: this CPU's element of a per-CPU array; the program is not
+    // re-entered on one CPU while it runs.
+    let c = unsafe { &mut *cursor };
+    if c.round_ns == 0 {
+        c.round_ns = now;
+    }
+    *nkey = key(cfg.snat_addrs[0], *addr, port_be, 0, proto);
+    for _ in 0..NAT_PORT_TRIES {
+        // Whether this tuple's last use was less than TIME_WAIT ago: the
+        // round it was last handed out in was that short.
+        let early = c.early;
+        let off = if c.port < ports { c.port } else { 0 };
+        let a = if c.addr < addrs { c.addr } else { 0 };
+        if off + 1 < ports {
+            c.port = off + 1;
+            c.addr = a;
+        } else if a + 1 < addrs {
+            c.port = 0;
+            c.addr = a + 1;
+        } else {
+            // The round is over: if it took less than TIME_WAIT the next
+            // one reuses tuples the backend may still hold.
+            c.port = 0;
+            c.addr = 0;
+            c.early = u32::from(now.wrapping_sub(c.round_ns) < TIME_WAIT_NS);
+            c.round_ns = now;
+        }
+        nkey.local = *snat_addr(cfg, a as u8);
+        nkey.nat_port_be = ((base + off) as u16).to_be();
+        // Never a tuple an established flow still holds (`reclaim` looks
+        // it up once and frees it if its flow is over).
+        if !reclaim(nkey) {
+            continue;
+        }
+        if !half && NAT.insert(&*nkey, nval, u64::from(BPF_NOEXIST)).is_err() {
+            continue;
+        }
+        if early != 0 {
+            bump(&BACKEND_STATS, id, |s| s.nat_reuse_early += 1);
+        }
+        return Some(Tuple {
+            snat: a as u8,
+            port_be: nkey.nat_port_be,
+        });
+    }
+    // Every tuple tried is held by a live flow.
+    None
+}
+
+/// Frees the NAT entry `key` if the flow holding it is over: gone from
+/// the flow table, closing (FIN or RST seen) for `NAT_LINGER_NS`, or no
+/// longer using this port. NAT entries are not removed when flows end (the
+/// last packets of a close still need translating), so without this a
+/// backend's ports would fill with finished flows long before the LRU
+/// tables evict them. Returns whether the tuple is free now.
+#[inline(always)]
+fn reclaim(key: &NatKey) -> bool {
+    // SAFETY: copied out at once.
+    let Some(old) = (unsafe { NAT.get(key) }).copied() else {
+        return true;
+    };
+    // The flow the entry names, if it still holds this tuple (its client
+    // tuple may since have been reused by a flow with another one).
+    // SAFETY: as above.
+    let owner = unsafe { FLOWS.get(&old.flow) }
+        .copied()
+        .filter(|f| f.nat_port_be == key.nat_port_be && f.backend == old.backend);
+    if let Some(f) = owner {
+        if f.flags & flow_flags::CLOSING == 0 {
+            return false;
+        }
+        // SAFETY: plain helper call.
+        let now = unsafe { bpf_ktime_get_ns() };
+        if now.wrapping_sub(f.stamp_ns) < NAT_LINGER_NS {
+            return false;
+        }
+        let _ = FLOWS.remove(&old.flow);
+    }
+    let _ = NAT.remove(key);
+    true
+}
+
+/// The NAT key of an existing flow toward backend `addr`:`port_be`.
+#[inline(always)]
+pub fn flow_key(cfg: &Config, flow: &FlowValue, addr: &Addr, port_be: u16, proto: u8) -> NatKey {
+    key(
+        *snat_addr(cfg, flow.snat),
+        *addr,
+        port_be,
+        flow.nat_port_be,
+        proto,
+    )
+}
+
+/// Counts a flow closed the first time either side sends FIN or RST, and
+/// starts its NAT tuple's linger time.
+#[inline(always)]
+pub fn close(f: *mut FlowValue, backend: u32) {
+    // SAFETY: a map value pointer from a lookup in this run. Two CPUs
+    // racing here at most count one close twice; the flag is advisory.
+    unsafe {
+        if (*f).flags & flow_flags::CLOSING == 0 {
+            (*f).flags |= flow_flags::CLOSING;
+            (*f).stamp_ns = bpf_ktime_get_ns();
+            bump(&BACKEND_STATS, backend, |s| s.flows_closed += 1);
+        }
+    }
+}
+
+/// Removes NAT entry `key` (of a flow that could not be recorded, or that
+/// a new one replaces).
+#[inline(always)]
+pub fn forget(key: &NatKey) {
+    let _ = NAT.remove(key);
+}
