@@ -10,7 +10,7 @@ use crate::{
     forward::send,
     halfopen,
     maps::{
-        bump, global, Scratch, BACKENDS, BACKEND_STATS, CONFIG, FLOWS, NAT, SCRATCH, SERVICES,
+        bump, global, put, Scratch, BACKENDS, BACKEND_STATS, CONFIG, FLOWS, NAT, SCRATCH, SERVICES,
         SERVICE_STATS,
     },
     nat,
@@ -21,9 +21,8 @@ use crate::{
 use aya_ebpf::{bindings::xdp_action, helpers::bpf_ktime_get_ns, programs::XdpContext};
 use aya_log_ebpf::warn;
 use huddle_common::{
-    addr_v4, backend_flags, flow_flags, slot_tag, Config, FlowKey, FlowValue, HalfOpen,
-    HalfOpenNat, ServiceKey, FAMILY_V4, NAT_PORT_TRIES, PROTO_TCP, SERVICE_KIND_SNAT,
-    SERVICE_KIND_VIP,
+    addr_v4, backend_flags, flow_flags, slot_tag, Config, FlowKey, FlowValue, HalfOpen, ServiceKey,
+    FAMILY_V4, NAT_PORT_TRIES, PROTO_TCP, SERVICE_KIND_SNAT, SERVICE_KIND_VIP,
 };
 
 #[inline(always)]
@@ -354,15 +353,15 @@ fn new_flow(
         write_nat_slot(cfg, service, sc);
         // SAFETY: map value pointer, valid for this run. A slot still
         // tagged holds a handshake that had not completed: it loses it.
+        // Field by field, tag last: no 80-byte temporary on the stack, and
+        // a reader on another CPU sees the new tag after the new key.
         unsafe {
             if (*s).tag != 0 {
                 bump(&SERVICE_STATS, service, |st| st.half_open_lost += 1);
             }
-            *s = HalfOpen {
-                tag: slot_tag(h),
-                key: sc.nval.flow,
-                flow,
-            };
+            put(&mut (*s).key, &sc.nval.flow);
+            put(&mut (*s).flow, &flow);
+            (*s).tag = slot_tag(h);
         }
         bump(&SERVICE_STATS, service, |s| s.half_open += 1);
         bump(&BACKEND_STATS, backend_id, |s| s.syns += 1);
@@ -391,11 +390,9 @@ fn write_nat_slot(cfg: &Config, service: u32, sc: &Scratch) {
             if (*n).tag != 0 && (*n).key != sc.nkey {
                 bump(&SERVICE_STATS, service, |st| st.half_open_lost += 1);
             }
-            *n = HalfOpenNat {
-                tag: slot_tag(h),
-                key: sc.nkey,
-                nat: sc.nval,
-            };
+            put(&mut (*n).key, &sc.nkey);
+            put(&mut (*n).nat, &sc.nval);
+            (*n).tag = slot_tag(h);
         }
     }
 }

@@ -7,7 +7,7 @@
 //! rarely changes, and comparing a generation costs no clock read.
 
 use crate::{
-    maps::{global, NEXT_HOP},
+    maps::{global, put, NEXT_HOP},
     parse::Packet,
 };
 use aya_ebpf::{
@@ -37,8 +37,8 @@ pub fn send(ctx: &XdpContext, p: &Packet, backend: Option<u32>, generation: u64)
         unsafe {
             let hop = &*c;
             if hop.generation == current && hop.ingress == ingress {
-                (*p.eth).dst_addr = hop.dmac;
-                (*p.eth).src_addr = hop.smac;
+                put(&mut (*p.eth).dst_addr, &hop.dmac);
+                put(&mut (*p.eth).src_addr, &hop.smac);
                 return out(ingress, hop.ifindex);
             }
         }
@@ -68,8 +68,8 @@ pub fn send(ctx: &XdpContext, p: &Packet, backend: Option<u32>, generation: u64)
             // SAFETY: the Ethernet header was bounds-checked by `parse`;
             // the cache element is this CPU's.
             unsafe {
-                (*p.eth).dst_addr = params.dmac;
-                (*p.eth).src_addr = params.smac;
+                put(&mut (*p.eth).dst_addr, &params.dmac);
+                put(&mut (*p.eth).src_addr, &params.smac);
                 if let Some(c) = cache {
                     (*c).smac = params.smac;
                     (*c).dmac = params.dmac;

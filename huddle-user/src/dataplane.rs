@@ -18,7 +18,7 @@ use aya::{
 };
 use huddle_common::{
     addr_v4, maps, ring_slot, Backend, BackendStats, Config as KernelConfig, Counters, GlobalStats,
-    Latency, Pulse, Ring, ServiceKey, ServiceStats, ServiceValue, FAMILY_V4, MAX_SNAT,
+    Latency, NatCursor, Pulse, Ring, ServiceKey, ServiceStats, ServiceValue, FAMILY_V4, MAX_SNAT,
     PROGRAM_NAME, RING_CAPACITY, SERVICE_KIND_SNAT, SERVICE_KIND_VIP,
 };
 use huddle_common::{MAX_BACKENDS, MAX_SERVICES};
@@ -116,6 +116,9 @@ pub struct Dataplane {
     global_stats: PerCpuArray<MapData, GlobalStats>,
     latency: PerCpuArray<MapData, Latency>,
     pulse: Array<MapData, Pulse>,
+    nat_cursor: PerCpuArray<MapData, NatCursor>,
+    /// `NAT_CURSOR` was made by this load: every backend's cursor starts.
+    fresh_cursors: bool,
     pub services: Vec<ServiceSlot>,
 }
 
@@ -164,11 +167,13 @@ impl Dataplane {
                 cfg.half_open_table_size.next_power_of_two(),
             );
         let mut adopted = false;
+        let mut fresh_cursors = true;
         if let Some(dir) = pins {
             std::fs::create_dir_all(dir)
                 .with_context(|| format!("creating the pin folder {}", dir.display()))?;
             check_pinned_layouts(dir)?;
             adopted = dir.join(maps::FLOWS).exists();
+            fresh_cursors = !dir.join(maps::NAT_CURSOR).exists();
             for name in maps::ALL {
                 loader.map_pin_path(name, dir.join(name));
             }
@@ -249,6 +254,8 @@ impl Dataplane {
             service_stats: take(&mut ebpf, maps::SERVICE_STATS)?,
             global_stats: take(&mut ebpf, maps::GLOBAL_STATS)?,
             latency: take(&mut ebpf, maps::LATENCY)?,
+            nat_cursor: take(&mut ebpf, maps::NAT_CURSOR)?,
+            fresh_cursors,
             pulse: take(&mut ebpf, maps::PULSE)?,
             ebpf,
             link: None,
@@ -265,7 +272,30 @@ impl Dataplane {
         };
         dp.program_snat()?;
         dp.reconcile(cfg)?;
+        dp.fresh_cursors = false;
         Ok(dp)
+    }
+
+    /// Sets backend `id`'s NAT cursor on every CPU to where a walk of one
+    /// round per TIME_WAIT would stand now, as if it had always walked at
+    /// that pace. A balancer started afresh (after `huddle stop`, or a
+    /// backend given a new slot) then does not hand out the tuples a
+    /// previous run used moments ago, which the backends still hold in
+    /// TIME_WAIT, as long as that run stayed within the capacity.
+    fn start_cursor(&mut self, id: u32) -> Result<()> {
+        let cursor = cursor_at(
+            crate::host::monotonic_ns(),
+            u64::from(self.kernel_config.slice_ports),
+            u64::from(self.kernel_config.snat_count),
+        );
+        let cpus = crate::host::possible_cpus()?;
+        self.nat_cursor
+            .set(
+                id,
+                aya::maps::PerCpuValues::try_from(vec![cursor; cpus])?,
+                0,
+            )
+            .with_context(|| format!("setting the NAT cursor of backend id {id}"))
     }
 
     /// Makes `SERVICES` name exactly this run's SNAT addresses, so replies
@@ -366,8 +396,9 @@ impl Dataplane {
             let sid = sid.context("service id")?;
             let mut ids = Vec::new();
             for addr in &service.backends {
-                let id = match old_backends.get(&(sid as u8, *addr)) {
-                    Some(id) => *id,
+                let known = old_backends.get(&(sid as u8, *addr)).copied();
+                let id = match known {
+                    Some(id) => id,
                     // Never-used slots first: a retired slot may still be
                     // named by flows draining to its old backend.
                     None => match free.pop() {
@@ -385,6 +416,11 @@ impl Dataplane {
                         }
                     },
                 };
+                // A backend new to this slot walks its NAT tuples from where
+                // the clock says, not from where a slot's last run stopped.
+                if known.is_none() || self.fresh_cursors {
+                    self.start_cursor(id)?;
+                }
                 kept.insert(id);
                 let mut v = backend_value(*addr);
                 v.service = sid as u8;
@@ -724,6 +760,23 @@ fn check_pinned_layouts(dir: &Path) -> Result<()> {
     Ok(())
 }
 
+/// The NAT cursor of a walk over `ports` x `addrs` tuples that has taken
+/// one tuple every TIME_WAIT / (ports x addrs) since the clock's zero.
+fn cursor_at(now_ns: u64, ports: u64, addrs: u64) -> NatCursor {
+    let space = (ports * addrs).max(1);
+    let step = (huddle_common::TIME_WAIT_NS / space).max(1);
+    let pos = (now_ns / step) % space;
+    NatCursor {
+        port: (pos % ports.max(1)) as u32,
+        addr: (pos / ports.max(1)) as u32,
+        // When the walk was at the slice's start: its rounds last
+        // TIME_WAIT, so the first one it finishes is not counted early.
+        round_ns: now_ns.saturating_sub(pos * step).max(1),
+        early: 0,
+        _pad: 0,
+    }
+}
+
 /// A secret, never-zero seed for the half-open tables' hash.
 fn random_seed() -> Result<u64> {
     let mut b = [0u8; 8];
@@ -836,6 +889,25 @@ mod tests {
         assert_eq!(k.proto, 6);
         let b = backend_value("10.9.9.9:53".parse().unwrap());
         assert_eq!(b.port_be.to_ne_bytes(), 53u16.to_be_bytes());
+    }
+
+    #[test]
+    fn cursors_start_where_a_walk_of_one_round_per_time_wait_stands() {
+        let tw = huddle_common::TIME_WAIT_NS;
+        // 1,000 tuples: one every 60 ms. 30 s into a round: tuple 500.
+        let c = cursor_at(10 * tw + tw / 2, 500, 2);
+        assert_eq!((c.port, c.addr), (0, 1));
+        assert_eq!(c.round_ns, 10 * tw);
+        let c = cursor_at(tw / 4, 1000, 1);
+        assert_eq!((c.port, c.addr), (250, 0));
+        assert_eq!(c.round_ns, 1, "never 0: the program would restart it");
+        // A later start is further on: a run that took fewer tuples than
+        // that in between is behind it.
+        let (a, b) = (
+            cursor_at(tw, 6384, 1),
+            cursor_at(tw + 20 * tw / 60, 6384, 1),
+        );
+        assert_eq!(b.port - a.port, 2128);
     }
 
     #[test]
