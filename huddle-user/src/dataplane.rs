@@ -769,9 +769,10 @@ fn cursor_at(now_ns: u64, ports: u64, addrs: u64) -> NatCursor {
     NatCursor {
         port: (pos % ports.max(1)) as u32,
         addr: (pos / ports.max(1)) as u32,
-        // When the walk was at the slice's start: its rounds last
-        // TIME_WAIT, so the first one it finishes is not counted early.
-        round_ns: now_ns.saturating_sub(pos * step).max(1),
+        // This run has handed out nothing yet: the round it is in counts
+        // as a full TIME_WAIT old, so early reuse is counted from the
+        // second round on (the first wrap is never early).
+        round_ns: now_ns.saturating_sub(huddle_common::TIME_WAIT_NS).max(1),
         early: 0,
         _pad: 0,
     }
@@ -897,7 +898,7 @@ mod tests {
         // 1,000 tuples: one every 60 ms. 30 s into a round: tuple 500.
         let c = cursor_at(10 * tw + tw / 2, 500, 2);
         assert_eq!((c.port, c.addr), (0, 1));
-        assert_eq!(c.round_ns, 10 * tw);
+        assert_eq!(c.round_ns, 9 * tw + tw / 2);
         let c = cursor_at(tw / 4, 1000, 1);
         assert_eq!((c.port, c.addr), (250, 0));
         assert_eq!(c.round_ns, 1, "never 0: the program would restart it");
