@@ -66,9 +66,9 @@ pub struct Balancer {
     nat_reuse: std::collections::HashMap<u32, (u64, bool)>,
 }
 
-/// Frames sent and answers translated at the first tick, to tell an
-/// attach mode that loses what it transmits (XDP_TX counted, nothing ever
-/// answered) in the first seconds.
+/// SYNs sent toward backends and answers translated at the first tick, to
+/// tell an attach mode that loses what it transmits (SYNs sent, nothing
+/// ever answered) in the first seconds.
 #[derive(Clone, Copy)]
 struct TxWatch {
     sent: u64,
@@ -79,7 +79,7 @@ struct TxWatch {
 
 /// How long after start the daemon checks that sent frames are answered.
 const TX_WATCH: Duration = Duration::from_secs(5);
-/// Frames that must go out unanswered before it says so.
+/// SYNs that must go out unanswered before it says so.
 const TX_WATCH_MIN_SENT: u64 = 20;
 
 /// Produces a fresh, validated configuration.
@@ -401,16 +401,19 @@ impl Balancer {
     /// answer came back means every backend is down or the attach mode
     /// loses transmitted frames; either way the operator must hear it.
     fn watch_tx(&mut self, now: Duration) {
+        // TCP only: a SYN always gets an answer (SYN-ACK or RST) from a
+        // live backend, while a UDP service may be one-way by design.
         let read = || -> Result<TxWatch> {
-            let g = self.dp.global_stats()?;
-            let mut answered = 0;
+            let (mut sent, mut answered) = (0, 0);
             for slot in &self.dp.services {
                 for id in &slot.backend_ids {
-                    answered += self.dp.backend_stats(*id)?.pkts_from;
+                    let b = self.dp.backend_stats(*id)?;
+                    sent += b.syns;
+                    answered += b.pkts_from;
                 }
             }
             Ok(TxWatch {
-                sent: g.tx + g.redirect,
+                sent,
                 answered,
                 done: false,
             })
@@ -431,7 +434,7 @@ impl Balancer {
         if sent >= TX_WATCH_MIN_SENT && now >= TX_WATCH {
             let mode = self.dp.mode.map_or("detached", |m| m.as_str());
             let note = format!(
-                "forwarding nothing: {sent} frames sent toward backends in the first {}s in {mode} mode and not one answer came back; either every backend is down, or this mode loses what it transmits (on a veth, native XDP_TX needs an XDP program on the peer and senders that compute checksums: try --xdp-mode generic)",
+                "forwarding nothing: {sent} SYNs sent toward backends in the first {}s in {mode} mode and not one answer came back; either every backend is down, or this mode loses what it transmits (on a veth, native XDP_TX needs an XDP program on the peer and senders that compute checksums: try --xdp-mode generic)",
                 TX_WATCH.as_secs()
             );
             warn!("{note}");

@@ -171,7 +171,7 @@ impl Dataplane {
         if let Some(dir) = pins {
             std::fs::create_dir_all(dir)
                 .with_context(|| format!("creating the pin folder {}", dir.display()))?;
-            check_pinned_layouts(dir)?;
+            check_pinned_layouts(dir, cfg.half_open_table_size.next_power_of_two())?;
             adopted = dir.join(maps::FLOWS).exists();
             fresh_cursors = !dir.join(maps::NAT_CURSOR).exists();
             for name in maps::ALL {
@@ -724,11 +724,12 @@ const RECREATABLE: [&str; 10] = [
     maps::LATENCY,
 ];
 
-/// Compares each map pinned in `dir` with this build's layout of it. A
-/// recreatable one laid out otherwise is unpinned (made afresh by the
-/// load); any other mismatch is refused with what to do, rather than left
-/// to fail in the verifier.
-fn check_pinned_layouts(dir: &Path) -> Result<()> {
+/// Compares each map pinned in `dir` with this build's layout of it (and
+/// the half-open tables with their configured size, `half_open` slots: the
+/// program masks hashes with it). A recreatable one laid out otherwise is
+/// unpinned (made afresh by the load); any other mismatch is refused with
+/// what to do, rather than left to fail in the verifier.
+fn check_pinned_layouts(dir: &Path, half_open: u32) -> Result<()> {
     let obj = aya_obj::Object::parse(object::HUDDLE).context("parsing the embedded object")?;
     for name in maps::ALL {
         let pin = dir.join(name);
@@ -740,11 +741,15 @@ fn check_pinned_layouts(dir: &Path) -> Result<()> {
         };
         let have = aya::maps::MapInfo::from_pin(&pin)
             .with_context(|| format!("reading the pinned map {}", pin.display()))?;
-        if have.key_size() == want.key_size() && have.value_size() == want.value_size() {
+        let sized = [maps::HALF_OPEN, maps::HALF_OPEN_NAT].contains(&name);
+        if have.key_size() == want.key_size()
+            && have.value_size() == want.value_size()
+            && (!sized || have.max_entries() == half_open)
+        {
             continue;
         }
         if RECREATABLE.contains(&name) {
-            info!("{name} has another layout in this build: made afresh");
+            info!("{name} has another layout or size in this run: made afresh");
             std::fs::remove_file(&pin).with_context(|| format!("removing {}", pin.display()))?;
             continue;
         }

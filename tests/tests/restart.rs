@@ -205,3 +205,47 @@ fn ip_netns_exec_restart_keeps_every_connection() {
     assert!(log.contains("pinning into the host's bpffs"), "{log}");
     assert!(log.contains("took over the running data plane"), "{log}");
 }
+
+/// A restart with another half-open table size makes those tables afresh
+/// (the program finds slots by masking a hash with the size) and new
+/// connections keep coming in; established ones are untouched.
+#[test]
+fn a_restart_with_another_half_open_size_remakes_those_tables() {
+    require_root();
+    let mut bed = Testbed::new("hosize", 2).expect("testbed");
+    bed.start_backends(Path::new(BACKEND)).expect("backends");
+    let config = bed.dir.join("huddle.toml");
+    std::fs::write(&config, "half_open_table_size = 1024\n").unwrap();
+    let args: Vec<String> = vec![
+        "--config".into(),
+        config.display().to_string(),
+        "--vip".into(),
+        format!("{VIP}:80"),
+        "--backend".into(),
+        format!("{}:{HTTP_PORT}", backend_ip(0)),
+        "--backend".into(),
+        format!("{}:{HTTP_PORT}", backend_ip(1)),
+    ];
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    bed.start_huddle(Path::new(HUDDLE), &args).expect("huddle");
+    let vip: SocketAddr = (VIP, 80).into();
+    let held = HeldConnections::start(&bed.client, vip, 4, 1, Duration::from_millis(20));
+    held.wait_opened(4, Duration::from_secs(10))
+        .expect("connections open");
+    bed.kill_huddle(libc::SIGKILL);
+    std::fs::write(&config, "half_open_table_size = 4096\n").unwrap();
+    bed.restart_huddle()
+        .unwrap_or_else(|e| panic!("restart: {e:#}\n{}", bed.huddle_log()));
+    let failed = testbed::in_ns(&bed.client, move || {
+        (0..100)
+            .filter(|_| testbed::http_get(vip, Duration::from_secs(2)).is_err())
+            .count()
+    });
+    let broken = held.stop();
+    println!("half-open tables resized across a restart: {failed} of 100 new requests failed, {} of 4 held connections broke", broken.len());
+    assert_eq!(failed, 0, "{}", bed.huddle_log());
+    assert!(broken.is_empty(), "{broken:?}");
+    assert!(bed
+        .huddle_log()
+        .contains("HALF_OPEN has another layout or size"));
+}
