@@ -6,7 +6,11 @@ use crate::{
 };
 use anyhow::{bail, Context, Result};
 use clap::{Args, Parser, Subcommand};
-use std::{net::Ipv4Addr, path::PathBuf, process::ExitCode};
+use std::{
+    net::Ipv4Addr,
+    path::{Path, PathBuf},
+    process::ExitCode,
+};
 use tracing_subscriber::EnvFilter;
 
 #[derive(Parser, Debug)]
@@ -73,7 +77,8 @@ enum Cmd {
 
 #[derive(Args, Debug)]
 struct Target {
-    /// Interface of the balancer (selects /run/huddle/IFACE.sock).
+    /// Interface of the balancer (selects /run/huddle/IFACE.sock); default:
+    /// the only balancer running on this host.
     #[arg(long, short)]
     iface: Option<String>,
     /// Control socket path (overrides --iface).
@@ -82,13 +87,78 @@ struct Target {
 }
 
 impl Target {
+    /// The control socket to talk to: the one named, or the only balancer
+    /// running here.
     fn socket(&self) -> Result<PathBuf> {
+        Ok(self.resolve(false)?.0)
+    }
+
+    /// The control socket and, when known, the interface. Without
+    /// `--iface` or `--control-socket`: the only balancer whose socket in
+    /// the default folder answers; for `stop` (`stopping`), failing that,
+    /// the only one whose data plane is still pinned with no daemon. With
+    /// several, they are listed and the caller must choose.
+    fn resolve(&self, stopping: bool) -> Result<(PathBuf, Option<String>)> {
         match (&self.control_socket, &self.iface) {
-            (Some(p), _) => Ok(p.clone()),
-            (None, Some(i)) => Ok(default_control_socket(i)),
-            (None, None) => bail!("say which balancer: --iface IFACE or --control-socket PATH"),
+            (Some(p), i) => Ok((p.clone(), i.clone())),
+            (None, Some(i)) => Ok((default_control_socket(i), Some(i.clone()))),
+            (None, None) => {
+                let dir = default_control_socket("x")
+                    .parent()
+                    .map(Path::to_path_buf)
+                    .unwrap_or_default();
+                let found = running_balancers(&dir, stopping);
+                match found.as_slice() {
+                    [one] => Ok((one.1.clone(), Some(one.0.clone()))),
+                    [] => bail!(
+                        "no balancer runs on this host (no answering control socket in {}); say which: --iface IFACE or --control-socket PATH",
+                        dir.display()
+                    ),
+                    many => bail!(
+                        "{} balancers run on this host: {}; say which with --iface",
+                        many.len(),
+                        many.iter()
+                            .map(|(i, _)| i.as_str())
+                            .collect::<Vec<_>>()
+                            .join(", ")
+                    ),
+                }
+            }
         }
     }
+}
+
+/// (interface, control socket) of each balancer in `dir` whose socket
+/// answers; with `stopping` and none answering, of each whose daemon is
+/// gone but whose data plane is still pinned.
+fn running_balancers(dir: &Path, stopping: bool) -> Vec<(String, PathBuf)> {
+    let mut socks: Vec<(String, PathBuf)> = std::fs::read_dir(dir)
+        .into_iter()
+        .flatten()
+        .filter_map(Result::ok)
+        .map(|e| e.path())
+        .filter_map(|p| {
+            let iface = p.file_name()?.to_str()?.strip_suffix(".sock")?.to_string();
+            Some((iface, p))
+        })
+        .collect();
+    socks.sort();
+    let live: Vec<_> = socks
+        .iter()
+        .filter(|(_, p)| std::os::unix::net::UnixStream::connect(p).is_ok())
+        .cloned()
+        .collect();
+    if !live.is_empty() || !stopping {
+        return live;
+    }
+    socks
+        .into_iter()
+        .filter(|(i, _)| {
+            let pins = crate::host::default_pin_dir(i);
+            let pins = crate::host::host_pin_dir(&pins).unwrap_or(pins);
+            pins.join(huddle_common::maps::FLOWS).exists()
+        })
+        .collect()
 }
 
 #[derive(Args, Debug)]
@@ -250,8 +320,8 @@ fn dispatch(cmd: Cmd) -> Result<()> {
             pin_dir,
             state_file,
         } => {
-            let socket = target.socket()?;
-            let pins = match (pin_dir, &target.iface) {
+            let (socket, iface) = target.resolve(true)?;
+            let pins = match (pin_dir, &iface) {
                 (Some(p), _) => p,
                 (None, Some(i)) => crate::host::default_pin_dir(i),
                 (None, None) => bail!("say which pin folder: --iface IFACE or --pin-dir PATH"),
@@ -304,4 +374,27 @@ fn control_message(target: &Target, req: Request) -> Result<()> {
     }
     println!("{}", reply.message.unwrap_or_default());
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::unix::net::UnixListener;
+
+    #[test]
+    fn only_answering_sockets_count_as_running_balancers() {
+        let dir = std::env::temp_dir().join(format!("huddle-cli-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let _a = UnixListener::bind(dir.join("eth0.sock")).unwrap();
+        let _b = UnixListener::bind(dir.join("eth1.sock")).unwrap();
+        // A daemon killed without cleaning up leaves a socket nobody answers.
+        drop(UnixListener::bind(dir.join("eth2.sock")).unwrap());
+        std::fs::write(dir.join("eth0.state"), "not a socket").unwrap();
+        let found: Vec<String> = running_balancers(&dir, false)
+            .into_iter()
+            .map(|(i, _)| i)
+            .collect();
+        assert_eq!(found, ["eth0", "eth1"]);
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
 }

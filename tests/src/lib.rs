@@ -199,6 +199,9 @@ pub struct Testbed {
     /// Start the balancer with `ip netns exec` (a fresh /sys without the
     /// host's bpffs, as a user would) instead of a namespace switch only.
     pub ip_netns_exec: bool,
+    /// Let the balancer use its default control socket (one test at a
+    /// time: the folder is the host's).
+    pub default_socket: bool,
     // Dropped last: the bridge the others hang off.
     pub switch: Netns,
 }
@@ -238,6 +241,7 @@ impl Testbed {
             backend_extra: Vec::new(),
             dir,
             ip_netns_exec: false,
+            default_socket: false,
             switch,
         };
         bed.attach("pl", &bed.lb, LB_IP, tuned)?;
@@ -415,25 +419,27 @@ impl Testbed {
     /// Control socket path for a balancer of this testbed.
     #[must_use]
     pub fn socket(&self) -> PathBuf {
-        self.dir.join("huddle.sock")
+        if self.default_socket {
+            huddle_user::config::default_control_socket("eth0")
+        } else {
+            self.dir.join("huddle.sock")
+        }
     }
 
     /// Starts the balancer in the lb namespace with `extra` arguments after
     /// `run --iface eth0 --control-socket ...`, and waits for its socket.
     pub fn start_huddle(&mut self, bin: &Path, extra: &[&str]) -> Result<()> {
         let sock = self.socket();
-        let mut args: Vec<String> = [
-            "run",
-            "--iface",
-            "eth0",
-            "--control-socket",
-            &sock.display().to_string(),
-            "--pin-dir",
-            &self.pins.display().to_string(),
-        ]
-        .iter()
-        .map(ToString::to_string)
-        .collect();
+        let mut args: Vec<String> = ["run", "--iface", "eth0"]
+            .iter()
+            .map(ToString::to_string)
+            .collect();
+        if !self.default_socket {
+            args.push("--control-socket".into());
+            args.push(sock.display().to_string());
+        }
+        args.push("--pin-dir".into());
+        args.push(self.pins.display().to_string());
         args.extend(extra.iter().map(ToString::to_string));
         self.huddle_args = args;
         self.huddle_bin = bin.to_path_buf();

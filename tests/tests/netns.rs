@@ -565,3 +565,41 @@ fn a_mode_that_forwards_nothing_is_reported() {
     );
     assert!(bed.huddle_log().contains("forwarding nothing"));
 }
+
+/// `status`, `drain` and `stop` without `--iface`: the only balancer
+/// running on the host is the one meant.
+#[test]
+fn commands_without_iface_find_the_only_balancer() {
+    require_root();
+    let mut bed = Testbed::new("find", 2).expect("build testbed");
+    bed.default_socket = true;
+    bed.start_backends(Path::new(BACKEND))
+        .expect("start backends");
+    let b0 = format!("{}:{HTTP_PORT}", backend_ip(0));
+    let args = [
+        "--vip".to_string(),
+        format!("{VIP}:80"),
+        "--backend".into(),
+        b0.clone(),
+        "--backend".into(),
+        format!("{}:{HTTP_PORT}", backend_ip(1)),
+    ];
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    bed.start_huddle(Path::new(HUDDLE), &args)
+        .expect("start huddle");
+    let huddle = Path::new(HUDDLE);
+    let (ok, out, err) = output(huddle, &["status", "--json"]).unwrap();
+    assert!(ok, "status without --iface: {err}");
+    assert!(out.contains("\"interface\": \"eth0\""), "{out}");
+    let (ok, _, err) = output(huddle, &["drain", "--backend", &b0]).unwrap();
+    assert!(ok, "drain without --iface: {err}");
+    let st = bed.status().unwrap();
+    assert!(st.services[0].backends[0].drained);
+    let (ok, out, err) = output(huddle, &["stop"]).unwrap();
+    assert!(ok, "stop without --iface: {err}");
+    println!("stop without --iface: {}", out.trim());
+    assert!(!xdp_attached(&bed.lb), "the data plane stayed attached");
+    let (ok, _, err) = output(huddle, &["status"]).unwrap();
+    assert!(!ok);
+    assert!(err.contains("no balancer runs on this host"), "{err}");
+}
