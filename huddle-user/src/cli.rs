@@ -20,8 +20,19 @@ use tracing_subscriber::EnvFilter;
     about = "HuddleCluster: an XDP load balancer that rests its hot backends"
 )]
 struct Cli {
+    /// Log lines as text for people, or as one JSON object per line for
+    /// log shippers; rotations, refusals and warnings carry the same
+    /// fields in both.
+    #[arg(long, global = true, value_enum, default_value_t = LogFormat::Text)]
+    log_format: LogFormat,
     #[command(subcommand)]
     cmd: Cmd,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+enum LogFormat {
+    Text,
+    Json,
 }
 
 #[derive(Subcommand, Debug)]
@@ -266,19 +277,22 @@ impl RunArgs {
     }
 }
 
-fn init_tracing() {
+fn init_tracing(format: LogFormat) {
     let filter = EnvFilter::try_from_env("HUDDLE_LOG").unwrap_or_else(|_| EnvFilter::new("info"));
-    let _ = tracing_subscriber::fmt()
+    let fmt = tracing_subscriber::fmt()
         .with_env_filter(filter)
-        .with_target(false)
-        .try_init();
+        .with_target(false);
+    let _ = match format {
+        LogFormat::Text => fmt.try_init(),
+        LogFormat::Json => fmt.json().flatten_event(true).try_init(),
+    };
 }
 
 /// Entry point of the `huddle` binary.
 #[must_use]
 pub fn main() -> ExitCode {
     let cli = Cli::parse();
-    init_tracing();
+    init_tracing(cli.log_format);
     match dispatch(cli.cmd) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {

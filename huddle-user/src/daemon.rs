@@ -343,6 +343,12 @@ impl Balancer {
                     temperature: m.temperature,
                 };
                 info!(
+                    event = "rotation",
+                    service = %service,
+                    backend = %backend,
+                    to = m.to.as_str(),
+                    reason = %ev.reason,
+                    temperature = m.temperature,
                     "rotation: {service} backend {backend} -> {} ring ({}), temperature {:.2}",
                     m.to.as_str(),
                     ev.reason,
@@ -388,12 +394,19 @@ impl Balancer {
         if new > 0 && !e.1 {
             e.1 = true;
             warn!(
+                event = "nat_reuse_early",
+                backend = %addr,
+                new_flows = new,
                 "NAT tuples toward backend {addr} are being reused less than 60 s after their last use ({new} new flows this tick): more new connections a second toward it than {tuples} tuples / 60 s = {} a second; the oldest tuple goes first, but the backend may still hold it in TIME_WAIT (widen nat_ports or add snat_ips); counted in nat_reuse_early",
                 tuples / 60
             );
         } else if new == 0 && e.1 {
             e.1 = false;
-            info!("NAT tuples toward backend {addr} rest 60 s again before reuse");
+            info!(
+                event = "nat_reuse_over",
+                backend = %addr,
+                "NAT tuples toward backend {addr} rest 60 s again before reuse"
+            );
         }
     }
 
@@ -437,7 +450,7 @@ impl Balancer {
                 "forwarding nothing: {sent} SYNs sent toward backends in the first {}s in {mode} mode and not one answer came back; either every backend is down, or this mode loses what it transmits (on a veth, native XDP_TX needs an XDP program on the peer and senders that compute checksums: try --xdp-mode generic)",
                 TX_WATCH.as_secs()
             );
-            warn!("{note}");
+            warn!(event = "forwarding_nothing", mode, sent, "{note}");
             self.notes.push(note);
             self.watch = Some(TxWatch { done: true, ..cur });
         }
@@ -888,8 +901,9 @@ pub async fn run(cfg: Config, reloader: Option<Reloader>) -> Result<()> {
             () = stop.notified() => { info!("stop requested"); break; }
             _ = hup.recv() => {
                 info!("SIGHUP: reloading the configuration");
-                if let Err(e) = lock(&shared).reload() {
-                    warn!("{e:#}");
+                match lock(&shared).reload() {
+                    Ok(m) => info!(event = "reload", "{m}"),
+                    Err(e) => warn!(event = "reload_refused", error = %format!("{e:#}"), "{e:#}"),
                 }
             }
         }

@@ -167,7 +167,10 @@ impl Tracker {
         // Faults: refusing, hung (owes answers, none come), unreachable.
         self.kernel_fault = None;
         if refused >= 2 && refused as f64 >= s.error_threshold * conns.max(1) as f64 {
-            self.kernel_fault = Some(format!("refused {refused} of {conns} connections"));
+            // Out of the SYNs sent (`conns` counts completed handshakes
+            // only, which a refusing backend has none of).
+            let syns = d(stats.syns, ps.syns).max(refused);
+            self.kernel_fault = Some(format!("refused {refused} of {syns} connection attempts"));
         }
         if self.udp {
             return;

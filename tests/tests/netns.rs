@@ -603,3 +603,51 @@ fn commands_without_iface_find_the_only_balancer() {
     assert!(!ok);
     assert!(err.contains("no balancer runs on this host"), "{err}");
 }
+
+/// `--log-format json`: every line is a JSON object, and a rotation
+/// carries its fields (service, backend, direction, reason, temperature).
+#[test]
+fn json_logs_carry_the_rotation_fields() {
+    require_root();
+    let mut bed = Testbed::new("jsonlog", 3).expect("build testbed");
+    bed.start_backends(Path::new(BACKEND))
+        .expect("start backends");
+    let mut args: Vec<String> = vec!["--log-format".into(), "json".into()];
+    args.extend(["--vip".into(), format!("{VIP}:80")]);
+    for i in 0..3 {
+        args.push("--backend".into());
+        args.push(format!("{}:{HTTP_PORT}", backend_ip(i)));
+    }
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    bed.start_huddle(Path::new(HUDDLE), &args)
+        .expect("start huddle");
+    let vip: SocketAddr = (VIP, 80).into();
+    let load = testbed::OpenLoop::start(&bed.client, vip, 100.0, TIMEOUT);
+    std::thread::sleep(Duration::from_millis(500));
+    bed.signal_backend(1, libc::SIGKILL);
+    let b1 = format!("{}:{HTTP_PORT}", backend_ip(1));
+    let left = bed.wait_place(
+        &b1,
+        "outer",
+        std::time::Instant::now(),
+        Duration::from_secs(5),
+    );
+    drop(load.stop());
+    left.expect("the killed backend left the ring");
+    let log = bed.huddle_log();
+    let lines: Vec<serde_json::Value> = log
+        .lines()
+        .filter(|l| !l.trim().is_empty())
+        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("not JSON ({e}): {l}")))
+        .collect();
+    let rotation = lines
+        .iter()
+        .find(|v| v["event"] == "rotation" && v["backend"] == b1.as_str())
+        .unwrap_or_else(|| panic!("no rotation line for {b1}:\n{log}"));
+    println!("a rotation as JSON: {rotation}");
+    assert_eq!(rotation["to"], "outer");
+    assert_eq!(rotation["service"], format!("{VIP}:80/tcp"));
+    assert!(rotation["reason"].as_str().is_some_and(|r| !r.is_empty()));
+    assert!(rotation["temperature"].is_number());
+    assert_eq!(rotation["level"], "INFO");
+}
