@@ -84,6 +84,13 @@ enum Cmd {
     /// Time the XDP program per packet under BPF_PROG_TEST_RUN, next to
     /// baseline programs in the same run.
     Bench(crate::bench::BenchArgs),
+    /// Print a shell completion script (bash, zsh, fish, elvish,
+    /// powershell).
+    #[command(hide = true)]
+    Completions { shell: clap_complete::Shell },
+    /// Print the man page (roff).
+    #[command(hide = true)]
+    Man,
 }
 
 #[derive(Args, Debug)]
@@ -372,6 +379,17 @@ fn dispatch(cmd: Cmd) -> Result<()> {
             Ok(())
         }
         Cmd::Bench(args) => crate::bench::run(&args),
+        Cmd::Completions { shell } => {
+            let mut cmd = <Cli as clap::CommandFactory>::command();
+            clap_complete::generate(shell, &mut cmd, "huddle", &mut std::io::stdout());
+            Ok(())
+        }
+        Cmd::Man => {
+            let cmd = <Cli as clap::CommandFactory>::command();
+            clap_mangen::Man::new(cmd)
+                .render(&mut std::io::stdout())
+                .context("writing the man page")
+        }
         Cmd::Agent { listen } => {
             let rt = tokio::runtime::Builder::new_current_thread()
                 .enable_all()

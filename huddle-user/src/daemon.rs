@@ -832,6 +832,11 @@ pub async fn run(cfg: Config, reloader: Option<Reloader>) -> Result<()> {
         cfg.control_socket.display(),
         shown.display()
     );
+    host::sd_notify(&format!(
+        "READY=1\nSTATUS=attached to {} in {} mode",
+        cfg.interface,
+        mode.as_str()
+    ));
     let mut balancer = balancer;
     if let Some(n) = place.note.clone().filter(|_| !place.survives) {
         balancer.notes.push(n);
@@ -901,13 +906,16 @@ pub async fn run(cfg: Config, reloader: Option<Reloader>) -> Result<()> {
             () = stop.notified() => { info!("stop requested"); break; }
             _ = hup.recv() => {
                 info!("SIGHUP: reloading the configuration");
+                host::sd_notify("RELOADING=1");
                 match lock(&shared).reload() {
                     Ok(m) => info!(event = "reload", "{m}"),
                     Err(e) => warn!(event = "reload_refused", error = %format!("{e:#}"), "{e:#}"),
                 }
+                host::sd_notify("READY=1");
             }
         }
     }
+    host::sd_notify("STOPPING=1");
     for t in &tasks {
         t.abort();
     }

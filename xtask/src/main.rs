@@ -4,6 +4,7 @@
 //! against the nightly's own LLVM, Debian packages, bpffs) and says what it
 //! is doing; on a machine that has everything, setup takes a second.
 
+mod package;
 mod setup;
 
 use anyhow::{bail, Context, Result};
@@ -33,6 +34,16 @@ enum Cmd {
     },
     /// Demo: namespaces, balancer, backends, real traffic, a table. Root.
     Demo,
+    /// Build the Debian package (binary, systemd unit, completions, man
+    /// page, example config) into target/debian.
+    Package {
+        /// Package this `huddle` binary instead of a fresh release build.
+        #[arg(long)]
+        binary: Option<PathBuf>,
+        /// Folder for the .deb.
+        #[arg(long)]
+        out: Option<PathBuf>,
+    },
     /// Per-packet cost of the XDP program next to baselines. Root.
     Bench {
         /// Arguments for `huddle bench` (after `--`).
@@ -169,6 +180,20 @@ fn main() -> Result<()> {
             let mut a = vec!["--huddle", huddle];
             a.extend(args.iter().map(String::as_str));
             run(&release_bin("hc-compare")?, &a)
+        }
+        Cmd::Package { binary, out } => {
+            let binary = match binary {
+                Some(b) => b,
+                None => {
+                    setup::all()?;
+                    build_release(&["huddle-user"])?;
+                    PathBuf::from(release_bin("huddle")?)
+                }
+            };
+            let out = out.unwrap_or_else(|| root().join("target/debian"));
+            let deb = package::build(&binary, &root().join("packaging"), &out)?;
+            println!("{}", deb.display());
+            Ok(())
         }
         Cmd::Bench { args } => {
             require_root("cargo xtask bench")?;
