@@ -1,21 +1,31 @@
 //! The Prometheus endpoint: the same figures as `huddle status` (rings,
-//! temperatures and their terms, latency, errors) plus every kernel
-//! counter, in the text exposition format.
+//! temperatures and their terms, latency, errors), every kernel counter,
+//! and each backend's time to first byte as a real histogram built from
+//! the kernel's log-linear buckets, so `histogram_quantile` works and
+//! several balancers' figures can be summed. OpenMetrics text from the
+//! `prometheus-client` crate (escaping, HELP, TYPE, `_total`, EOF).
 
 use crate::{
     daemon::{lock, Balancer},
     http::Answer,
     status::{BackendStatus, ServiceStatus, Status},
 };
-use std::{fmt::Write as _, sync::Mutex};
+use huddle_common::{latency::bucket_bounds, Latency, LATENCY_BUCKETS};
+use prometheus_client::{
+    collector::Collector,
+    encoding::{DescriptorEncoder, NoLabelSet},
+    metrics::{exemplar::Exemplar, MetricType},
+    registry::Registry,
+};
+use std::sync::Mutex;
 
-const TEXT: &str = "text/plain; version=0.0.4; charset=utf-8";
+const OPENMETRICS: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
 
 /// Answers a GET of `path`.
 pub fn route(shared: &Mutex<Balancer>, path: &str) -> Answer {
     match path {
-        "/metrics" => match lock(shared).status() {
-            Ok(st) => (200, TEXT, render(&st)),
+        "/metrics" => match snapshot(shared) {
+            Ok(s) => (200, OPENMETRICS, render(s)),
             Err(e) => (
                 500,
                 "text/plain",
@@ -31,210 +41,344 @@ pub fn route(shared: &Mutex<Balancer>, path: &str) -> Answer {
     }
 }
 
-/// A metric family being written: HELP and TYPE once, then samples.
-struct Family<'a> {
-    out: &'a mut String,
+/// Everything one scrape shows, read under the lock once.
+#[derive(Debug)]
+pub struct Snapshot {
+    pub status: Status,
+    /// Per backend (service, backend): its time-to-first-byte histogram.
+    pub ttfb: Vec<(String, String, Ttfb)>,
 }
 
-impl Family<'_> {
-    fn new<'a>(out: &'a mut String, name: &str, kind: &str, help: &str) -> Family<'a> {
-        let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}");
-        Family { out }
-    }
+/// A histogram in Prometheus form: (upper bound in seconds, count in that
+/// bucket alone), the last bound `f64::MAX` (+Inf); the sum in seconds.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Ttfb {
+    pub buckets: Vec<(f64, u64)>,
+    pub sum: f64,
+    pub count: u64,
+}
 
-    fn sample(&mut self, name: &str, labels: &[(&str, &str)], value: f64) {
-        let l: Vec<String> = labels
-            .iter()
-            .map(|(k, v)| format!("{k}=\"{}\"", escape(v)))
-            .collect();
-        let v = if value.is_finite() {
-            format!("{value}")
-        } else {
-            "NaN".into()
-        };
-        let _ = writeln!(self.out, "{name}{{{}}} {v}", l.join(","));
+/// Largest finite bucket bound: 2^36 ns, about 69 s.
+const TOP_SHIFT: u32 = 36;
+
+impl Ttfb {
+    /// The kernel's 4-per-power-of-two buckets merged into one per power
+    /// of two (the merge is exact: every fourth kernel bound is a power of
+    /// two), from 1 µs to about 69 s, then +Inf. `sum_ns` is the kernel's
+    /// summed time of the same samples.
+    #[must_use]
+    pub fn from_kernel(lat: &Latency, sum_ns: u64) -> Ttfb {
+        let mut buckets: Vec<(f64, u64)> = Vec::new();
+        let mut pending = 0;
+        for (b, n) in lat.buckets.iter().enumerate().take(LATENCY_BUCKETS) {
+            pending += n;
+            let hi = bucket_bounds(b).1;
+            if hi.is_power_of_two() && hi <= 1 << TOP_SHIFT {
+                buckets.push((hi as f64 / 1e9, pending));
+                pending = 0;
+            }
+        }
+        buckets.push((f64::MAX, pending));
+        let count = buckets.iter().map(|b| b.1).sum();
+        Ttfb {
+            buckets,
+            sum: sum_ns as f64 / 1e9,
+            count,
+        }
     }
 }
 
-fn escape(v: &str) -> String {
-    v.replace('\\', "\\\\")
-        .replace('"', "\\\"")
-        .replace('\n', "\\n")
+fn snapshot(shared: &Mutex<Balancer>) -> anyhow::Result<Snapshot> {
+    let b = lock(shared);
+    let status = b.status()?;
+    let mut ttfb = Vec::new();
+    for s in &status.services {
+        for be in &s.backends {
+            let sum_ns = be.counters.get("ttfb_ns").copied().unwrap_or(0);
+            ttfb.push((
+                s.name.clone(),
+                be.addr.clone(),
+                Ttfb::from_kernel(&b.dp.latency(be.id)?, sum_ns),
+            ));
+        }
+    }
+    Ok(Snapshot { status, ttfb })
+}
+
+/// The whole exposition, ending in `# EOF`.
+#[must_use]
+pub fn render(snapshot: Snapshot) -> String {
+    let mut registry = Registry::default();
+    registry.register_collector(Box::new(snapshot));
+    let mut out = String::new();
+    // Writing into a String cannot fail.
+    let _ = prometheus_client::encoding::text::encode(&mut out, &registry);
+    out
+}
+
+/// A kernel counter's exposed name and value: nanosecond sums become
+/// seconds, as Prometheus names units.
+fn counter(name: &str, value: u64) -> (String, f64) {
+    match name.strip_suffix("_ns") {
+        Some(base) => (format!("{base}_seconds"), value as f64 / 1e9),
+        None => (name.to_string(), value as f64),
+    }
+}
+
+type Encoded = Result<(), std::fmt::Error>;
+
+fn no_exemplar() -> Option<&'static Exemplar<NoLabelSet, f64>> {
+    None
+}
+
+/// One family with a sample per backend (labels service, backend); a
+/// backend for which `get` has no value is left out.
+fn per_backend(
+    enc: &mut DescriptorEncoder,
+    st: &Status,
+    name: &str,
+    kind: MetricType,
+    help: &str,
+    get: impl Fn(&BackendStatus) -> Option<f64>,
+) -> Encoded {
+    let mut family = enc.encode_descriptor(name, help, None, kind)?;
+    for s in &st.services {
+        for b in &s.backends {
+            let Some(v) = get(b) else { continue };
+            let labels = [("service", s.name.as_str()), ("backend", b.addr.as_str())];
+            let mut m = family.encode_family(&labels)?;
+            match kind {
+                MetricType::Counter => m.encode_counter(&v, no_exemplar())?,
+                _ => m.encode_gauge(&v)?,
+            }
+        }
+    }
+    Ok(())
+}
+
+/// One family with a sample per service (label service).
+fn per_service(
+    enc: &mut DescriptorEncoder,
+    st: &Status,
+    name: &str,
+    kind: MetricType,
+    help: &str,
+    get: impl Fn(&ServiceStatus) -> f64,
+) -> Encoded {
+    let mut family = enc.encode_descriptor(name, help, None, kind)?;
+    for s in &st.services {
+        let labels = [("service", s.name.as_str())];
+        let mut m = family.encode_family(&labels)?;
+        let v = get(s);
+        match kind {
+            MetricType::Counter => m.encode_counter(&v, no_exemplar())?,
+            _ => m.encode_gauge(&v)?,
+        }
+    }
+    Ok(())
 }
 
 const KERNEL: &str = "Kernel counter, summed over CPUs.";
 
-/// One family with a sample per backend (labels service, backend); a
-/// backend for which `get` has no value is left out.
-fn backends(
-    out: &mut String,
-    st: &Status,
-    name: &str,
-    kind: &str,
-    help: &str,
-    get: impl Fn(&BackendStatus) -> Option<f64>,
-) {
-    let mut f = Family::new(out, name, kind, help);
-    for s in &st.services {
-        for b in &s.backends {
-            if let Some(v) = get(b) {
-                f.sample(name, &[("service", &s.name), ("backend", &b.addr)], v);
+impl Collector for Snapshot {
+    fn encode(&self, mut enc: DescriptorEncoder) -> Encoded {
+        let st = &self.status;
+        type Get = fn(&BackendStatus) -> Option<f64>;
+        let gauges: [(&str, &str, Get); 12] = [
+            (
+                "huddle_backend_temperature",
+                "EMA of the raw score, 0..1.",
+                |b| Some(b.temperature),
+            ),
+            (
+                "huddle_backend_inner",
+                "1 if the backend is in the inner ring (takes new flows).",
+                |b| Some(f64::from(u8::from(b.place == "inner"))),
+            ),
+            (
+                "huddle_backend_unhealthy",
+                "1 if a health signal failed.",
+                |b| Some(f64::from(u8::from(b.unhealthy.is_some()))),
+            ),
+            (
+                "huddle_backend_latency_anomaly",
+                "Latency anomaly term, 0..1.",
+                |b| Some(b.components.anomaly),
+            ),
+            (
+                "huddle_backend_cpu",
+                "Host CPU utilisation from the metrics URL, 0..1.",
+                |b| b.cpu,
+            ),
+            (
+                "huddle_backend_memory",
+                "Host memory utilisation from the metrics URL, 0..1.",
+                |b| b.memory,
+            ),
+            (
+                "huddle_backend_error_rate",
+                "Failed share of last tick's attempts.",
+                |b| Some(b.error_rate),
+            ),
+            (
+                "huddle_backend_load",
+                "Active flows over capacity, 0..1.",
+                |b| Some(b.components.load),
+            ),
+            (
+                "huddle_backend_active_flows",
+                "Flows assigned minus flows seen closing.",
+                |b| Some(b.active_flows as f64),
+            ),
+            (
+                "huddle_backend_latency_p50_seconds",
+                "Median time to first byte over the newest ticks.",
+                |b| b.p50_ms.map(|v| v / 1e3),
+            ),
+            (
+                "huddle_backend_latency_p99_seconds",
+                "99th percentile time to first byte over the newest ticks.",
+                |b| b.p99_ms.map(|v| v / 1e3),
+            ),
+            (
+                "huddle_backend_probe_seconds",
+                "Latency of the last probe.",
+                |b| b.probe_ms.map(|v| v / 1e3),
+            ),
+        ];
+        for (name, help, get) in gauges {
+            per_backend(&mut enc, st, name, MetricType::Gauge, help, get)?;
+        }
+        per_backend(
+            &mut enc,
+            st,
+            "huddle_backend_rotations",
+            MetricType::Counter,
+            "Moves between the inner and outer ring.",
+            |b| Some(b.rotations as f64),
+        )?;
+        {
+            let mut family = enc.encode_descriptor(
+                "huddle_backend_ttfb_seconds",
+                "Time to first byte of every request turn the kernel timed (from the client's data to the backend's first data back).",
+                None,
+                MetricType::Histogram,
+            )?;
+            for (service, backend, h) in &self.ttfb {
+                let labels = [("service", service.as_str()), ("backend", backend.as_str())];
+                family
+                    .encode_family(&labels)?
+                    .encode_histogram::<NoLabelSet>(h.sum, h.count, &h.buckets, None)?;
             }
         }
-    }
-}
-
-/// One family with a sample per service (label service).
-fn services(
-    out: &mut String,
-    st: &Status,
-    name: &str,
-    kind: &str,
-    help: &str,
-    get: impl Fn(&ServiceStatus) -> f64,
-) {
-    let mut f = Family::new(out, name, kind, help);
-    for s in &st.services {
-        f.sample(name, &[("service", &s.name)], get(s));
-    }
-}
-
-/// The whole exposition.
-#[must_use]
-pub fn render(st: &Status) -> String {
-    let mut out = String::new();
-    type Get = fn(&BackendStatus) -> Option<f64>;
-    let gauges: [(&str, &str, Get); 12] = [
-        (
-            "huddle_backend_temperature",
-            "EMA of the raw score, 0..1.",
-            |b| Some(b.temperature),
-        ),
-        (
-            "huddle_backend_inner",
-            "1 if the backend is in the inner ring (takes new flows).",
-            |b| Some(f64::from(u8::from(b.place == "inner"))),
-        ),
-        (
-            "huddle_backend_unhealthy",
-            "1 if a health signal failed.",
-            |b| Some(f64::from(u8::from(b.unhealthy.is_some()))),
-        ),
-        (
-            "huddle_backend_latency_anomaly",
-            "Latency anomaly term, 0..1.",
-            |b| Some(b.components.anomaly),
-        ),
-        (
-            "huddle_backend_cpu",
-            "Host CPU utilisation from the metrics URL, 0..1.",
-            |b| b.cpu,
-        ),
-        (
-            "huddle_backend_memory",
-            "Host memory utilisation from the metrics URL, 0..1.",
-            |b| b.memory,
-        ),
-        (
-            "huddle_backend_error_rate",
-            "Failed share of last tick's attempts.",
-            |b| Some(b.error_rate),
-        ),
-        (
-            "huddle_backend_load",
-            "Active flows over capacity, 0..1.",
-            |b| Some(b.components.load),
-        ),
-        (
-            "huddle_backend_active_flows",
-            "Flows assigned minus flows seen closing.",
-            |b| Some(b.active_flows as f64),
-        ),
-        (
-            "huddle_backend_latency_p50_seconds",
-            "Median time to first byte over the newest ticks.",
-            |b| b.p50_ms.map(|v| v / 1e3),
-        ),
-        (
-            "huddle_backend_latency_p99_seconds",
-            "99th percentile time to first byte over the newest ticks.",
-            |b| b.p99_ms.map(|v| v / 1e3),
-        ),
-        (
-            "huddle_backend_probe_seconds",
-            "Latency of the last probe.",
-            |b| b.probe_ms.map(|v| v / 1e3),
-        ),
-    ];
-    for (name, help, get) in gauges {
-        backends(&mut out, st, name, "gauge", help, get);
-    }
-    backends(
-        &mut out,
-        st,
-        "huddle_backend_rotations_total",
-        "counter",
-        "Moves between the inner and outer ring.",
-        |b| Some(b.rotations as f64),
-    );
-    // Kernel counters, one family each.
-    let mut names: Vec<&String> = st
-        .services
-        .iter()
-        .flat_map(|s| s.backends.iter().flat_map(|b| b.counters.keys()))
-        .collect();
-    names.sort();
-    names.dedup();
-    for c in names {
-        backends(
-            &mut out,
-            st,
-            &format!("huddle_backend_{c}_total"),
-            "counter",
-            KERNEL,
-            |b| Some(b.counters.get(c).copied().unwrap_or(0) as f64),
-        );
-    }
-    services(
-        &mut out,
-        st,
-        "huddle_service_inner_size",
-        "gauge",
-        "Backends in the live ring.",
-        |s| s.ring.len() as f64,
-    );
-    services(
-        &mut out,
-        st,
-        "huddle_service_panic",
-        "gauge",
-        "1 while too few healthy backends remain.",
-        |s| f64::from(u8::from(s.panic)),
-    );
-    services(
-        &mut out,
-        st,
-        "huddle_service_ring_generation",
-        "counter",
-        "Ring swaps written to the kernel.",
-        |s| s.ring_generation as f64,
-    );
-    if let Some(first) = st.services.first() {
-        for c in first.counters.keys() {
-            services(
-                &mut out,
+        // Kernel counters, one family each (the summed time to first byte
+        // is the histogram's sum).
+        let mut names: Vec<&String> = st
+            .services
+            .iter()
+            .flat_map(|s| s.backends.iter().flat_map(|b| b.counters.keys()))
+            .filter(|c| c.as_str() != "ttfb_ns")
+            .collect();
+        names.sort();
+        names.dedup();
+        for c in names {
+            let (name, _) = counter(c, 0);
+            per_backend(
+                &mut enc,
                 st,
-                &format!("huddle_service_{c}_total"),
-                "counter",
+                &format!("huddle_backend_{name}"),
+                MetricType::Counter,
                 KERNEL,
-                |s| s.counters.get(c).copied().unwrap_or(0) as f64,
-            );
+                |b| Some(counter(c, b.counters.get(c).copied().unwrap_or(0)).1),
+            )?;
         }
+        per_service(
+            &mut enc,
+            st,
+            "huddle_service_inner_size",
+            MetricType::Gauge,
+            "Backends in the live ring.",
+            |s| s.ring.len() as f64,
+        )?;
+        per_service(
+            &mut enc,
+            st,
+            "huddle_service_panic",
+            MetricType::Gauge,
+            "1 while too few healthy backends remain.",
+            |s| f64::from(u8::from(s.panic)),
+        )?;
+        per_service(
+            &mut enc,
+            st,
+            "huddle_service_ring_generation",
+            MetricType::Counter,
+            "Ring swaps written to the kernel.",
+            |s| s.ring_generation as f64,
+        )?;
+        if let Some(first) = st.services.first() {
+            for c in first.counters.keys() {
+                per_service(
+                    &mut enc,
+                    st,
+                    &format!("huddle_service_{c}"),
+                    MetricType::Counter,
+                    KERNEL,
+                    |s| s.counters.get(c).copied().unwrap_or(0) as f64,
+                )?;
+            }
+        }
+        for (c, v) in &st.global {
+            let name = format!("huddle_{c}");
+            let mut family = enc.encode_descriptor(&name, KERNEL, None, MetricType::Counter)?;
+            let labels = [("interface", st.interface.as_str())];
+            family
+                .encode_family(&labels)?
+                .encode_counter(&(*v as f64), no_exemplar())?;
+        }
+        Ok(())
     }
-    for (c, v) in &st.global {
-        let name = format!("huddle_{c}_total");
-        let mut f = Family::new(&mut out, &name, "counter", KERNEL);
-        f.sample(&name, &[("interface", &st.interface)], *v as f64);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use huddle_common::latency_bucket;
+
+    #[test]
+    fn kernel_buckets_merge_into_powers_of_two_with_nothing_lost() {
+        let mut lat = Latency::default();
+        // 3 ms and 5 ms samples, and one of 2 minutes (past the last
+        // finite bound).
+        for ns in [3_000_000u64, 3_100_000, 5_000_000, 120_000_000_000] {
+            lat.buckets[latency_bucket(ns)] += 1;
+        }
+        let h = Ttfb::from_kernel(&lat, 11_100_000 + 120_000_000_000);
+        assert_eq!(h.count, 4);
+        assert!((h.sum - 120.0111).abs() < 1e-9);
+        let le = |s: f64| -> u64 {
+            h.buckets
+                .iter()
+                .filter(|(b, _)| *b <= s)
+                .map(|(_, n)| n)
+                .sum()
+        };
+        // 2^22 ns = 4.19 ms holds the two 3 ms samples; 2^23 the 5 ms one.
+        assert_eq!(le(0.002_097_152), 0);
+        assert_eq!(le(0.004_194_304), 2);
+        assert_eq!(le(0.008_388_608), 3);
+        assert_eq!(h.buckets.last(), Some(&(f64::MAX, 1)));
+        // 1 µs (2^10 ns), then one bound per power of two up to 2^36.
+        assert_eq!(h.buckets.len(), 1 + 26 + 1);
+        assert!(h.buckets.windows(2).all(|w| w[0].0 < w[1].0));
     }
-    out
+
+    #[test]
+    fn nanosecond_counters_are_exposed_in_seconds() {
+        assert_eq!(
+            counter("connect_ns", 2_500_000_000),
+            ("connect_seconds".into(), 2.5)
+        );
+        assert_eq!(counter("pkts_to", 7), ("pkts_to".into(), 7.0));
+    }
 }

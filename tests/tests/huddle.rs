@@ -148,6 +148,41 @@ fn a_backend_made_5x_slower_rests_within_the_bound_and_returns_when_fast() {
     assert_eq!(metric(&page, "huddle_backend_inner", 0), Some(1.0));
     assert!(metric(&page, "huddle_backend_temperature", 2).unwrap() >= 0.5);
     assert!(page.contains("huddle_backend_flows_new_total{"));
+    assert!(
+        page.trim_end().ends_with("# EOF"),
+        "OpenMetrics ends with EOF"
+    );
+    // Time to first byte as a real histogram: its +Inf bucket holds every
+    // sample, as many as its count.
+    let b0 = format!("backend=\"{}\"", addr(0));
+    let value = |prefix: &str, also: &str| {
+        page.lines()
+            .find(|l| l.starts_with(prefix) && l.contains(&b0) && l.contains(also))
+            .and_then(|l| l.rsplit(' ').next()?.parse::<u64>().ok())
+    };
+    let inf = value("huddle_backend_ttfb_seconds_bucket{", "le=\"+Inf\"")
+        .unwrap_or_else(|| panic!("no +Inf bucket:\n{page}"));
+    let count = value("huddle_backend_ttfb_seconds_count{", "")
+        .unwrap_or_else(|| panic!("no count:\n{page}"));
+    assert!(count > 0 && inf == count, "+Inf {inf}, count {count}");
+    // Every metric the Grafana dashboard queries is on the page.
+    let dashboard = std::fs::read_to_string(
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("../dashboards/huddle.json"),
+    )
+    .expect("dashboards/huddle.json");
+    let mut queried: Vec<&str> = dashboard
+        .split(|c: char| !(c.is_ascii_alphanumeric() || c == '_'))
+        .filter(|w| w.starts_with("huddle_"))
+        .collect();
+    queried.sort_unstable();
+    queried.dedup();
+    assert!(queried.len() >= 8, "{queried:?}");
+    for m in queried {
+        assert!(
+            page.lines().any(|l| l.starts_with(&format!("{m}{{"))),
+            "the dashboard queries {m}, which /metrics does not have"
+        );
+    }
 
     thread::sleep(Duration::from_secs(1));
     let evicted_at = slow_at + out;
