@@ -47,6 +47,12 @@ enum Cmd {
         #[arg(long)]
         json: bool,
     },
+    /// A live view of the huddle: rings, temperatures with the last
+    /// minute, latency, rates, rotations; drain and undrain with a key.
+    Top {
+        #[command(flatten)]
+        target: Target,
+    },
     /// Take a backend out of its rings; its existing flows finish normally.
     Drain(DrainArgs),
     /// Detach the balancer from an interface and remove its pinned maps
@@ -352,6 +358,7 @@ fn dispatch(cmd: Cmd) -> Result<()> {
             Ok(())
         }
         Cmd::Reload { target } => control_message(&target, Request::Reload),
+        Cmd::Top { target } => crate::top::run(&target.socket()?),
         Cmd::Drain(a) => control_message(
             &a.target,
             Request::Drain {

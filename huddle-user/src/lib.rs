@@ -24,3 +24,4 @@ pub mod scrape;
 pub mod state;
 pub mod status;
 pub mod thermal;
+pub mod top;

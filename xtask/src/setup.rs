@@ -10,12 +10,14 @@ use std::{
 
 /// Debian packages the tests, demo and benchmarks use, as (command,
 /// package): `ip`, `ethtool` (checksum offload on test hosts), `setpriv`
-/// (unprivileged test), and NGINX and HAProxy, the peers the comparison
-/// benchmark (and its quick test) runs against.
-const PACKAGES: [(&str, &str); 6] = [
+/// (unprivileged test), `tmux` (drives `huddle top` in a real terminal),
+/// and NGINX and HAProxy, the peers the comparison benchmark (and its
+/// quick test) runs against.
+const PACKAGES: [(&str, &str); 7] = [
     ("ip", "iproute2"),
     ("ethtool", "ethtool"),
     ("setpriv", "util-linux"),
+    ("tmux", "tmux"),
     ("/usr/sbin/nginx", "nginx"),
     // NGINX's L4 proxy, a separate module in Debian.
     (
