@@ -1,27 +1,16 @@
-//! HuddleCluster's control plane: configuration, the data plane interface,
-//! the daemon and its control socket, status and benchmarks.
+//! HuddleCluster's control plane, by concern: `kernel` (loading the XDP
+//! program, its maps, running it on crafted packets), `huddle` (readings,
+//! temperatures, rotation, saved state), `net` (probes, scrapes, agent,
+//! metrics, HTTP, control socket) and `ops` (CLI, config, daemon, host,
+//! status, the live view). Each module is also reachable at the top, as
+//! `huddle_user::dataplane`, `huddle_user::config` and so on.
 
-pub mod agent;
-pub mod bench;
-pub mod cli;
-pub mod config;
-pub mod control;
-pub mod daemon;
-pub mod dataplane;
-pub mod host;
-pub mod http;
 pub mod huddle;
-pub mod link;
-pub mod logs;
-pub mod metrics;
-pub mod netns;
-pub mod object;
-pub mod packet;
-pub mod probe;
-pub mod prog_run;
-pub mod rotation;
-pub mod scrape;
-pub mod state;
-pub mod status;
-pub mod thermal;
-pub mod top;
+pub mod kernel;
+pub mod net;
+pub mod ops;
+
+pub use huddle::{rotation, state, thermal};
+pub use kernel::{bench, dataplane, link, logs, object, packet, prog_run};
+pub use net::{agent, control, http, metrics, probe, scrape};
+pub use ops::{cli, config, daemon, host, netns, status, top};

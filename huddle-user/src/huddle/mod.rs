@@ -1,0 +1,10 @@
+//! The huddle: per-tick readings of each backend (kernel counters, probes,
+//! host metrics), temperatures, the rotation engine, and the state that
+//! carries them across restarts.
+
+mod readings;
+pub mod rotation;
+pub mod state;
+pub mod thermal;
+
+pub use readings::*;

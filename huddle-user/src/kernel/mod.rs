@@ -1,0 +1,11 @@
+//! The kernel side: loading the XDP object, its maps and link, what kind
+//! of interface it attaches to, its log records, and running it on crafted
+//! packets (fixtures and the per-packet benchmark).
+
+pub mod bench;
+pub mod dataplane;
+pub mod link;
+pub mod logs;
+pub mod object;
+pub mod packet;
+pub mod prog_run;
