@@ -8,7 +8,7 @@ use std::{
     thread,
     time::{Duration, Instant},
 };
-use testbed::{backend_ip, require_root, unique, Testbed, HTTP_PORT, VIP};
+use testbed::{backend_ip, require_root, unique, OpenLoop, Testbed, HTTP_PORT, VIP};
 
 const HUDDLE: &str = env!("CARGO_BIN_EXE_hc-huddle");
 const BACKEND: &str = env!("CARGO_BIN_EXE_hc-backend");
@@ -46,19 +46,20 @@ impl Drop for Session {
 #[test]
 fn top_shows_the_huddle_drains_on_a_key_and_survives_a_restart() {
     require_root();
-    let mut bed = Testbed::new("top", 2).expect("testbed");
-    bed.start_backends(Path::new(BACKEND)).expect("backends");
-    let (b0, b1) = (
-        format!("{}:{HTTP_PORT}", backend_ip(0)),
-        format!("{}:{HTTP_PORT}", backend_ip(1)),
-    );
+    let mut bed = Testbed::new("top", 3).expect("testbed");
+    bed.start_backends_with(Path::new(BACKEND), &["--delay-ms", "10"])
+        .expect("backends");
+    let [b0, b1, b2] = [0, 1, 2].map(|i| format!("{}:{HTTP_PORT}", backend_ip(i)));
+    let vip_arg = format!("{VIP}:80");
     let args = [
         "--vip",
-        &format!("{VIP}:80"),
+        &vip_arg,
         "--backend",
         &b0,
         "--backend",
         &b1,
+        "--backend",
+        &b2,
     ];
     bed.start_huddle(Path::new(HUDDLE), &args).expect("huddle");
     let session = Session(unique("top"));
@@ -74,10 +75,10 @@ fn top_shows_the_huddle_drains_on_a_key_and_survives_a_restart() {
         "24",
         &cmd,
     ]);
-    let s = screen_with(&session.0, &b1);
+    let s = screen_with(&session.0, &b2);
     println!("huddle top at 80x24:\n{s}");
     assert!(s.contains("huddle on eth0"), "{s}");
-    assert!(s.contains(&b0) && s.contains(&b1), "{s}");
+    assert!(s.contains(&b0) && s.contains(&b1) && s.contains(&b2), "{s}");
     assert!(s.contains("rotations"), "{s}");
     assert!(s.lines().all(|l| l.chars().count() <= 80));
 
@@ -89,6 +90,36 @@ fn top_shows_the_huddle_drains_on_a_key_and_survives_a_restart() {
         thread::sleep(Duration::from_millis(50));
     }
     screen_with(&session.0, "drained");
+    // `u` puts it back.
+    tmux(&["send-keys", "-t", &session.0, "u"]);
+    let t = Instant::now();
+    while bed.status().unwrap().services[0].backends[0].drained {
+        assert!(t.elapsed() < Duration::from_secs(5), "u did not undrain");
+        thread::sleep(Duration::from_millis(50));
+    }
+
+    // A backend turned 5x slow under load leaves the ring; the screen shows
+    // it resting within a second of the rotation.
+    let vip: std::net::SocketAddr = (VIP, 80).into();
+    let load = OpenLoop::start(&bed.client, vip, 100.0, Duration::from_secs(2));
+    thread::sleep(Duration::from_millis(1500));
+    bed.backend_admin(2, "delay_ms=50").unwrap();
+    let left = bed.wait_place(&b2, "outer", Instant::now(), Duration::from_secs(5));
+    let rotated = Instant::now();
+    let s = screen_with(&session.0, "-> outer");
+    let shown = rotated.elapsed();
+    drop(load.stop());
+    left.expect("the slow backend left the ring");
+    println!(
+        "a slow backend resting, {} ms after its rotation:\n{s}",
+        shown.as_millis()
+    );
+    assert!(s.contains("-> outer"), "{s}");
+    assert!(
+        s.lines().any(|l| l.starts_with(&b2) && l.contains("outer")),
+        "{s}"
+    );
+    assert!(shown < Duration::from_secs(1), "shown after {shown:?}");
 
     // The daemon goes away and comes back: top says so, then carries on.
     bed.kill_huddle(libc::SIGKILL);
@@ -98,7 +129,7 @@ fn top_shows_the_huddle_drains_on_a_key_and_survives_a_restart() {
     let t = Instant::now();
     loop {
         let s = tmux(&["capture-pane", "-p", "-t", &session.0]);
-        if !s.contains("reconnecting") && s.contains(&b1) {
+        if !s.contains("reconnecting") && s.contains(&b2) {
             break;
         }
         assert!(

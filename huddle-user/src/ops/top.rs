@@ -177,9 +177,14 @@ pub fn draw(f: &mut Frame, m: &Model) {
                 ("outer", _) => Style::default().fg(Color::Yellow),
                 _ => Style::default().fg(Color::DarkGray),
             };
+            // Two columns a term: ".3", "1.".
             let term = |v: f64| {
-                let t = format!("{:.1}", v.clamp(0.0, 1.0));
-                t.trim_start_matches('0').to_string()
+                let tenths = (v.clamp(0.0, 1.0) * 10.0).round() as u32;
+                if tenths >= 10 {
+                    "1.".to_string()
+                } else {
+                    format!(".{tenths}")
+                }
             };
             let row = Row::new(vec![
                 Cell::from(b.addr.clone()),
