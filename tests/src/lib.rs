@@ -789,7 +789,8 @@ pub fn http_get_path(addr: SocketAddr, path: &str, timeout: Duration) -> Result<
     let mut resp = String::new();
     s.read_to_string(&mut resp)?;
     let (head, body) = resp.split_once("\r\n\r\n").context("no HTTP header end")?;
-    if !head.starts_with("HTTP/1.1 200") {
+    // An HTTP/1.0 request may get an HTTP/1.0 answer (hyper's servers do).
+    if !(head.starts_with("HTTP/1.1 200") || head.starts_with("HTTP/1.0 200")) {
         bail!("unexpected response {head:?}");
     }
     Ok(body.trim().to_string())

@@ -595,6 +595,19 @@ fn commands_without_iface_find_the_only_balancer() {
     assert!(ok, "drain without --iface: {err}");
     let st = bed.status().unwrap();
     assert!(st.services[0].backends[0].drained);
+    // With a second balancer answering, it lists both and asks.
+    let second = huddle_user::config::default_control_socket(&testbed::unique("two"));
+    let listener = std::os::unix::net::UnixListener::bind(&second).unwrap();
+    let (ok, _, err) = output(huddle, &["status"]).unwrap();
+    drop(listener);
+    let _ = std::fs::remove_file(&second);
+    assert!(!ok);
+    assert!(
+        err.contains("2 balancers run on this host")
+            && err.contains("eth0")
+            && err.contains("--iface"),
+        "{err}"
+    );
     let (ok, out, err) = output(huddle, &["stop"]).unwrap();
     assert!(ok, "stop without --iface: {err}");
     println!("stop without --iface: {}", out.trim());

@@ -120,6 +120,14 @@ fn top_shows_the_huddle_drains_on_a_key_and_survives_a_restart() {
         "{s}"
     );
     assert!(shown < Duration::from_secs(1), "shown after {shown:?}");
+    // Selecting it shows how long it still rests.
+    tmux(&["send-keys", "-t", &session.0, "Down", "Down"]);
+    let s = screen_with(&session.0, "more");
+    assert!(
+        s.lines()
+            .any(|l| l.starts_with(&format!("{b2}: hot")) && l.contains("rests")),
+        "{s}"
+    );
 
     // The daemon goes away and comes back: top says so, then carries on.
     bed.kill_huddle(libc::SIGKILL);

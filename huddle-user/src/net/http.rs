@@ -1,18 +1,21 @@
-//! Just enough HTTP/1.x for the huddle: a GET with a deadline and a size
-//! cap (metrics scrapes and probes must never hang the daemon or fill its
-//! memory), and a one-route-per-path server for `/metrics`.
+//! HTTP for the huddle, on hyper: a GET with a deadline and a size cap
+//! (metrics scrapes and probes must never hang the daemon or fill its
+//! memory), and a one-route-per-path server for `/metrics` and the agent.
+//! Only the URL form we accept is ours.
 
 use anyhow::{bail, Context, Result};
+use bytes::Bytes;
+use http_body_util::{BodyExt, Empty, Full, Limited};
+use hyper::{body::Incoming, header, Method, Request, StatusCode};
+use hyper_util::rt::TokioIo;
 use std::{
+    convert::Infallible,
     future::Future,
     net::SocketAddr,
     sync::Arc,
     time::{Duration, Instant},
 };
-use tokio::{
-    io::{AsyncReadExt, AsyncWriteExt},
-    net::{TcpListener, TcpStream},
-};
+use tokio::net::{TcpListener, TcpStream};
 use tracing::warn;
 
 /// An `http://host:port/path` URL.
@@ -85,51 +88,51 @@ pub async fn get(
         .map_err(|_| anyhow::anyhow!("GET {path} from {addr}: no full answer within {timeout:?}"))?
 }
 
-async fn exchange(
-    mut stream: TcpStream,
-    host: &str,
-    path: &str,
-    max_bytes: usize,
-) -> Result<Response> {
-    let req = format!(
-        "GET {path} HTTP/1.0\r\nHost: {host}\r\nUser-Agent: huddle\r\nConnection: close\r\n\r\n"
-    );
-    let sent = Instant::now();
-    stream.write_all(req.as_bytes()).await?;
-    let mut buf = Vec::with_capacity(4096);
-    let mut chunk = [0u8; 8192];
-    let mut first_byte = None;
-    loop {
-        let n = stream.read(&mut chunk).await?;
-        if n == 0 {
-            break;
-        }
-        first_byte.get_or_insert_with(|| sent.elapsed());
-        if buf.len() + n > max_bytes {
-            bail!("answer larger than {max_bytes} bytes");
-        }
-        buf.extend_from_slice(&chunk[..n]);
+/// Ends the task driving a client connection when the exchange is over,
+/// also when its deadline dropped it half way (a hung server must not keep
+/// a task alive).
+struct Abort(tokio::task::JoinHandle<()>);
+
+impl Drop for Abort {
+    fn drop(&mut self) {
+        self.0.abort();
     }
-    let first_byte = first_byte.context("connection closed without an answer")?;
-    let end = buf
-        .windows(4)
-        .position(|w| w == b"\r\n\r\n")
-        .context("no end of HTTP header")?;
-    let head = std::str::from_utf8(&buf[..end]).context("HTTP header is not text")?;
-    let status = head
-        .split_whitespace()
-        .nth(1)
-        .and_then(|s| s.parse::<u16>().ok())
-        .filter(|_| head.starts_with("HTTP/1."))
-        .with_context(|| {
-            format!(
-                "not an HTTP status line: {:?}",
-                head.lines().next().unwrap_or("")
-            )
-        })?;
+}
+
+async fn exchange(stream: TcpStream, host: &str, path: &str, max_bytes: usize) -> Result<Response> {
+    let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
+        .await
+        .context("HTTP handshake")?;
+    let _conn = Abort(tokio::spawn(async move {
+        let _ = conn.await;
+    }));
+    let req = Request::get(path)
+        .header(header::HOST, host)
+        .header(header::USER_AGENT, "huddle")
+        .body(Empty::<Bytes>::new())
+        .context("building the request")?;
+    let sent = Instant::now();
+    let resp = sender
+        .send_request(req)
+        .await
+        .context("not an HTTP answer")?;
+    let first_byte = sent.elapsed();
+    let status = resp.status().as_u16();
+    let body = Limited::new(resp.into_body(), max_bytes)
+        .collect()
+        .await
+        .map_err(|e| {
+            if e.is::<http_body_util::LengthLimitError>() {
+                anyhow::anyhow!("answer larger than {max_bytes} bytes")
+            } else {
+                anyhow::anyhow!("reading the answer: {e}")
+            }
+        })?
+        .to_bytes()
+        .to_vec();
     Ok(Response {
         status,
-        body: buf[end + 4..].to_vec(),
+        body,
         first_byte,
     })
 }
@@ -147,7 +150,7 @@ pub async fn resolve(url: &Url) -> Result<SocketAddr> {
 pub type Answer = (u16, &'static str, String);
 
 /// Serves GET requests on `listener` until the task is dropped; `route`
-/// maps a path to an answer.
+/// maps a path to an answer. A connection gets 10 s in all.
 pub async fn serve<F, Fut>(listener: TcpListener, route: F)
 where
     F: Fn(String) -> Fut + Send + Sync + 'static,
@@ -165,45 +168,31 @@ where
         };
         let route = route.clone();
         tokio::spawn(async move {
-            let _ = tokio::time::timeout(Duration::from_secs(10), answer(stream, &*route)).await;
+            let service = hyper::service::service_fn(move |req: Request<Incoming>| {
+                let route = route.clone();
+                async move {
+                    let (status, ctype, body) = if req.method() == Method::GET {
+                        route(req.uri().path().to_string()).await
+                    } else {
+                        (405, "text/plain", "only GET\n".into())
+                    };
+                    let resp = hyper::Response::builder()
+                        .status(
+                            StatusCode::from_u16(status)
+                                .unwrap_or(StatusCode::INTERNAL_SERVER_ERROR),
+                        )
+                        .header(header::CONTENT_TYPE, ctype)
+                        .body(Full::new(Bytes::from(body)))
+                        .unwrap_or_default();
+                    Ok::<_, Infallible>(resp)
+                }
+            });
+            let conn = hyper::server::conn::http1::Builder::new()
+                .keep_alive(false)
+                .serve_connection(TokioIo::new(stream), service);
+            let _ = tokio::time::timeout(Duration::from_secs(10), conn).await;
         });
     }
-}
-
-async fn answer<F, Fut>(mut stream: TcpStream, route: &F) -> Result<()>
-where
-    F: Fn(String) -> Fut,
-    Fut: Future<Output = Answer>,
-{
-    let mut buf = Vec::new();
-    let mut chunk = [0u8; 1024];
-    while !buf.windows(4).any(|w| w == b"\r\n\r\n") {
-        let n = stream.read(&mut chunk).await?;
-        if n == 0 || buf.len() > 16 * 1024 {
-            return Ok(());
-        }
-        buf.extend_from_slice(&chunk[..n]);
-    }
-    let line = String::from_utf8_lossy(&buf);
-    let mut words = line.split_whitespace();
-    let (status, ctype, body) = match (words.next(), words.next()) {
-        (Some("GET"), Some(path)) => route(path.split('?').next().unwrap_or("/").to_string()).await,
-        _ => (405, "text/plain", "only GET\n".into()),
-    };
-    let reason = match status {
-        200 => "OK",
-        404 => "Not Found",
-        405 => "Method Not Allowed",
-        _ => "Error",
-    };
-    let head = format!(
-        "HTTP/1.1 {status} {reason}\r\nContent-Type: {ctype}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
-        body.len()
-    );
-    stream.write_all(head.as_bytes()).await?;
-    stream.write_all(body.as_bytes()).await?;
-    stream.shutdown().await?;
-    Ok(())
 }
 
 #[cfg(test)]

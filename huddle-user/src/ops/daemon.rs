@@ -562,6 +562,8 @@ impl Balancer {
                     rotations: m.rotations,
                     last_reason: m.last_reason.as_ref().map(ToString::to_string),
                     last_move_s_ago: m.moved_at.map(|at| now.saturating_sub(at).as_secs_f64()),
+                    rest_left_s: (m.place == Place::Outer && !m.drained)
+                        .then(|| m.rest_until.saturating_sub(now).as_secs_f64()),
                     active_flows: t.active_flows,
                     counters: counters(&st),
                 });

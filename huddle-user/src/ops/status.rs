@@ -95,6 +95,9 @@ pub struct BackendStatus {
     pub rotations: u64,
     pub last_reason: Option<String>,
     pub last_move_s_ago: Option<f64>,
+    /// Resting: seconds until it may return (it also must have cooled).
+    #[serde(default)]
+    pub rest_left_s: Option<f64>,
     /// Flows assigned minus flows seen closing.
     pub active_flows: u64,
     pub counters: Counters,

@@ -249,9 +249,14 @@ pub fn draw(f: &mut Frame, m: &Model) {
             (None, Some(r)) => format!("{r}, {:.0}s ago", b.last_move_s_ago.unwrap_or(0.0)),
             (None, None) => "healthy, never moved".into(),
         };
+        let rest = match b.rest_left_s {
+            Some(r) if r > 0.0 => format!("; rests {r:.0}s more"),
+            Some(_) => "; may return once cool".into(),
+            None => String::new(),
+        };
         f.render_widget(
             Paragraph::new(format!(
-                "{}: {health}; probe {} ms{}",
+                "{}: {health}{rest}; probe {} ms{}",
                 b.addr,
                 ms(b.probe_ms),
                 if b.drained { "; drained" } else { "" }
