@@ -47,6 +47,9 @@ pub mod maps {
     /// `PerCpuArray<Latency>` indexed by backend id: time-to-first-byte
     /// histogram.
     pub const LATENCY: &str = "LATENCY";
+    /// `PerCpuArray<Latency>` indexed by backend id: SYN to SYN-ACK
+    /// (connect time) histogram.
+    pub const CONNECT: &str = "CONNECT";
     /// `Array<Pulse>` indexed by backend id: since when the backend owes an
     /// answer (shared by all CPUs).
     pub const PULSE: &str = "PULSE";
@@ -65,7 +68,7 @@ pub mod maps {
     pub const NAT_CURSOR: &str = "NAT_CURSOR";
 
     /// Every map the control plane opens, for checks against the object.
-    pub const ALL: [&str; 17] = [
+    pub const ALL: [&str; 18] = [
         SERVICES,
         BACKENDS,
         RINGS,
@@ -83,6 +86,7 @@ pub mod maps {
         HALF_OPEN_NAT,
         NEXT_HOP,
         NAT_CURSOR,
+        CONNECT,
     ];
 }
 

@@ -93,6 +93,10 @@ pub static GLOBAL_STATS: PerCpuArray<GlobalStats> = PerCpuArray::with_max_entrie
 #[map]
 pub static LATENCY: PerCpuArray<Latency> = PerCpuArray::with_max_entries(MAX_BACKENDS, 0);
 
+/// Backend id -> this CPU's connect-time (SYN to SYN-ACK) histogram.
+#[map]
+pub static CONNECT: PerCpuArray<Latency> = PerCpuArray::with_max_entries(MAX_BACKENDS, 0);
+
 /// Backend id -> since when it owes an answer. Shared by all CPUs: it must
 /// see a request on one CPU and the answer on another.
 #[map]

@@ -8,7 +8,7 @@
 //! accepts work and never answers before any reply could tell it.
 
 use crate::{
-    maps::{bump, BACKEND_STATS, LATENCY, PULSE},
+    maps::{bump, BACKEND_STATS, CONNECT, LATENCY, PULSE},
     parse::{Packet, TCP_ACK, TCP_RST, TCP_SYN},
 };
 use aya_ebpf::helpers::bpf_ktime_get_ns;
@@ -133,6 +133,13 @@ pub fn reply(f: *mut FlowValue, p: &Packet, backend: u32) {
                 bump(&BACKEND_STATS, backend, |s| {
                     s.syn_acks += 1;
                     s.connect_ns += waited;
+                });
+                let b = latency_bucket(waited);
+                bump(&CONNECT, backend, |l| {
+                    // The bound is already true; the verifier needs to see it.
+                    if b < LATENCY_BUCKETS {
+                        l.buckets[b] += 1;
+                    }
                 });
             }
             return;

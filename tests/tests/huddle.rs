@@ -183,6 +183,14 @@ fn a_backend_made_5x_slower_rests_within_the_bound_and_returns_when_fast() {
     let count = value("huddle_backend_ttfb_seconds_count{", "")
         .unwrap_or_else(|| panic!("no count:\n{page}"));
     assert!(count > 0 && inf == count, "+Inf {inf}, count {count}");
+    let inf = value("huddle_backend_connect_seconds_bucket{", "le=\"+Inf\"")
+        .unwrap_or_else(|| panic!("no connect +Inf bucket:\n{page}"));
+    let count = value("huddle_backend_connect_seconds_count{", "")
+        .unwrap_or_else(|| panic!("no connect count:\n{page}"));
+    assert!(
+        count > 0 && inf == count,
+        "connect: +Inf {inf}, count {count}"
+    );
     // A kept parser (prometheus-parse) reads the page, histograms
     // included; summing two histograms' buckets by bound (as PromQL's
     // `sum by (le)` does across balancers; here two backends of one, with

@@ -115,6 +115,7 @@ pub struct Dataplane {
     service_stats: PerCpuArray<MapData, ServiceStats>,
     global_stats: PerCpuArray<MapData, GlobalStats>,
     latency: PerCpuArray<MapData, Latency>,
+    connect: PerCpuArray<MapData, Latency>,
     pulse: Array<MapData, Pulse>,
     nat_cursor: PerCpuArray<MapData, NatCursor>,
     /// `NAT_CURSOR` was made by this load: every backend's cursor starts.
@@ -254,6 +255,7 @@ impl Dataplane {
             service_stats: take(&mut ebpf, maps::SERVICE_STATS)?,
             global_stats: take(&mut ebpf, maps::GLOBAL_STATS)?,
             latency: take(&mut ebpf, maps::LATENCY)?,
+            connect: take(&mut ebpf, maps::CONNECT)?,
             nat_cursor: take(&mut ebpf, maps::NAT_CURSOR)?,
             fresh_cursors,
             pulse: take(&mut ebpf, maps::PULSE)?,
@@ -662,13 +664,12 @@ impl Dataplane {
 
     /// Sum over CPUs of one backend's time-to-first-byte histogram.
     pub fn latency(&self, id: u32) -> Result<Latency> {
-        let mut total = Latency::default();
-        for cpu in self.latency.get(&id, 0)?.iter() {
-            for (t, v) in total.buckets.iter_mut().zip(cpu.buckets.iter()) {
-                *t = t.wrapping_add(*v);
-            }
-        }
-        Ok(total)
+        histogram(&self.latency, id)
+    }
+
+    /// Sum over CPUs of one backend's connect-time histogram.
+    pub fn connect_latency(&self, id: u32) -> Result<Latency> {
+        histogram(&self.connect, id)
     }
 
     /// Since when backend `id` owes an answer (kernel monotonic ns, 0: none).
@@ -711,7 +712,7 @@ impl Dataplane {
 /// them out differently: settings, caches, counters and handshakes in
 /// flight (their clients resend the SYN). Flows, NAT entries, services,
 /// backends and rings must carry over, or a restart would misroute.
-const RECREATABLE: [&str; 10] = [
+const RECREATABLE: [&str; 11] = [
     maps::CONFIG,
     maps::HALF_OPEN,
     maps::HALF_OPEN_NAT,
@@ -722,6 +723,7 @@ const RECREATABLE: [&str; 10] = [
     maps::SERVICE_STATS,
     maps::GLOBAL_STATS,
     maps::LATENCY,
+    maps::CONNECT,
 ];
 
 /// Compares each map pinned in `dir` with this build's layout of it (and
@@ -818,6 +820,17 @@ fn auto_generic_reason(ifindex: u32) -> Option<String> {
             None
         }
     }
+}
+
+/// Sum over CPUs of one backend's histogram in `map`.
+fn histogram(map: &PerCpuArray<MapData, Latency>, id: u32) -> Result<Latency> {
+    let mut total = Latency::default();
+    for cpu in map.get(&id, 0)?.iter() {
+        for (t, v) in total.buckets.iter_mut().zip(cpu.buckets.iter()) {
+            *t = t.wrapping_add(*v);
+        }
+    }
+    Ok(total)
 }
 
 /// Sum over CPUs of one per-CPU counter element.

@@ -45,14 +45,17 @@ pub fn route(shared: &Mutex<Balancer>, path: &str) -> Answer {
 #[derive(Debug)]
 pub struct Snapshot {
     pub status: Status,
-    /// Per backend (service, backend): its time-to-first-byte histogram.
-    pub ttfb: Vec<(String, String, Ttfb)>,
+    /// Per backend (service, backend): its time-to-first-byte and connect
+    /// time histograms.
+    pub ttfb: Vec<(String, String, Histogram)>,
+    pub connect: Vec<(String, String, Histogram)>,
 }
 
-/// A histogram in Prometheus form: (upper bound in seconds, count in that
-/// bucket alone), the last bound `f64::MAX` (+Inf); the sum in seconds.
+/// A latency histogram in Prometheus form: (upper bound in seconds, count
+/// in that bucket alone), the last bound `f64::MAX` (+Inf); the sum in
+/// seconds.
 #[derive(Debug, Clone, PartialEq)]
-pub struct Ttfb {
+pub struct Histogram {
     pub buckets: Vec<(f64, u64)>,
     pub sum: f64,
     pub count: u64,
@@ -61,13 +64,13 @@ pub struct Ttfb {
 /// Largest finite bucket bound: 2^36 ns, about 69 s.
 const TOP_SHIFT: u32 = 36;
 
-impl Ttfb {
+impl Histogram {
     /// The kernel's 4-per-power-of-two buckets merged into one per power
     /// of two (the merge is exact: every fourth kernel bound is a power of
     /// two), from 1 µs to about 69 s, then +Inf. `sum_ns` is the kernel's
     /// summed time of the same samples.
     #[must_use]
-    pub fn from_kernel(lat: &Latency, sum_ns: u64) -> Ttfb {
+    pub fn from_kernel(lat: &Latency, sum_ns: u64) -> Histogram {
         let mut buckets: Vec<(f64, u64)> = Vec::new();
         let mut pending = 0;
         for (b, n) in lat.buckets.iter().enumerate().take(LATENCY_BUCKETS) {
@@ -80,7 +83,7 @@ impl Ttfb {
         }
         buckets.push((f64::MAX, pending));
         let count = buckets.iter().map(|b| b.1).sum();
-        Ttfb {
+        Histogram {
             buckets,
             sum: sum_ns as f64 / 1e9,
             count,
@@ -91,18 +94,28 @@ impl Ttfb {
 fn snapshot(shared: &Mutex<Balancer>) -> anyhow::Result<Snapshot> {
     let b = lock(shared);
     let status = b.status()?;
-    let mut ttfb = Vec::new();
+    let (mut ttfb, mut connect) = (Vec::new(), Vec::new());
     for s in &status.services {
         for be in &s.backends {
-            let sum_ns = be.counters.get("ttfb_ns").copied().unwrap_or(0);
+            let sum = |c: &str| be.counters.get(c).copied().unwrap_or(0);
+            let key = (s.name.clone(), be.addr.clone());
             ttfb.push((
-                s.name.clone(),
-                be.addr.clone(),
-                Ttfb::from_kernel(&b.dp.latency(be.id)?, sum_ns),
+                key.0.clone(),
+                key.1.clone(),
+                Histogram::from_kernel(&b.dp.latency(be.id)?, sum("ttfb_ns")),
+            ));
+            connect.push((
+                key.0,
+                key.1,
+                Histogram::from_kernel(&b.dp.connect_latency(be.id)?, sum("connect_ns")),
             ));
         }
     }
-    Ok(Snapshot { status, ttfb })
+    Ok(Snapshot {
+        status,
+        ttfb,
+        connect,
+    })
 }
 
 /// The whole exposition, ending in `# EOF`.
@@ -257,27 +270,36 @@ impl Collector for Snapshot {
             "Moves between the inner and outer ring.",
             |b| Some(b.rotations as f64),
         )?;
-        {
-            let mut family = enc.encode_descriptor(
+        for (name, help, hists) in [
+            (
                 "huddle_backend_ttfb_seconds",
                 "Time to first byte of every request turn the kernel timed (from the client's data to the backend's first data back).",
-                None,
-                MetricType::Histogram,
-            )?;
-            for (service, backend, h) in &self.ttfb {
+                &self.ttfb,
+            ),
+            (
+                "huddle_backend_connect_seconds",
+                "Connect time of every connection the kernel timed (from the client's SYN to the backend's SYN-ACK).",
+                &self.connect,
+            ),
+        ] {
+            let mut family = enc.encode_descriptor(name, help, None, MetricType::Histogram)?;
+            for (service, backend, h) in hists {
                 let labels = [("service", service.as_str()), ("backend", backend.as_str())];
-                family
-                    .encode_family(&labels)?
-                    .encode_histogram::<NoLabelSet>(h.sum, h.count, &h.buckets, None)?;
+                family.encode_family(&labels)?.encode_histogram::<NoLabelSet>(
+                    h.sum,
+                    h.count,
+                    &h.buckets,
+                    None,
+                )?;
             }
         }
-        // Kernel counters, one family each (the summed time to first byte
-        // is the histogram's sum).
+        // Kernel counters, one family each (the summed times to first byte
+        // and of connects are the histograms' sums).
         let mut names: Vec<&String> = st
             .services
             .iter()
             .flat_map(|s| s.backends.iter().flat_map(|b| b.counters.keys()))
-            .filter(|c| c.as_str() != "ttfb_ns")
+            .filter(|c| c.as_str() != "ttfb_ns" && c.as_str() != "connect_ns")
             .collect();
         names.sort();
         names.dedup();
@@ -353,7 +375,7 @@ mod tests {
         for ns in [3_000_000u64, 3_100_000, 5_000_000, 120_000_000_000] {
             lat.buckets[latency_bucket(ns)] += 1;
         }
-        let h = Ttfb::from_kernel(&lat, 11_100_000 + 120_000_000_000);
+        let h = Histogram::from_kernel(&lat, 11_100_000 + 120_000_000_000);
         assert_eq!(h.count, 4);
         assert!((h.sum - 120.0111).abs() < 1e-9);
         let le = |s: f64| -> u64 {
