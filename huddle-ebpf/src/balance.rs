@@ -91,7 +91,9 @@ fn request(ctx: &XdpContext, p: &Packet, cfg: &Config, service: u32) -> u32 {
         FLOWS.get_ptr_mut(&sc.nval.flow).filter(|f| {
             // SAFETY: map value pointer, valid for this run.
             let flags = unsafe { (**f).flags };
-            flags & flow_flags::CLOSING == 0 || !p.is_tcp() || !reopened(cfg, &sc.nval.flow)
+            flags & flow_flags::CLOSING == 0
+                || !p.is_tcp()
+                || halfopen::find(cfg, &sc.nval.flow).is_none()
         })
     };
     // The flow's table entry, kept so a FIN or RST can mark it without a
@@ -165,13 +167,6 @@ fn request(ctx: &XdpContext, p: &Packet, cfg: &Config, service: u32) -> u32 {
     send(ctx, p, Some(flow.backend), cfg.hop_generation)
 }
 
-/// Whether a new connection on the client tuple `key` is half-open.
-#[inline(always)]
-fn reopened(cfg: &Config, key: &FlowKey) -> bool {
-    let h = key.hash(cfg.hash_seed);
-    halfopen::client_slot(cfg, h).is_some_and(|s| halfopen::holds(s, h, key))
-}
-
 /// A TCP packet of no established flow (its key in `sc.nval.flow`). A SYN
 /// opens a half-open flow (in tables of its own, so a flood of them never
 /// evicts an established flow); the client's ACK of the backend's SYN-ACK
@@ -189,10 +184,7 @@ fn handshake(
     if p.has_flag(TCP_SYN) {
         return new_flow(ctx, cfg, service, sc, p, true, true).map(|f| (f, None));
     }
-    let h = sc.nval.flow.hash(cfg.hash_seed);
-    let Some(slot) =
-        halfopen::client_slot(cfg, h).filter(|s| halfopen::holds(*s, h, &sc.nval.flow))
-    else {
+    let Some(slot) = halfopen::find(cfg, &sc.nval.flow) else {
         bump(&SERVICE_STATS, service, |s| s.pass_no_flow += 1);
         return Err(xdp_action::XDP_PASS);
     };
@@ -230,6 +222,13 @@ fn promote(
         bump(&SERVICE_STATS, service, |s| s.drop_flow_table += 1);
         return Err(xdp_action::XDP_DROP);
     }
+    // The NAT entry now answers for the tuple: free its half-open slot
+    // (only if still this flow's); the client slot goes once the flow
+    // table has the flow.
+    if let Some(n) = halfopen::find_nat(cfg, &sc.nkey) {
+        // SAFETY: map value pointer, valid for this run.
+        unsafe { (*n).tag = 0 };
+    }
     let entry = match FLOWS.get_ptr_mut(&sc.nval.flow) {
         // An earlier connection on this client tuple: its NAT tuple must
         // not catch anything more, and its entry becomes this flow's.
@@ -258,13 +257,7 @@ fn promote(
             }
         }
     };
-    // Free both half-open slots (the NAT one only if still this flow's).
-    sc.nkey = nat::flow_key(cfg, half, &backend.addr, backend.port_be, PROTO_TCP);
-    if let Some(n) = halfopen::find_nat(cfg, &sc.nkey) {
-        // SAFETY: map value pointer, valid for this run.
-        unsafe { (*n).tag = 0 };
-    }
-    // SAFETY: as above.
+    // SAFETY: map value pointer, valid for this run.
     unsafe { (*slot).tag = 0 };
     bump(&SERVICE_STATS, service, |s| s.promoted += 1);
     bump(&BACKEND_STATS, flow.backend, |s| s.flows_new += 1);
@@ -285,7 +278,12 @@ fn new_flow(
     time: bool,
     half: bool,
 ) -> Result<FlowValue, u32> {
-    let h = sc.nval.flow.hash(cfg.hash_seed);
+    // Only a SYN needs the hash: other new flows go to the flow table.
+    let h = if half {
+        sc.nval.flow.hash(cfg.hash_seed)
+    } else {
+        0
+    };
     let slot = if half {
         match halfopen::client_slot(cfg, h) {
             Some(s) => Some(s),
@@ -448,13 +446,10 @@ fn reply(ctx: &XdpContext, p: &Packet, cfg: &Config) -> u32 {
         // of a `None` undefined and moves it around anyway, which the
         // verifier refuses as reading an uninitialised register.
         let entry: *mut FlowValue = if half {
-            let h = sc.nval.flow.hash(cfg.hash_seed);
-            match halfopen::client_slot(cfg, h) {
+            match halfopen::find(cfg, &sc.nval.flow) {
                 // SAFETY: map value pointer, valid for this run.
-                Some(s) if halfopen::holds(s, h, &sc.nval.flow) => unsafe {
-                    core::ptr::addr_of_mut!((*s).flow)
-                },
-                _ => core::ptr::null_mut(),
+                Some(s) => unsafe { core::ptr::addr_of_mut!((*s).flow) },
+                None => core::ptr::null_mut(),
             }
         } else {
             FLOWS

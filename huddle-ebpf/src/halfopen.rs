@@ -36,6 +36,13 @@ pub fn nat_holds(slot: *const HalfOpenNat, h: u64, key: &NatKey) -> bool {
     unsafe { (*slot).tag == slot_tag(h) && (*slot).key == *key }
 }
 
+/// The slot of the half-open flow `key`, if one holds it.
+#[inline(always)]
+pub fn find(cfg: &Config, key: &FlowKey) -> Option<*mut HalfOpen> {
+    let h = key.hash(cfg.hash_seed);
+    client_slot(cfg, h).filter(|s| holds(*s, h, key))
+}
+
 /// The NAT slot of a half-open flow, if it still holds it.
 #[inline(always)]
 pub fn find_nat(cfg: &Config, key: &NatKey) -> Option<*mut HalfOpenNat> {
