@@ -120,6 +120,8 @@ pub struct Dataplane {
     nat_cursor: PerCpuArray<MapData, NatCursor>,
     /// `NAT_CURSOR` was made by this load: every backend's cursor starts.
     fresh_cursors: bool,
+    /// Possible CPUs: per-CPU map values have one entry each.
+    cpus: usize,
     pub services: Vec<ServiceSlot>,
 }
 
@@ -258,6 +260,7 @@ impl Dataplane {
             connect: take(&mut ebpf, maps::CONNECT)?,
             nat_cursor: take(&mut ebpf, maps::NAT_CURSOR)?,
             fresh_cursors,
+            cpus,
             pulse: take(&mut ebpf, maps::PULSE)?,
             ebpf,
             link: None,
@@ -290,11 +293,10 @@ impl Dataplane {
             u64::from(self.kernel_config.slice_ports),
             u64::from(self.kernel_config.snat_count),
         );
-        let cpus = crate::host::possible_cpus()?;
         self.nat_cursor
             .set(
                 id,
-                aya::maps::PerCpuValues::try_from(vec![cursor; cpus])?,
+                aya::maps::PerCpuValues::try_from(vec![cursor; self.cpus])?,
                 0,
             )
             .with_context(|| format!("setting the NAT cursor of backend id {id}"))
@@ -647,13 +649,23 @@ impl Dataplane {
     /// Sum over CPUs of one service's counters; its packets and bytes are
     /// its backends' (the program counts them only per backend).
     pub fn service_stats(&self, id: u32) -> Result<ServiceStats> {
+        let backends = self
+            .services
+            .iter()
+            .find(|s| s.id == id)
+            .map_or(&[][..], |s| &s.backend_ids[..])
+            .iter()
+            .map(|b| self.backend_stats(*b))
+            .collect::<Result<Vec<_>>>()?;
+        self.service_stats_from(id, &backends)
+    }
+
+    /// As `service_stats`, from its backends' counters already read.
+    pub fn service_stats_from(&self, id: u32, backends: &[BackendStats]) -> Result<ServiceStats> {
         let mut st: ServiceStats = sum(&self.service_stats.get(&id, 0)?);
-        if let Some(slot) = self.services.iter().find(|s| s.id == id) {
-            for b in &slot.backend_ids {
-                let b = self.backend_stats(*b)?;
-                st.pkts += b.pkts_to;
-                st.bytes += b.bytes_to;
-            }
+        for b in backends {
+            st.pkts += b.pkts_to;
+            st.bytes += b.bytes_to;
         }
         Ok(st)
     }
@@ -799,27 +811,25 @@ fn random_seed() -> Result<u64> {
 /// XDP_TX (the kernel counts it and moves on), so native mode forwards
 /// nothing there. Generic mode works on any veth.
 fn auto_generic_reason(ifindex: u32) -> Option<String> {
-    match crate::link::veth_peer_xdp(ifindex) {
-        Ok(Some(Some(true))) => {
+    use crate::link::Peer;
+    let peer = match crate::link::veth_peer(ifindex) {
+        Ok(Peer::VethXdp) => {
             info!(
                 "the interface is a veth whose peer runs an XDP program: native mode (senders must compute their own checksums, e.g. `ethtool -K IFACE tx off`, or rewritten frames arrive with bad checksums)"
             );
-            None
+            return None;
         }
-        Ok(Some(peer)) => Some(format!(
-            "xdp mode auto: generic, because the interface is a veth whose peer {}, and native XDP_TX on a veth is lost unless the peer runs one; for native mode attach an XDP program to the peer, have senders compute checksums (`ethtool -K IFACE tx off`), and pass --xdp-mode native",
-            if peer.is_none() {
-                "cannot be checked for an XDP program"
-            } else {
-                "runs no XDP program"
-            }
-        )),
-        Ok(None) => None,
+        Ok(Peer::NotVeth) => return None,
+        Ok(Peer::VethNoXdp) => "runs no XDP program",
+        Ok(Peer::VethUnknown) => "cannot be checked for an XDP program",
         Err(e) => {
             warn!("cannot tell what kind of link this is ({e:#}); trying native mode");
-            None
+            return None;
         }
-    }
+    };
+    Some(format!(
+        "xdp mode auto: generic, because the interface is a veth whose peer {peer}, and native XDP_TX on a veth is lost unless the peer runs one; for native mode attach an XDP program to the peer, have senders compute checksums (`ethtool -K IFACE tx off`), and pass --xdp-mode native"
+    ))
 }
 
 /// Sum over CPUs of one backend's histogram in `map`.

@@ -158,17 +158,33 @@ fn parse_reply(msg: &[u8]) -> Result<LinkInfo> {
     Ok(info)
 }
 
-/// For a veth: whether its peer runs an XDP program (`None` if the peer
-/// cannot be asked about). `None` for any other kind of link.
-pub fn veth_peer_xdp(ifindex: u32) -> Result<Option<Option<bool>>> {
+/// What attaching natively to a link needs to know about its peer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Peer {
+    /// Not a veth: no peer to worry about.
+    NotVeth,
+    /// A veth whose peer runs an XDP program.
+    VethXdp,
+    /// A veth whose peer runs none.
+    VethNoXdp,
+    /// A veth whose peer cannot be asked about.
+    VethUnknown,
+}
+
+/// For a veth: whether its peer runs an XDP program.
+pub fn veth_peer(ifindex: u32) -> Result<Peer> {
     let me = query(ifindex, None)?;
     if !me.is_veth() {
-        return Ok(None);
+        return Ok(Peer::NotVeth);
     }
     let Some(peer) = me.link.filter(|p| *p != 0) else {
-        return Ok(Some(None));
+        return Ok(Peer::VethUnknown);
     };
-    Ok(Some(query(peer, me.link_netnsid).ok().map(|p| p.xdp)))
+    Ok(match query(peer, me.link_netnsid) {
+        Ok(p) if p.xdp => Peer::VethXdp,
+        Ok(_) => Peer::VethNoXdp,
+        Err(_) => Peer::VethUnknown,
+    })
 }
 
 #[cfg(test)]
@@ -180,7 +196,7 @@ mod tests {
         // Index 1 is loopback in every namespace.
         let lo = query(1, None).expect("rtnetlink answers about loopback");
         assert!(!lo.is_veth());
-        assert_eq!(veth_peer_xdp(1).unwrap(), None);
+        assert_eq!(veth_peer(1).unwrap(), Peer::NotVeth);
     }
 
     #[test]

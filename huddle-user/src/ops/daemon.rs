@@ -303,6 +303,12 @@ impl Balancer {
         let now = self.now();
         let now_ns = host::monotonic_ns();
         let mut rotated = false;
+        // SYNs sent and answers seen over all backends, for `watch_tx`.
+        let mut tx = TxWatch {
+            sent: 0,
+            answered: 0,
+            done: false,
+        };
         for si in 0..self.huddles.len() {
             for bi in 0..self.huddles[si].trackers.len() {
                 let id = self.huddles[si].trackers[bi].id;
@@ -316,6 +322,8 @@ impl Balancer {
                 })();
                 match read {
                     Ok((st, lat, pulse)) => {
+                        tx.sent += st.syns;
+                        tx.answered += st.pkts_from;
                         self.watch_nat_reuse(si, bi, id, st.nat_reuse_early);
                         self.huddles[si].trackers[bi].observe(
                             &st,
@@ -377,7 +385,7 @@ impl Balancer {
             self.save_state();
         }
         if now < TX_WATCH + self.cfg.huddle.tick {
-            self.watch_tx(now);
+            self.watch_tx(now, tx);
         }
     }
 
@@ -413,28 +421,13 @@ impl Balancer {
     /// In the first seconds: frames sent toward backends while not one
     /// answer came back means every backend is down or the attach mode
     /// loses transmitted frames; either way the operator must hear it.
-    fn watch_tx(&mut self, now: Duration) {
-        // TCP only: a SYN always gets an answer (SYN-ACK or RST) from a
-        // live backend, while a UDP service may be one-way by design.
-        let read = || -> Result<TxWatch> {
-            let (mut sent, mut answered) = (0, 0);
-            for slot in &self.dp.services {
-                for id in &slot.backend_ids {
-                    let b = self.dp.backend_stats(*id)?;
-                    sent += b.syns;
-                    answered += b.pkts_from;
-                }
-            }
-            Ok(TxWatch {
-                sent,
-                answered,
-                done: false,
-            })
-        };
+    /// `cur`: the SYNs sent and answers seen so far, read by this tick.
+    /// TCP only: a SYN always gets an answer (SYN-ACK or RST) from a live
+    /// backend, while a UDP service may be one-way by design.
+    fn watch_tx(&mut self, now: Duration, cur: TxWatch) {
         if self.watch.is_some_and(|w| w.done) {
             return;
         }
-        let Ok(cur) = read() else { return };
         let Some(first) = self.watch else {
             self.watch = Some(cur);
             return;
@@ -519,6 +512,7 @@ impl Balancer {
         for (si, slot) in self.dp.services.iter().enumerate() {
             let h = &self.huddles[si];
             let mut backends = Vec::new();
+            let mut read = Vec::new();
             for (bi, (addr, id)) in slot
                 .service
                 .backends
@@ -527,6 +521,7 @@ impl Balancer {
                 .enumerate()
             {
                 let st = self.dp.backend_stats(*id)?;
+                read.push(st);
                 let t = &h.trackers[bi];
                 let m = &h.engine.members[bi];
                 let place = match (m.drained, m.place) {
@@ -580,7 +575,7 @@ impl Balancer {
                 panic: h.engine.panic,
                 ring_generation: slot.generation,
                 ring,
-                counters: counters(&self.dp.service_stats(slot.id)?),
+                counters: counters(&self.dp.service_stats_from(slot.id, &read)?),
                 backends,
                 recent: self
                     .events
