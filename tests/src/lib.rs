@@ -446,6 +446,21 @@ impl Testbed {
         self.launch_huddle()
     }
 
+    /// Starts the balancer with the service `VIP:80` over the HTTP port of
+    /// every backend of the testbed, then `extra` arguments.
+    pub fn start_huddle_service(&mut self, bin: &Path, extra: &[&str]) -> Result<()> {
+        let vip = format!("{VIP}:80");
+        let backends: Vec<String> = (0..self.backends.len())
+            .map(|i| format!("{}:{HTTP_PORT}", backend_ip(i)))
+            .collect();
+        let mut args = vec!["--vip", vip.as_str()];
+        for b in &backends {
+            args.extend(["--backend", b.as_str()]);
+        }
+        args.extend_from_slice(extra);
+        self.start_huddle(bin, &args)
+    }
+
     /// Starts the balancer again with the arguments of `start_huddle`
     /// (after a kill: it takes over the pinned data plane).
     pub fn restart_huddle(&mut self) -> Result<()> {

@@ -11,7 +11,7 @@
 //! meets none. The backends' own counters say which happened.
 
 use std::{net::SocketAddr, path::Path, time::Duration};
-use testbed::{backend_ip, in_ns, require_root, OpenLoop, Testbed, HTTP_PORT, VIP};
+use testbed::{in_ns, require_root, OpenLoop, Testbed, VIP};
 
 const HUDDLE: &str = env!("CARGO_BIN_EXE_hc-huddle");
 const BACKEND: &str = env!("CARGO_BIN_EXE_hc-backend");
@@ -35,22 +35,14 @@ fn a_narrow_nat_range_never_hands_out_a_tuple_in_time_wait() {
     let mut bed = Testbed::new("nat", N).expect("testbed");
     bed.start_backends_with(Path::new(BACKEND), &["--delay-ms", "5"])
         .expect("backends");
-    let mut args = vec![
-        "--vip".to_string(),
-        format!("{VIP}:80"),
-        "--nat-ports".into(),
-        "20000-21999".into(),
-        "--no-rotation".into(),
-    ];
-    for i in 0..N {
-        args.push("--backend".into());
-        args.push(format!("{}:{HTTP_PORT}", backend_ip(i)));
-    }
-    let args: Vec<&str> = args.iter().map(String::as_str).collect();
     // HC_HUDDLE=PATH runs another build of the balancer (an older one, to
     // see this test fail on it).
     let huddle = std::env::var("HC_HUDDLE").unwrap_or_else(|_| HUDDLE.to_string());
-    bed.start_huddle(Path::new(&huddle), &args).expect("huddle");
+    bed.start_huddle_service(
+        Path::new(&huddle),
+        &["--nat-ports", "20000-21999", "--no-rotation"],
+    )
+    .expect("huddle");
     let before: Vec<_> = bed.backends.iter().map(|ns| in_ns(ns, tcp_ext)).collect();
     let client_before = in_ns(&bed.client, tcp_ext);
     let vip: SocketAddr = (VIP, 80).into();

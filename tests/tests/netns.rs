@@ -475,13 +475,7 @@ fn default_flags_on_a_plain_veth_forward_every_request() {
     bed.ip_netns_exec = true;
     bed.start_backends(Path::new(BACKEND))
         .expect("start backends");
-    let mut args: Vec<String> = vec!["--vip".into(), format!("{VIP}:80")];
-    for i in 0..3 {
-        args.push("--backend".into());
-        args.push(format!("{}:{HTTP_PORT}", backend_ip(i)));
-    }
-    let args: Vec<&str> = args.iter().map(String::as_str).collect();
-    bed.start_huddle(Path::new(HUDDLE), &args)
+    bed.start_huddle_service(Path::new(HUDDLE), &[])
         .expect("start huddle");
     let vip: SocketAddr = (VIP, 80).into();
     let (ok, failures) = in_ns(&bed.client, move || {
@@ -529,18 +523,7 @@ fn a_mode_that_forwards_nothing_is_reported() {
     let mut bed = Testbed::plain("blackhole", 2).expect("build testbed");
     bed.start_backends(Path::new(BACKEND))
         .expect("start backends");
-    let args: Vec<String> = vec![
-        "--vip".into(),
-        format!("{VIP}:80"),
-        "--backend".into(),
-        format!("{}:{HTTP_PORT}", backend_ip(0)),
-        "--backend".into(),
-        format!("{}:{HTTP_PORT}", backend_ip(1)),
-        "--xdp-mode".into(),
-        "native".into(),
-    ];
-    let args: Vec<&str> = args.iter().map(String::as_str).collect();
-    bed.start_huddle(Path::new(HUDDLE), &args)
+    bed.start_huddle_service(Path::new(HUDDLE), &["--xdp-mode", "native"])
         .expect("start huddle");
     let vip: SocketAddr = (VIP, 80).into();
     let failed = in_ns(&bed.client, move || {
@@ -576,16 +559,7 @@ fn commands_without_iface_find_the_only_balancer() {
     bed.start_backends(Path::new(BACKEND))
         .expect("start backends");
     let b0 = format!("{}:{HTTP_PORT}", backend_ip(0));
-    let args = [
-        "--vip".to_string(),
-        format!("{VIP}:80"),
-        "--backend".into(),
-        b0.clone(),
-        "--backend".into(),
-        format!("{}:{HTTP_PORT}", backend_ip(1)),
-    ];
-    let args: Vec<&str> = args.iter().map(String::as_str).collect();
-    bed.start_huddle(Path::new(HUDDLE), &args)
+    bed.start_huddle_service(Path::new(HUDDLE), &[])
         .expect("start huddle");
     let huddle = Path::new(HUDDLE);
     let (ok, out, err) = output(huddle, &["status", "--json"]).unwrap();
@@ -625,14 +599,7 @@ fn json_logs_carry_the_rotation_fields() {
     let mut bed = Testbed::new("jsonlog", 3).expect("build testbed");
     bed.start_backends(Path::new(BACKEND))
         .expect("start backends");
-    let mut args: Vec<String> = vec!["--log-format".into(), "json".into()];
-    args.extend(["--vip".into(), format!("{VIP}:80")]);
-    for i in 0..3 {
-        args.push("--backend".into());
-        args.push(format!("{}:{HTTP_PORT}", backend_ip(i)));
-    }
-    let args: Vec<&str> = args.iter().map(String::as_str).collect();
-    bed.start_huddle(Path::new(HUDDLE), &args)
+    bed.start_huddle_service(Path::new(HUDDLE), &["--log-format", "json"])
         .expect("start huddle");
     let vip: SocketAddr = (VIP, 80).into();
     let load = testbed::OpenLoop::start(&bed.client, vip, 100.0, TIMEOUT);

@@ -160,16 +160,8 @@ fn ip_netns_exec_restart_keeps_every_connection() {
     let mut bed = Testbed::plain("nsexec", 2).expect("testbed");
     bed.ip_netns_exec = true;
     bed.start_backends(Path::new(BACKEND)).expect("backends");
-    let args: Vec<String> = vec![
-        "--vip".into(),
-        format!("{VIP}:80"),
-        "--backend".into(),
-        format!("{}:{HTTP_PORT}", backend_ip(0)),
-        "--backend".into(),
-        format!("{}:{HTTP_PORT}", backend_ip(1)),
-    ];
-    let args: Vec<&str> = args.iter().map(String::as_str).collect();
-    bed.start_huddle(Path::new(HUDDLE), &args).expect("huddle");
+    bed.start_huddle_service(Path::new(HUDDLE), &[])
+        .expect("huddle");
     let vip: SocketAddr = (VIP, 80).into();
     let held = HeldConnections::start(&bed.client, vip, KEEPALIVE, 1, Duration::from_millis(20));
     held.wait_opened(KEEPALIVE as u64, Duration::from_secs(10))
@@ -216,18 +208,9 @@ fn a_restart_with_another_half_open_size_remakes_those_tables() {
     bed.start_backends(Path::new(BACKEND)).expect("backends");
     let config = bed.dir.join("huddle.toml");
     std::fs::write(&config, "half_open_table_size = 1024\n").unwrap();
-    let args: Vec<String> = vec![
-        "--config".into(),
-        config.display().to_string(),
-        "--vip".into(),
-        format!("{VIP}:80"),
-        "--backend".into(),
-        format!("{}:{HTTP_PORT}", backend_ip(0)),
-        "--backend".into(),
-        format!("{}:{HTTP_PORT}", backend_ip(1)),
-    ];
-    let args: Vec<&str> = args.iter().map(String::as_str).collect();
-    bed.start_huddle(Path::new(HUDDLE), &args).expect("huddle");
+    let config_arg = config.display().to_string();
+    bed.start_huddle_service(Path::new(HUDDLE), &["--config", &config_arg])
+        .expect("huddle");
     let vip: SocketAddr = (VIP, 80).into();
     let held = HeldConnections::start(&bed.client, vip, 4, 1, Duration::from_millis(20));
     held.wait_opened(4, Duration::from_secs(10))

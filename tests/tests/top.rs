@@ -50,18 +50,8 @@ fn top_shows_the_huddle_drains_on_a_key_and_survives_a_restart() {
     bed.start_backends_with(Path::new(BACKEND), &["--delay-ms", "10"])
         .expect("backends");
     let [b0, b1, b2] = [0, 1, 2].map(|i| format!("{}:{HTTP_PORT}", backend_ip(i)));
-    let vip_arg = format!("{VIP}:80");
-    let args = [
-        "--vip",
-        &vip_arg,
-        "--backend",
-        &b0,
-        "--backend",
-        &b1,
-        "--backend",
-        &b2,
-    ];
-    bed.start_huddle(Path::new(HUDDLE), &args).expect("huddle");
+    bed.start_huddle_service(Path::new(HUDDLE), &[])
+        .expect("huddle");
     let session = Session(unique("top"));
     let cmd = format!("{HUDDLE} top --control-socket {}", bed.socket().display());
     tmux(&[
