@@ -66,9 +66,12 @@ pub mod maps {
     /// `PerCpuArray<NatCursor>` indexed by backend id: where this CPU's
     /// walk over its slice of NAT tuples toward the backend stands.
     pub const NAT_CURSOR: &str = "NAT_CURSOR";
+    /// `Array<Tuning>` indexed by service id: the thresholds past which a
+    /// backend that owes an answer is passed over for new flows.
+    pub const TUNING: &str = "TUNING";
 
     /// Every map the control plane opens, for checks against the object.
-    pub const ALL: [&str; 18] = [
+    pub const ALL: [&str; 19] = [
         SERVICES,
         BACKENDS,
         RINGS,
@@ -87,6 +90,7 @@ pub mod maps {
         NEXT_HOP,
         NAT_CURSOR,
         CONNECT,
+        TUNING,
     ];
 }
 
@@ -106,6 +110,15 @@ pub const DEFAULT_HALF_OPEN_SIZE: u32 = 65_536;
 /// A closing flow keeps its NAT port this long, so its last segments
 /// (final ACKs, retransmitted FINs) are still translated to it.
 pub const NAT_LINGER_NS: u64 = 2_000_000_000;
+/// Backends a client's SYN is sent to after the first one refused it or
+/// left it unanswered (so at most 1 + this many backends per connection).
+pub const MAX_SYN_RETRIES: u8 = 2;
+/// Ring entries a new flow may pass over because they owe an answer for
+/// too long (`Tuning`) before it takes the next one regardless.
+pub const PICK_TRIES: u32 = 3;
+/// Bytes of TCP options a half-open slot keeps of the client's SYN (the
+/// most a TCP header carries).
+pub const SYN_OPTS: usize = 40;
 /// Tries to find a free NAT port before a new flow is refused.
 pub const NAT_PORT_TRIES: u32 = 8;
 /// How long a backend keeps a closed connection's 4-tuple in TIME_WAIT
@@ -333,6 +346,10 @@ pub struct Config {
     /// Secret seed of the half-open tables' hash, so nobody outside can
     /// aim SYNs at one slot. Kept across restarts (the slots stay valid).
     pub hash_seed: u64,
+    /// A client's SYN retransmitted this long after the first one, with no
+    /// SYN-ACK or RST from the backend in between, goes to another backend
+    /// (0: never).
+    pub syn_timeout_ns: u64,
 }
 
 impl Config {
@@ -359,6 +376,39 @@ pub struct HalfOpen {
     pub tag: u64,
     pub key: FlowKey,
     pub flow: FlowValue,
+    pub syn: SynCopy,
+}
+
+/// What the balancer keeps of a client's SYN so that it can send it again
+/// itself, to another backend, when the first refuses it (RST): the client
+/// then never sees the refusal.
+#[repr(C, align(8))]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SynCopy {
+    /// The client's initial sequence number (host order).
+    pub isn: u32,
+    /// The SYN's window field, as sent (network order).
+    pub window_be: u16,
+    /// Bytes of `opts` in use: a multiple of 4, at most `SYN_OPTS`.
+    pub opt_len: u8,
+    /// Backends tried after the first one (at most `MAX_SYN_RETRIES`).
+    pub retries: u8,
+    /// The SYN's TCP options (MSS, window scale, SACK, timestamps), so the
+    /// connection keeps them on the next backend.
+    pub opts: [u8; SYN_OPTS],
+}
+
+/// Per service, written by the control plane every tick from the ring's
+/// own answer times: a backend that has owed an answer for longer than
+/// these is passed over for new flows (0: never), before the control plane
+/// has even judged it hung.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Tuning {
+    /// Oldest unanswered request turn (`Pulse::turn_wait_ns`).
+    pub turn_skip_ns: u64,
+    /// Oldest unanswered SYN (`Pulse::syn_wait_ns`).
+    pub syn_skip_ns: u64,
 }
 
 /// The NAT side of a half-open flow: slot `hash(key) & half_open_mask` of
@@ -488,8 +538,10 @@ assert_size!(GenConfig, 16);
 assert_size!(NextHop, 32);
 assert_size!(NatKey, 40);
 assert_size!(NatValue, 48);
-assert_size!(Config, 16 * MAX_SNAT + 40);
-assert_size!(HalfOpen, 80);
+assert_size!(Config, 16 * MAX_SNAT + 48);
+assert_size!(HalfOpen, 128);
+assert_size!(SynCopy, 48);
+assert_size!(Tuning, 16);
 assert_size!(HalfOpenNat, 96);
 assert_size!(NatCursor, 24);
 
@@ -517,6 +569,7 @@ mod pod {
     unsafe impl aya::Pod for NatCursor {}
     unsafe impl aya::Pod for HalfOpen {}
     unsafe impl aya::Pod for HalfOpenNat {}
+    unsafe impl aya::Pod for Tuning {}
 }
 
 #[cfg(test)]

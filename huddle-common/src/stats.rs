@@ -75,6 +75,15 @@ counters!(
         /// second toward this backend than the port space holds); the
         /// backend may still hold the old connection in TIME_WAIT.
         nat_reuse_early,
+        /// Client SYNs this backend refused (RST) that the balancer sent to
+        /// another backend itself: the client never saw the refusal.
+        retried_refused,
+        /// Client SYNs this backend left unanswered for `syn_timeout_ms`
+        /// whose retransmission went to another backend.
+        retried_silent,
+        /// New flows that passed over this backend at pick time because it
+        /// owed an answer for longer than its service's `Tuning` allows.
+        skipped_owing,
     }
 );
 

@@ -15,15 +15,20 @@ use crate::{
     },
     nat,
     parse::{Packet, TCP_ACK, TCP_FIN, TCP_RST, TCP_SYN},
+    pick, retry,
     rewrite::{rewrite, Tuple},
-    ring, timing,
+    timing,
 };
 use aya_ebpf::{bindings::xdp_action, helpers::bpf_ktime_get_ns, programs::XdpContext};
 use aya_log_ebpf::warn;
 use huddle_common::{
     addr_v4, backend_flags, flow_flags, slot_tag, Config, FlowKey, FlowValue, HalfOpen, ServiceKey,
-    FAMILY_V4, NAT_PORT_TRIES, PROTO_TCP, SERVICE_KIND_SNAT, SERVICE_KIND_VIP,
+    FAMILY_V4, MAX_SYN_RETRIES, NAT_PORT_TRIES, PROTO_TCP, SERVICE_KIND_SNAT, SERVICE_KIND_VIP,
 };
+
+/// `reply`'s answer for a refused SYN that may be retried: the packet is
+/// untouched and the scratch map holds its keys.
+const RETRY: u32 = u32::MAX;
 
 #[inline(always)]
 pub fn balance(ctx: &XdpContext, p: &Packet) -> u32 {
@@ -40,7 +45,17 @@ pub fn balance(ctx: &XdpContext, p: &Packet) -> u32 {
         };
         // SAFETY: only tested for presence.
         if unsafe { SERVICES.get(&snat) }.is_some() {
-            return reply(ctx, p, cfg);
+            let verdict = reply(ctx, p, cfg);
+            if verdict != RETRY {
+                return verdict;
+            }
+            // Called from here, not from `reply`: the call chain's stack
+            // (512 bytes) has no room for them under `reply`.
+            let slot = retry::plan(cfg);
+            if slot.is_null() {
+                return back(ctx, p, cfg);
+            }
+            return retry::resend(ctx, cfg, slot);
         }
     }
     let vip = ServiceKey {
@@ -292,32 +307,52 @@ fn new_flow(
     } else {
         None
     };
+    // SAFETY: plain helper call.
+    let now = unsafe { bpf_ktime_get_ns() };
+    // The backend a retransmitted SYN must not go back to, and how many
+    // backends this connection has tried after its first.
+    let mut avoid = pick::NONE;
+    let mut retries = 0;
     if let Some(s) = slot.filter(|s| halfopen::holds(*s, h, &sc.nval.flow)) {
-        // A retransmitted SYN: same backend, same tuple; its NAT slot is
-        // written again in case a colliding SYN took it meanwhile.
         // SAFETY: map value pointer, valid for this run.
-        let flow = unsafe { (*s).flow };
+        let (flow, tried) = unsafe { ((*s).flow, (*s).syn.retries) };
         let Some(backend) = BACKENDS.get(flow.backend) else {
             return Err(xdp_action::XDP_DROP);
         };
         sc.nkey = nat::flow_key(cfg, &flow, &backend.addr, backend.port_be, PROTO_TCP);
-        sc.nval.backend = flow.backend;
-        sc.nval._pad = 0;
-        write_nat_slot(cfg, service, sc);
-        return Ok(flow);
+        let silent = flow.flags & flow_flags::SYN_WAIT != 0
+            && cfg.syn_timeout_ns != 0
+            && now.wrapping_sub(flow.turn_ns) >= cfg.syn_timeout_ns
+            && tried < MAX_SYN_RETRIES;
+        if !silent {
+            // A retransmitted SYN: same backend, same tuple; its NAT slot
+            // is written again in case a colliding SYN took it meanwhile.
+            sc.nval.backend = flow.backend;
+            sc.nval._pad = 0;
+            halfopen::write_nat(cfg, service, sc);
+            return Ok(flow);
+        }
+        // Its backend never answered: the client's retransmission goes to
+        // another one, and a late answer from the first finds no NAT slot.
+        if let Some(n) = halfopen::find_nat(cfg, &sc.nkey) {
+            // SAFETY: map value pointer, valid for this run.
+            unsafe { (*n).tag = 0 };
+        }
+        bump(&BACKEND_STATS, flow.backend, |st| st.retried_silent += 1);
+        avoid = flow.backend;
+        retries = tried + 1;
     }
-    let Some(backend_id) = ring::pick(service) else {
-        bump(&SERVICE_STATS, service, |s| s.drop_no_backend += 1);
-        return Err(xdp_action::XDP_DROP);
-    };
+    let mut backend_id = pick::choose(service, avoid, now);
+    if backend_id == pick::NONE {
+        // Only the silent backend is left: a fresh tuple toward it.
+        backend_id = avoid;
+    }
     let Some(backend) = BACKENDS.get(backend_id) else {
         bump(&SERVICE_STATS, service, |s| s.drop_no_backend += 1);
         return Err(xdp_action::XDP_DROP);
     };
     sc.nval.backend = backend_id;
     sc.nval._pad = 0;
-    // SAFETY: plain helper call.
-    let now = unsafe { bpf_ktime_get_ns() };
     let Some(tuple) = nat::allocate(
         cfg,
         backend_id,
@@ -348,7 +383,7 @@ fn new_flow(
         turn_ns: now,
     };
     if let Some(s) = slot {
-        write_nat_slot(cfg, service, sc);
+        halfopen::write_nat(cfg, service, sc);
         // SAFETY: map value pointer, valid for this run. A slot still
         // tagged holds a handshake that had not completed: it loses it.
         // Field by field, tag last: no 80-byte temporary on the stack, and
@@ -359,6 +394,7 @@ fn new_flow(
             }
             put(&mut (*s).key, &sc.nval.flow);
             put(&mut (*s).flow, &flow);
+            retry::keep_syn(ctx, p, core::ptr::addr_of_mut!((*s).syn), retries);
             (*s).tag = slot_tag(h);
         }
         bump(&SERVICE_STATS, service, |s| s.half_open += 1);
@@ -376,23 +412,6 @@ fn new_flow(
         timing::start_first(flow.flags, backend_id, now);
     }
     Ok(flow)
-}
-
-/// Writes the NAT side of the half-open flow in `sc` (`nkey` -> `nval`).
-#[inline(always)]
-fn write_nat_slot(cfg: &Config, service: u32, sc: &Scratch) {
-    let h = sc.nkey.hash(cfg.hash_seed);
-    if let Some(n) = halfopen::nat_slot(cfg, h) {
-        // SAFETY: map value pointer, valid for this run.
-        unsafe {
-            if (*n).tag != 0 && (*n).key != sc.nkey {
-                bump(&SERVICE_STATS, service, |st| st.half_open_lost += 1);
-            }
-            put(&mut (*n).key, &sc.nkey);
-            put(&mut (*n).nat, &sc.nval);
-            (*n).tag = slot_tag(h);
-        }
-    }
 }
 
 /// Backend to client: translate a reply back, or leave the balancer host's
@@ -445,11 +464,17 @@ fn reply(ctx: &XdpContext, p: &Packet, cfg: &Config) -> u32 {
         // nullable pointer, not an Option of one: LLVM leaves the pointer
         // of a `None` undefined and moves it around anyway, which the
         // verifier refuses as reading an uninitialised register.
+        let slot: *mut HalfOpen = if half {
+            halfopen::find(cfg, &sc.nval.flow).unwrap_or(core::ptr::null_mut())
+        } else {
+            core::ptr::null_mut()
+        };
         let entry: *mut FlowValue = if half {
-            match halfopen::find(cfg, &sc.nval.flow) {
+            if slot.is_null() {
+                core::ptr::null_mut()
+            } else {
                 // SAFETY: map value pointer, valid for this run.
-                Some(s) => unsafe { core::ptr::addr_of_mut!((*s).flow) },
-                None => core::ptr::null_mut(),
+                unsafe { core::ptr::addr_of_mut!((*slot).flow) }
             }
         } else {
             FLOWS
@@ -470,11 +495,40 @@ fn reply(ctx: &XdpContext, p: &Packet, cfg: &Config) -> u32 {
                 (*flow).flags |= flow_flags::SYNACK_SEEN;
             }
         }
+        // A refusal of the client's SYN (no SYN-ACK came before it), which
+        // the balancer may take to another backend itself.
+        // SAFETY: as above.
+        let refused = ours
+            && half
+            && p.has_flag(TCP_RST)
+            && unsafe { (*flow).flags & (flow_flags::SYN_WAIT | flow_flags::SYNACK_SEEN) }
+                == flow_flags::SYN_WAIT;
         timing::reply(flow, p, backend);
+        if refused {
+            return RETRY;
+        }
         if ours && closing && !half {
             nat::close(flow, backend);
         }
     }
+    to_client(ctx, p, cfg, sc)
+}
+
+/// A refused SYN that was not retried after all: its RST goes to the
+/// client like any reply.
+#[inline(never)]
+fn back(ctx: &XdpContext, p: &Packet, cfg: &Config) -> u32 {
+    let Some(sc) = SCRATCH.get_ptr_mut(0) else {
+        return xdp_action::XDP_PASS;
+    };
+    // SAFETY: this CPU's element, used by this run only.
+    to_client(ctx, p, cfg, unsafe { &*sc })
+}
+
+/// Translates a reply of the flow in `sc.nval` back to VIP -> client and
+/// sends it.
+#[inline(always)]
+fn to_client(ctx: &XdpContext, p: &Packet, cfg: &Config, sc: &Scratch) -> u32 {
     let (vip, client) = (&sc.nval.flow.vip, &sc.nval.flow.client);
     rewrite(
         p,

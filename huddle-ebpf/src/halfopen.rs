@@ -6,7 +6,7 @@
 //! reads as another flow's or as empty, and at worst one handshake is
 //! retried by its client.
 
-use crate::maps::{HALF_OPEN, HALF_OPEN_NAT};
+use crate::maps::{bump, put, Scratch, HALF_OPEN, HALF_OPEN_NAT, SERVICE_STATS};
 use huddle_common::{slot_tag, Config, FlowKey, HalfOpen, HalfOpenNat, NatKey};
 
 /// The slot of client tuple `key` (hash `h`), whoever holds it.
@@ -48,4 +48,22 @@ pub fn find(cfg: &Config, key: &FlowKey) -> Option<*mut HalfOpen> {
 pub fn find_nat(cfg: &Config, key: &NatKey) -> Option<*mut HalfOpenNat> {
     let h = key.hash(cfg.hash_seed);
     nat_slot(cfg, h).filter(|s| nat_holds(*s, h, key))
+}
+
+/// Writes the NAT side of the half-open flow in `sc` (`nkey` -> `nval`)
+/// into its slot, counting a handshake it takes the slot from.
+#[inline(always)]
+pub fn write_nat(cfg: &Config, service: u32, sc: &Scratch) {
+    let h = sc.nkey.hash(cfg.hash_seed);
+    if let Some(n) = nat_slot(cfg, h) {
+        // SAFETY: map value pointer, valid for this run.
+        unsafe {
+            if (*n).tag != 0 && (*n).key != sc.nkey {
+                bump(&SERVICE_STATS, service, |st| st.half_open_lost += 1);
+            }
+            put(&mut (*n).key, &sc.nkey);
+            put(&mut (*n).nat, &sc.nval);
+            (*n).tag = slot_tag(h);
+        }
+    }
 }

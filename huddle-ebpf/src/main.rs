@@ -14,6 +14,8 @@ mod halfopen;
 mod maps;
 mod nat;
 mod parse;
+mod pick;
+mod retry;
 mod rewrite;
 mod ring;
 mod timing;

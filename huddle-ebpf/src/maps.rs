@@ -8,7 +8,7 @@ use aya_ebpf::{
 use huddle_common::{
     Backend, BackendStats, Config, FlowKey, FlowValue, GlobalStats, HalfOpen, HalfOpenNat, Latency,
     NatCursor, NatKey, NatValue, NextHop, Pulse, Ring, ServiceKey, ServiceStats, ServiceValue,
-    DEFAULT_FLOW_TABLE_SIZE, DEFAULT_HALF_OPEN_SIZE, MAX_BACKENDS, MAX_SERVICES,
+    Tuning, DEFAULT_FLOW_TABLE_SIZE, DEFAULT_HALF_OPEN_SIZE, MAX_BACKENDS, MAX_SERVICES,
 };
 
 /// VIP:port/proto -> service id, and SNAT address -> its index. Written
@@ -73,6 +73,11 @@ pub static NEXT_HOP: PerCpuArray<NextHop> = PerCpuArray::with_max_entries(MAX_BA
 /// Backend id -> this CPU's position in its NAT tuple slice.
 #[map]
 pub static NAT_CURSOR: PerCpuArray<NatCursor> = PerCpuArray::with_max_entries(MAX_BACKENDS, 0);
+
+/// Service id -> how long a backend may owe an answer before new flows
+/// pass it over (written by the control plane every tick).
+#[map]
+pub static TUNING: Array<Tuning> = Array::with_max_entries(MAX_SERVICES, 0);
 
 /// Data plane settings (SNAT addresses, NAT port range and slices).
 #[map]

@@ -18,8 +18,8 @@ use aya::{
 };
 use huddle_common::{
     addr_v4, maps, ring_slot, Backend, BackendStats, Config as KernelConfig, Counters, GlobalStats,
-    Latency, NatCursor, Pulse, Ring, ServiceKey, ServiceStats, ServiceValue, FAMILY_V4, MAX_SNAT,
-    PROGRAM_NAME, RING_CAPACITY, SERVICE_KIND_SNAT, SERVICE_KIND_VIP,
+    Latency, NatCursor, Pulse, Ring, ServiceKey, ServiceStats, ServiceValue, Tuning, FAMILY_V4,
+    MAX_SNAT, PROGRAM_NAME, RING_CAPACITY, SERVICE_KIND_SNAT, SERVICE_KIND_VIP,
 };
 use huddle_common::{MAX_BACKENDS, MAX_SERVICES};
 use std::{
@@ -117,6 +117,7 @@ pub struct Dataplane {
     latency: PerCpuArray<MapData, Latency>,
     connect: PerCpuArray<MapData, Latency>,
     pulse: Array<MapData, Pulse>,
+    tuning: Array<MapData, Tuning>,
     nat_cursor: PerCpuArray<MapData, NatCursor>,
     /// `NAT_CURSOR` was made by this load: every backend's cursor starts.
     fresh_cursors: bool,
@@ -245,6 +246,7 @@ impl Dataplane {
             half_open_mask: half_open - 1,
             _pad3: 0,
             hash_seed,
+            syn_timeout_ns: cfg.huddle.syn_timeout.as_nanos() as u64,
         };
         config.set(0, kernel_config, 0).context("writing CONFIG")?;
 
@@ -262,6 +264,7 @@ impl Dataplane {
             fresh_cursors,
             cpus,
             pulse: take(&mut ebpf, maps::PULSE)?,
+            tuning: take(&mut ebpf, maps::TUNING)?,
             ebpf,
             link: None,
             pinned_link: None,
@@ -353,6 +356,13 @@ impl Dataplane {
             .filter_map(|s| s.last_swap.map(|t| (s.id, t)))
             .collect();
         let reloading = !self.services.is_empty();
+        let syn_timeout_ns = cfg.huddle.syn_timeout.as_nanos() as u64;
+        if self.kernel_config.syn_timeout_ns != syn_timeout_ns {
+            self.kernel_config.syn_timeout_ns = syn_timeout_ns;
+            self.config
+                .set(0, self.kernel_config, 0)
+                .context("writing CONFIG")?;
+        }
         self.services.clear();
         let old_services: StdHashMap<ServiceKey, u32> = self
             .services_map
@@ -694,6 +704,12 @@ impl Dataplane {
         Ok(self.pulse.set(id, Pulse::default(), 0)?)
     }
 
+    /// Sets how long a backend of service `id` may owe an answer before
+    /// new flows pass it over.
+    pub fn set_tuning(&mut self, id: u32, t: Tuning) -> Result<()> {
+        Ok(self.tuning.set(id, t, 0)?)
+    }
+
     /// Sets `huddle_common::backend_flags` on backend `id`. The address and
     /// port are rewritten with them: one element, replaced whole.
     pub fn set_backend_flags(&mut self, id: u32, addr: SocketAddr, flags: u32) -> Result<()> {
@@ -724,7 +740,7 @@ impl Dataplane {
 /// them out differently: settings, caches, counters and handshakes in
 /// flight (their clients resend the SYN). Flows, NAT entries, services,
 /// backends and rings must carry over, or a restart would misroute.
-const RECREATABLE: [&str; 11] = [
+const RECREATABLE: [&str; 12] = [
     maps::CONFIG,
     maps::HALF_OPEN,
     maps::HALF_OPEN_NAT,
@@ -736,6 +752,7 @@ const RECREATABLE: [&str; 11] = [
     maps::GLOBAL_STATS,
     maps::LATENCY,
     maps::CONNECT,
+    maps::TUNING,
 ];
 
 /// Compares each map pinned in `dir` with this build's layout of it (and

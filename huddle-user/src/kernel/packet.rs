@@ -36,6 +36,8 @@ pub struct Frame {
     /// TCP sequence and acknowledgement numbers.
     pub seq: u32,
     pub ack: u32,
+    /// TCP options (a multiple of 4 bytes, at most 40).
+    pub options: Vec<u8>,
 }
 
 impl Frame {
@@ -54,6 +56,7 @@ impl Frame {
             id: 0x1234,
             seq: 1000,
             ack: 2000,
+            options: Vec::new(),
         }
     }
 
@@ -78,6 +81,13 @@ impl Frame {
     pub fn seq_ack(mut self, seq: u32, ack: u32) -> Frame {
         self.seq = seq;
         self.ack = ack;
+        self
+    }
+
+    /// TCP options, as a SYN carries them (padded to 4 bytes by the caller).
+    #[must_use]
+    pub fn options(mut self, o: &[u8]) -> Frame {
+        self.options = o.to_vec();
         self
     }
 
@@ -112,7 +122,7 @@ impl Frame {
     #[must_use]
     pub fn build(&self) -> Vec<u8> {
         let l4_len = match self.l4 {
-            L4::Tcp { .. } => TCP_LEN,
+            L4::Tcp { .. } => TCP_LEN + self.options.len(),
             L4::Udp { .. } => UDP_LEN,
         } + self.payload.len();
         let tot_len = (IP_LEN + l4_len) as u16;
@@ -142,10 +152,11 @@ impl Frame {
             L4::Tcp { flags } => {
                 f.extend_from_slice(&self.seq.to_be_bytes());
                 f.extend_from_slice(&(if flags & ACK != 0 { self.ack } else { 0 }).to_be_bytes());
-                f.push(0x50);
+                f.push((((TCP_LEN + self.options.len()) / 4) as u8) << 4);
                 f.push(flags);
                 f.extend_from_slice(&64240u16.to_be_bytes());
                 f.extend_from_slice(&[0, 0, 0, 0]);
+                f.extend_from_slice(&self.options);
             }
             L4::Udp { .. } => {
                 f.extend_from_slice(&(l4_len as u16).to_be_bytes());

@@ -1,0 +1,271 @@
+//! Connection retry in the kernel: a backend that refuses a client's SYN
+//! never costs the client its connection. The balancer keeps what it needs
+//! of each SYN in the half-open slot (sequence number, window, options);
+//! when the backend answers it with a RST, the RST itself is rebuilt into
+//! that SYN toward another backend of the ring, and the client sees only
+//! the other backend's SYN-ACK, a little later. A SYN left unanswered is
+//! retried on the client's own retransmission (see `balance::new_flow`).
+//! Only half-open flows are retried, whose backend has sent nothing but
+//! the refusal: a flow that got any data from its backend never is.
+
+use crate::{
+    forward::send,
+    halfopen,
+    maps::{bump, put, BACKENDS, BACKEND_STATS, SCRATCH},
+    nat,
+    parse::{Packet, TCP_SYN},
+    pick, timing,
+};
+use aya_ebpf::{
+    bindings::xdp_action,
+    helpers::{
+        bpf_ktime_get_ns,
+        generated::{
+            bpf_xdp_adjust_tail, bpf_xdp_get_buff_len, bpf_xdp_load_bytes, bpf_xdp_store_bytes,
+        },
+    },
+    programs::XdpContext,
+};
+use huddle_common::{flow_flags, Config, HalfOpen, SynCopy, MAX_SYN_RETRIES, PROTO_TCP, SYN_OPTS};
+
+const ETH_LEN: usize = 14;
+const IP_LEN: usize = 20;
+const TCP_LEN: usize = 20;
+/// Where TCP options start in a frame with a 20-byte IP header (the only
+/// kind `parse` lets through).
+const OPTS_AT: usize = ETH_LEN + IP_LEN + TCP_LEN;
+
+/// Keeps what a retry needs of the client's SYN `p` in `syn`; `retries`
+/// is how many backends this connection has tried after its first.
+#[inline(always)]
+pub fn keep_syn(ctx: &XdpContext, p: &Packet, syn: *mut SynCopy, retries: u8) {
+    // SAFETY: `parse` checked that the 20-byte TCP header lies inside the
+    // packet; `syn` is a map value pointer, valid for this run.
+    unsafe {
+        let doff = usize::from(*p.l4.add(12) >> 4) * 4;
+        let len = doff.wrapping_sub(TCP_LEN) & 0x3c;
+        (*syn).isn = p.seq;
+        (*syn).window_be = p.l4.add(14).cast::<u16>().read_unaligned();
+        (*syn).retries = retries;
+        (*syn).opt_len = 0;
+        // `parse` checked that `doff` bytes of header lie in the packet.
+        if len > 0
+            && len <= SYN_OPTS
+            && bpf_xdp_load_bytes(
+                ctx.ctx.cast(),
+                OPTS_AT as u32,
+                (*syn).opts.as_mut_ptr().cast(),
+                len as u32,
+            ) == 0
+        {
+            (*syn).opt_len = len as u8;
+        }
+    }
+}
+
+/// Step one of a retry, after the backend refused the SYN of the half-open
+/// flow whose keys `reply` left in the scratch map (`nval.flow` the
+/// client's, `nkey` the refusing backend's NAT tuple): move the flow to
+/// another backend of the ring with a NAT tuple of its own. Returns its
+/// slot, or null for no retry (retries used up, no other backend, no free
+/// tuple): then nothing changed. Touches no packet data, so the caller's
+/// packet pointers stay valid (a BPF function that changes packet data
+/// invalidates them all in its caller, on every path).
+#[inline(never)]
+pub fn plan(cfg: &Config) -> *mut HalfOpen {
+    let none = core::ptr::null_mut();
+    let Some(sc) = SCRATCH.get_ptr_mut(0) else {
+        return none;
+    };
+    // SAFETY: this CPU's element, used by this run only.
+    let sc = unsafe { &mut *sc };
+    let Some(slot) = halfopen::find(cfg, &sc.nval.flow) else {
+        return none;
+    };
+    // SAFETY: a map value pointer, valid for this run.
+    let s = unsafe { &mut *slot };
+    if s.syn.retries >= MAX_SYN_RETRIES {
+        return none;
+    }
+    let old = s.flow.backend;
+    let service = s.flow.service;
+    // SAFETY: plain helper call.
+    let now = unsafe { bpf_ktime_get_ns() };
+    let id = pick::choose(service, old, now);
+    let Some(backend) = BACKENDS.get(id) else {
+        return none;
+    };
+    let nat_slot = halfopen::find_nat(cfg, &sc.nkey);
+    sc.nval.backend = id;
+    sc.nval._pad = 0;
+    let Some(tuple) = nat::allocate(
+        cfg,
+        id,
+        &backend.addr,
+        backend.port_be,
+        PROTO_TCP,
+        &sc.nval,
+        &mut sc.nkey,
+        true,
+        now,
+    ) else {
+        return none;
+    };
+    // The refusing backend's NAT slot must catch nothing more.
+    if let Some(n) = nat_slot {
+        // SAFETY: map value pointer, valid for this run.
+        unsafe { (*n).tag = 0 };
+    }
+    s.flow.backend = id;
+    s.flow.nat_port_be = tuple.port_be;
+    s.flow.snat = tuple.snat;
+    s.flow.flags = flow_flags::SYN_WAIT;
+    s.flow.turn_ns = now;
+    s.syn.retries += 1;
+    halfopen::write_nat(cfg, service, sc);
+    timing::start_first(flow_flags::SYN_WAIT, id, now);
+    bump(&BACKEND_STATS, old, |st| st.retried_refused += 1);
+    bump(&BACKEND_STATS, id, |st| st.syns += 1);
+    slot
+}
+
+/// Step two: rebuild the packet (the refusing RST) as the client's SYN of
+/// the half-open flow in `slot`, toward the backend `plan` gave it, and
+/// send it. Dropped only if the packet cannot be resized (the client's own
+/// retransmission then reaches the new backend).
+#[inline(never)]
+pub fn resend(ctx: &XdpContext, cfg: &Config, slot: *mut HalfOpen) -> u32 {
+    // SAFETY: a map value pointer from `plan`, valid for this run.
+    let s = unsafe { &mut *slot };
+    let id = s.flow.backend;
+    let Some(backend) = BACKENDS.get(id) else {
+        return xdp_action::XDP_DROP;
+    };
+    let opt_len = usize::from(s.syn.opt_len) & 0x3c;
+    if opt_len > SYN_OPTS {
+        return xdp_action::XDP_DROP;
+    }
+    let want = (OPTS_AT + opt_len) as i32;
+    // SAFETY: plain helper calls (the verifier allows no arithmetic on the
+    // packet's end pointer, so the length comes from the kernel).
+    let have = unsafe { bpf_xdp_get_buff_len(ctx.ctx.cast()) } as i32;
+    if unsafe { bpf_xdp_adjust_tail(ctx.ctx.cast(), want - have) } != 0 {
+        return xdp_action::XDP_DROP;
+    }
+    let (data, end) = (ctx.data(), ctx.data_end());
+    if data + OPTS_AT > end {
+        return xdp_action::XDP_DROP;
+    }
+    let src = *nat::snat_addr(cfg, s.flow.snat);
+    let dst = backend.addr;
+    let tot_len = ((IP_LEN + TCP_LEN + opt_len) as u16).to_be_bytes();
+    let ip = (data + ETH_LEN) as *mut u8;
+    let tcp = (data + ETH_LEN + IP_LEN) as *mut u8;
+    let sport = s.flow.nat_port_be.to_ne_bytes();
+    let dport = backend.port_be.to_ne_bytes();
+    let seq = s.syn.isn.to_be_bytes();
+    let window = s.syn.window_be.to_ne_bytes();
+    let iph: [u8; IP_LEN] = [
+        0x45, 0, tot_len[0], tot_len[1], 0, 0, 0x40, 0, 64, PROTO_TCP, 0, 0, src[0], src[1],
+        src[2], src[3], dst[0], dst[1], dst[2], dst[3],
+    ];
+    let tcph: [u8; TCP_LEN] = [
+        sport[0],
+        sport[1],
+        dport[0],
+        dport[1],
+        seq[0],
+        seq[1],
+        seq[2],
+        seq[3],
+        0,
+        0,
+        0,
+        0,
+        (((TCP_LEN + opt_len) / 4) as u8) << 4,
+        TCP_SYN,
+        window[0],
+        window[1],
+        0,
+        0,
+        0,
+        0,
+    ];
+    // Pseudo header: addresses, protocol and TCP length; then the header
+    // and the options.
+    let mut l4_sum = words(&[
+        src[0], src[1], src[2], src[3], dst[0], dst[1], dst[2], dst[3], 0, PROTO_TCP,
+    ]) + u64::from(u16::from_ne_bytes(
+        ((TCP_LEN + opt_len) as u16).to_be_bytes(),
+    )) + words(&tcph);
+    let mut i = 0;
+    while i < SYN_OPTS / 2 {
+        if 2 * i < opt_len {
+            l4_sum += u64::from(u16::from_ne_bytes([
+                s.syn.opts[2 * i],
+                s.syn.opts[2 * i + 1],
+            ]));
+        }
+        i += 1;
+    }
+    // SAFETY: the 54 bytes of Ethernet, IP and TCP header were checked to
+    // lie inside the packet just above.
+    unsafe {
+        put(ip.cast::<[u8; IP_LEN]>(), &iph);
+        put(tcp.cast::<[u8; TCP_LEN]>(), &tcph);
+        ip.add(10).cast::<u16>().write_unaligned(fold(words(&iph)));
+        tcp.add(16).cast::<u16>().write_unaligned(fold(l4_sum));
+        if opt_len > 0
+            && bpf_xdp_store_bytes(
+                ctx.ctx.cast(),
+                OPTS_AT as u32,
+                s.syn.opts.as_mut_ptr().cast(),
+                opt_len as u32,
+            ) != 0
+        {
+            return xdp_action::XDP_DROP;
+        }
+    }
+    // `store_bytes` changed packet data: fresh pointers.
+    let (data, end) = (ctx.data(), ctx.data_end());
+    if data + OPTS_AT > end {
+        return xdp_action::XDP_DROP;
+    }
+    let p = Packet {
+        eth: data as *mut _,
+        ip: (data + ETH_LEN) as *mut _,
+        l4: (data + ETH_LEN + IP_LEN) as *mut u8,
+        proto: PROTO_TCP,
+        src: [src[0], src[1], src[2], src[3]],
+        dst: [dst[0], dst[1], dst[2], dst[3]],
+        sport,
+        dport,
+        tcp_flags: TCP_SYN,
+        tot_len: (IP_LEN + TCP_LEN + opt_len) as u16,
+        payload_len: 0,
+        seq: s.syn.isn,
+        ack: 0,
+    };
+    send(ctx, &p, Some(id), cfg.hop_generation)
+}
+
+/// Sum of the 16-bit words of `b` (native loads of network-order bytes).
+#[inline(always)]
+fn words<const N: usize>(b: &[u8; N]) -> u64 {
+    let mut s = 0u64;
+    let mut i = 0;
+    while i + 1 < N {
+        s += u64::from(u16::from_ne_bytes([b[i], b[i + 1]]));
+        i += 2;
+    }
+    s
+}
+
+/// A checksum field's value from a sum of words.
+#[inline(always)]
+fn fold(mut s: u64) -> u16 {
+    s = (s & 0xffff) + (s >> 16);
+    s = (s & 0xffff) + (s >> 16);
+    s = (s & 0xffff) + (s >> 16);
+    !(s as u16)
+}
