@@ -21,7 +21,8 @@ use aya_ebpf::{
     helpers::{
         bpf_ktime_get_ns,
         generated::{
-            bpf_xdp_adjust_tail, bpf_xdp_get_buff_len, bpf_xdp_load_bytes, bpf_xdp_store_bytes,
+            bpf_xdp_adjust_head, bpf_xdp_adjust_tail, bpf_xdp_get_buff_len, bpf_xdp_load_bytes,
+            bpf_xdp_store_bytes,
         },
     },
     programs::XdpContext,
@@ -149,7 +150,19 @@ pub fn resend(ctx: &XdpContext, cfg: &Config, slot: *mut HalfOpen) -> u32 {
     // SAFETY: plain helper calls (the verifier allows no arithmetic on the
     // packet's end pointer, so the length comes from the kernel).
     let have = unsafe { bpf_xdp_get_buff_len(ctx.ctx.cast()) } as i32;
-    if unsafe { bpf_xdp_adjust_tail(ctx.ctx.cast(), want - have) } != 0 {
+    // Room for the options at the head: XDP guarantees headroom, while a
+    // small RST's buffer (the backend stack's own) often has no tailroom
+    // (measured: growing the tail failed for most refusals on a veth).
+    // Every byte is written afresh below, so where the frame starts does
+    // not matter. A padded frame is trimmed at the tail.
+    let rc = if want > have {
+        unsafe { bpf_xdp_adjust_head(ctx.ctx.cast(), have - want) }
+    } else if want < have {
+        unsafe { bpf_xdp_adjust_tail(ctx.ctx.cast(), want - have) }
+    } else {
+        0
+    };
+    if rc != 0 {
         return xdp_action::XDP_DROP;
     }
     let (data, end) = (ctx.data(), ctx.data_end());
@@ -211,6 +224,9 @@ pub fn resend(ctx: &XdpContext, cfg: &Config, slot: *mut HalfOpen) -> u32 {
     // SAFETY: the 54 bytes of Ethernet, IP and TCP header were checked to
     // lie inside the packet just above.
     unsafe {
+        // The frame may start elsewhere now: its EtherType too (the
+        // addresses are `send`'s).
+        put(ip.sub(2).cast::<[u8; 2]>(), &0x0800u16.to_be_bytes());
         put(ip.cast::<[u8; IP_LEN]>(), &iph);
         put(tcp.cast::<[u8; TCP_LEN]>(), &tcph);
         ip.add(10).cast::<u16>().write_unaligned(fold(words(&iph)));

@@ -11,10 +11,11 @@ use std::{
 /// Debian packages the tests, demo and benchmarks use, as (command,
 /// package): `ip`, `ethtool` (checksum offload on test hosts), `setpriv`
 /// (unprivileged test), `tmux` (drives `huddle top` in a real terminal),
-/// and NGINX and HAProxy, the peers the comparison benchmark (and its
+/// `nft` (a backend's firewall dropping SYNs, in the retry test), and NGINX and HAProxy, the peers the comparison benchmark (and its
 /// quick test) runs against.
-const PACKAGES: [(&str, &str); 7] = [
+const PACKAGES: [(&str, &str); 8] = [
     ("ip", "iproute2"),
+    ("/usr/sbin/nft", "nftables"),
     ("ethtool", "ethtool"),
     ("setpriv", "util-linux"),
     ("tmux", "tmux"),

@@ -17,6 +17,10 @@ use crate::{
 use huddle_common::{latency::bucket_bounds, BackendStats, Latency, Pulse, LATENCY_BUCKETS};
 use std::{collections::VecDeque, time::Duration};
 
+/// The least time an answer may be owed before new flows pass the backend
+/// over: below it a late answer is scheduling noise, not a stuck server.
+const PASS_OVER_MIN: Duration = Duration::from_millis(10);
+
 /// Ticks of request samples a backend's latency may draw on.
 const WINDOW_TICKS: usize = 10;
 
@@ -125,6 +129,7 @@ impl Tracker {
         pulse: &Pulse,
         now_ns: u64,
         s: &Settings,
+        hung_after: Duration,
     ) {
         let (ps, ph) = self.prev.take().unwrap_or((*stats, *hist));
         let d = |now: u64, before: u64| now.wrapping_sub(before);
@@ -175,7 +180,7 @@ impl Tracker {
         if self.udp {
             return;
         }
-        let hung_ns = s.hung_after.as_nanos() as u64;
+        let hung_ns = hung_after.as_nanos() as u64;
         if let Some(age) = owed(pulse.turn_wait_ns, now_ns, stats.turns, &mut self.wait_seen) {
             let (_, turns_then) = self.wait_seen.unwrap_or_default();
             let piled = stats.turns.wrapping_sub(turns_then) >= 1;
@@ -303,6 +308,9 @@ pub struct ServiceHuddle {
     pub engine: Engine,
     pub trackers: Vec<Tracker>,
     pub rotation: bool,
+    /// Median over the inner ring of each backend's p99 time to first byte
+    /// (backends with enough samples), as of the last tick.
+    pub answer_p99_ms: Option<f64>,
 }
 
 impl ServiceHuddle {
@@ -321,6 +329,44 @@ impl ServiceHuddle {
                 .map(|(id, o)| Tracker::new(*id, o.clone(), service.proto == Proto::Udp))
                 .collect(),
             rotation: s.rotation,
+            answer_p99_ms: None,
+        }
+    }
+
+    /// How long a backend may owe answers before it is hung: a multiple
+    /// (`hung_after_p99`) of the ring's own p99 time to first byte, within
+    /// `hung_after_min` and `hung_after`; `hung_after` while the ring has
+    /// no such figure. A ring answering in 10 ms thus calls a backend hung
+    /// after 55 ms of silence, not 200, and one answering in 80 ms still
+    /// gets the full 200.
+    #[must_use]
+    pub fn hung_after(&self, s: &Settings) -> Duration {
+        match self.answer_p99_ms {
+            Some(p99) => Duration::from_secs_f64(p99 * s.hung_after_p99 / 1e3)
+                .clamp(s.hung_after_min, s.hung_after),
+            None => s.hung_after,
+        }
+    }
+
+    /// What the kernel needs to pass over a backend that owes too long (see
+    /// `huddle_common::Tuning`): an answer owed for twice the ring's p99
+    /// (at least `PASS_OVER_MIN`, at most `hung_after`), a SYN-ACK owed as
+    /// long (at least 20 ms, at most `syn_timeout`). Zero (never) for UDP,
+    /// whose backends need not answer, and with `pass_over_owing` off.
+    #[must_use]
+    pub fn tuning(&self, s: &Settings, udp: bool) -> huddle_common::Tuning {
+        if udp || !s.pass_over_owing {
+            return huddle_common::Tuning::default();
+        }
+        let hung = self.hung_after(s);
+        let turn = self
+            .answer_p99_ms
+            .map_or(hung, |p99| Duration::from_secs_f64(2.0 * p99 / 1e3))
+            .clamp(PASS_OVER_MIN.min(hung), hung);
+        let syn = turn.max(Duration::from_millis(20)).min(s.syn_timeout);
+        huddle_common::Tuning {
+            turn_skip_ns: turn.as_nanos() as u64,
+            syn_skip_ns: syn.as_nanos() as u64,
         }
     }
 
@@ -347,6 +393,12 @@ impl ServiceHuddle {
         );
         let probe_median =
             thermal::median(inner.iter().filter_map(|i| self.trackers[*i].probe_ms()));
+        self.answer_p99_ms = thermal::median(
+            inner
+                .iter()
+                .filter(|i| use_requests[**i])
+                .filter_map(|i| self.trackers[*i].window.p99_ms),
+        );
         for (i, t) in self.trackers.iter_mut().enumerate() {
             let mut r = t.reading();
             let median = if use_requests[i] {
@@ -434,15 +486,29 @@ mod tests {
         let s = settings();
         let mut t = tracker();
         let p = Pulse::default();
-        t.observe(&stats(0, 0, 0), &Latency::default(), &p, 0, &s);
+        t.observe(
+            &stats(0, 0, 0),
+            &Latency::default(),
+            &p,
+            0,
+            &s,
+            s.hung_after,
+        );
         // 5 samples of 10 ms.
-        t.observe(&stats(5, 50, 5), &hist_of(&[10; 5]), &p, 0, &s);
+        t.observe(
+            &stats(5, 50, 5),
+            &hist_of(&[10; 5]),
+            &p,
+            0,
+            &s,
+            s.hung_after,
+        );
         assert_eq!(t.window.samples, 5);
         assert!((t.window.mean_ms.unwrap() - 10.0).abs() < 1e-9);
         // Then 3 of 50 ms: enough alone (min_samples 3), old ones ignored.
         let mut all = vec![10; 5];
         all.extend([50; 3]);
-        t.observe(&stats(8, 200, 8), &hist_of(&all), &p, 0, &s);
+        t.observe(&stats(8, 200, 8), &hist_of(&all), &p, 0, &s, s.hung_after);
         assert_eq!(t.window.samples, 3);
         assert!((t.window.mean_ms.unwrap() - 50.0).abs() < 1e-9);
         let p50 = t.window.p50_ms.unwrap();
@@ -458,13 +524,34 @@ mod tests {
             turn_wait_ns: 1000 * ms,
             syn_wait_ns: 0,
         };
-        t.observe(&stats(0, 0, 1), &Latency::default(), &owes, 1100 * ms, &s);
+        t.observe(
+            &stats(0, 0, 1),
+            &Latency::default(),
+            &owes,
+            1100 * ms,
+            &s,
+            s.hung_after,
+        );
         assert_eq!(t.kernel_fault, None);
         // One turn, 250 ms: a slow request, not yet hung.
-        t.observe(&stats(0, 0, 1), &Latency::default(), &owes, 1250 * ms, &s);
+        t.observe(
+            &stats(0, 0, 1),
+            &Latency::default(),
+            &owes,
+            1250 * ms,
+            &s,
+            s.hung_after,
+        );
         assert_eq!(t.kernel_fault, None);
         // Another request piled up behind it: hung.
-        t.observe(&stats(0, 0, 2), &Latency::default(), &owes, 1260 * ms, &s);
+        t.observe(
+            &stats(0, 0, 2),
+            &Latency::default(),
+            &owes,
+            1260 * ms,
+            &s,
+            s.hung_after,
+        );
         assert!(t.kernel_fault.as_deref().unwrap().starts_with("hung"));
         // Any answer clears the pulse, and the fault.
         t.observe(
@@ -473,7 +560,44 @@ mod tests {
             &Pulse::default(),
             1300 * ms,
             &s,
+            s.hung_after,
         );
         assert_eq!(t.kernel_fault, None);
+    }
+
+    #[test]
+    fn hung_after_and_pass_over_follow_the_rings_own_answer_times() {
+        let s = settings();
+        let mut h = ServiceHuddle {
+            engine: Engine::new(s.rotation_params, &[1.0], Duration::ZERO),
+            trackers: Vec::new(),
+            rotation: true,
+            answer_p99_ms: None,
+        };
+        let ms = |d: Duration| d.as_secs_f64() * 1e3;
+        // No figure yet: the configured bound.
+        assert_eq!(h.hung_after(&s), s.hung_after);
+        // A ring answering in 11 ms at p99: 5 x 11 = 55 ms; new flows pass
+        // a backend over after 22 ms owed, or a SYN-ACK owed as long.
+        h.answer_p99_ms = Some(11.0);
+        assert!((ms(h.hung_after(&s)) - 55.0).abs() < 1e-6);
+        let t = h.tuning(&s, false);
+        assert_eq!((t.turn_skip_ns, t.syn_skip_ns), (22_000_000, 22_000_000));
+        // A fast ring: the floors hold.
+        h.answer_p99_ms = Some(0.5);
+        assert_eq!(h.hung_after(&s), s.hung_after_min);
+        let t = h.tuning(&s, false);
+        assert_eq!((t.turn_skip_ns, t.syn_skip_ns), (10_000_000, 20_000_000));
+        // A slow ring: the ceilings hold.
+        h.answer_p99_ms = Some(900.0);
+        assert_eq!(h.hung_after(&s), s.hung_after);
+        let t = h.tuning(&s, false);
+        assert_eq!(t.turn_skip_ns, s.hung_after.as_nanos() as u64);
+        assert_eq!(
+            t.syn_skip_ns,
+            t.turn_skip_ns.min(s.syn_timeout.as_nanos() as u64)
+        );
+        // UDP backends need not answer: never passed over.
+        assert_eq!(h.tuning(&s, true), huddle_common::Tuning::default());
     }
 }

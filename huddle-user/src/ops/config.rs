@@ -192,8 +192,17 @@ pub struct HuddleFile {
     pub latency_floor_ms: Option<f64>,
     pub weights: Option<crate::thermal::Weights>,
     /// A backend owing answers this long (two or more requests, or one
-    /// for five times as long) is hung.
+    /// for five times as long) is hung: the most it waits, when the ring's
+    /// own answer times do not call for less.
     pub hung_after_ms: Option<u64>,
+    /// The least `hung_after` ever drops to, however fast the ring answers.
+    pub hung_after_min_ms: Option<u64>,
+    /// `hung_after` as a multiple of the ring's median p99 time to first
+    /// byte (between the two bounds above).
+    pub hung_after_p99: Option<f64>,
+    /// New flows pass over a backend that owes an answer for longer than
+    /// twice the ring's p99 (in the kernel, before it is judged hung).
+    pub pass_over_owing: Option<bool>,
     /// SYNs unanswered this long make a backend unreachable.
     pub syn_timeout_ms: Option<u64>,
     /// Failed share of a tick's attempts that makes a backend unhealthy.
@@ -294,7 +303,11 @@ pub struct Huddle {
     pub tick: Duration,
     pub thermal: ThermalParams,
     pub rotation_params: RotationParams,
+    /// The most `hung_after` is (see `ServiceHuddle::hung_after`).
     pub hung_after: Duration,
+    pub hung_after_min: Duration,
+    pub hung_after_p99: f64,
+    pub pass_over_owing: bool,
     pub syn_timeout: Duration,
     pub error_threshold: f64,
     pub min_samples: u64,
@@ -638,6 +651,21 @@ fn validate_huddle(h: &HuddleFile) -> Result<Huddle> {
     let rd = RotationParams::default();
     let td = ThermalParams::default();
     let tick = millis(h.tick_ms, 100, "huddle.tick_ms", 10, 60_000)?;
+    let hung_after = millis(h.hung_after_ms, 200, "huddle.hung_after_ms", 10, 600_000)?;
+    let hung_after_min = millis(
+        h.hung_after_min_ms,
+        50.min(hung_after.as_millis() as u64),
+        "huddle.hung_after_min_ms",
+        10,
+        600_000,
+    )?;
+    if hung_after_min > hung_after {
+        bail!(
+            "huddle.hung_after_min_ms: {} is above huddle.hung_after_ms ({})",
+            hung_after_min.as_millis(),
+            hung_after.as_millis()
+        );
+    }
     let heat = fraction(h.heat, rd.heat, "huddle.heat", true)?;
     let cool = fraction(h.cool, rd.cool, "huddle.cool", false)?;
     if cool >= heat {
@@ -719,7 +747,14 @@ fn validate_huddle(h: &HuddleFile) -> Result<Huddle> {
             max_rest,
             warmup: millis(h.warmup_ms, 0, "huddle.warmup_ms", 0, 86_400_000)?,
         },
-        hung_after: millis(h.hung_after_ms, 200, "huddle.hung_after_ms", 10, 600_000)?,
+        hung_after,
+        hung_after_min,
+        hung_after_p99: match h.hung_after_p99 {
+            None => 5.0,
+            Some(k) if k.is_finite() && (1.0..=1000.0).contains(&k) => k,
+            Some(k) => bail!("huddle.hung_after_p99: {k} is outside 1..=1000"),
+        },
+        pass_over_owing: h.pass_over_owing.unwrap_or(true),
         syn_timeout: millis(h.syn_timeout_ms, 300, "huddle.syn_timeout_ms", 10, 600_000)?,
         error_threshold: fraction(h.error_threshold, 0.5, "huddle.error_threshold", true)?,
         min_samples: h.min_samples.unwrap_or(3).max(1),

@@ -64,6 +64,8 @@ pub struct Balancer {
     /// they are being reported (one line when they start, one when they
     /// stop).
     nat_reuse: std::collections::HashMap<u32, (u64, bool)>,
+    /// Pass-over limits last written, per service id.
+    tuned: std::collections::HashMap<u32, huddle_common::Tuning>,
 }
 
 /// SYNs sent toward backends and answers translated at the first tick, to
@@ -113,6 +115,7 @@ impl Balancer {
             notes: Vec::new(),
             watch: None,
             nat_reuse: std::collections::HashMap::new(),
+            tuned: std::collections::HashMap::new(),
         };
         if let Some(saved) = saved {
             b.restore(saved);
@@ -286,6 +289,30 @@ impl Balancer {
             .collect()
     }
 
+    /// Writes service `si`'s pass-over limits into the kernel when they
+    /// moved by more than a millisecond (they follow the ring's p99).
+    fn tune(&mut self, si: usize) {
+        let udp = self.cfg.services[si].proto == crate::config::Proto::Udp;
+        let t = self.huddles[si].tuning(&self.cfg.huddle, udp);
+        let id = self.dp.services[si].id;
+        let close = |a: u64, b: u64| a.abs_diff(b) < 1_000_000;
+        let last = self.tuned.get(&id).copied();
+        if last.is_some_and(|l| {
+            close(l.turn_skip_ns, t.turn_skip_ns) && close(l.syn_skip_ns, t.syn_skip_ns)
+        }) {
+            return;
+        }
+        match self.dp.set_tuning(id, t) {
+            Ok(()) => {
+                self.tuned.insert(id, t);
+            }
+            Err(e) => warn!(
+                "writing the pass-over limits of {}: {e:#}",
+                self.cfg.services[si].name()
+            ),
+        }
+    }
+
     /// Writes service `si`'s inner ring into the kernel if it changed.
     fn publish(&mut self, si: usize) -> Result<()> {
         let ring = self.huddles[si].ring();
@@ -310,6 +337,7 @@ impl Balancer {
             done: false,
         };
         for si in 0..self.huddles.len() {
+            let hung_after = self.huddles[si].hung_after(&self.cfg.huddle);
             for bi in 0..self.huddles[si].trackers.len() {
                 let id = self.huddles[si].trackers[bi].id;
                 let read = (|| -> Result<_> {
@@ -331,6 +359,7 @@ impl Balancer {
                             &pulse,
                             now_ns,
                             &self.cfg.huddle,
+                            hung_after,
                         );
                     }
                     Err(e) => warn!("reading counters of backend {id}: {e:#}"),
@@ -376,6 +405,7 @@ impl Balancer {
             if let Err(e) = self.publish(si) {
                 warn!("{e:#}");
             }
+            self.tune(si);
             if self.cfg.huddle.move_flows_off_dead {
                 self.mark_dead(si);
             }
@@ -570,12 +600,19 @@ impl Balancer {
                 .map(|i| slot.service.backends[i].to_string())
                 .collect();
             let name = slot.service.name();
+            let tuning = h.tuning(
+                &self.cfg.huddle,
+                slot.service.proto == crate::config::Proto::Udp,
+            );
             services.push(ServiceStatus {
                 rotation: h.rotation,
                 panic: h.engine.panic,
                 ring_generation: slot.generation,
                 ring,
                 counters: counters(&self.dp.service_stats_from(slot.id, &read)?),
+                hung_after_ms: h.hung_after(&self.cfg.huddle).as_secs_f64() * 1e3,
+                pass_over_ms: tuning.turn_skip_ns as f64 / 1e6,
+                pass_over_syn_ms: tuning.syn_skip_ns as f64 / 1e6,
                 backends,
                 recent: self
                     .events

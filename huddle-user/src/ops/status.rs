@@ -46,6 +46,16 @@ pub struct ServiceStatus {
     /// The live ring, in order.
     pub ring: Vec<String>,
     pub counters: Counters,
+    /// How long a backend may owe answers before it is hung, as derived
+    /// this tick from the ring's p99 (see `hung_after_p99`).
+    #[serde(default)]
+    pub hung_after_ms: f64,
+    /// How long it may owe an answer, or a SYN-ACK, before new flows pass
+    /// it over in the kernel (0: never).
+    #[serde(default)]
+    pub pass_over_ms: f64,
+    #[serde(default)]
+    pub pass_over_syn_ms: f64,
     pub backends: Vec<BackendStatus>,
     /// Recent rotations, oldest first.
     pub recent: Vec<RotationEvent>,
@@ -181,6 +191,26 @@ impl Status {
             }
             for (n, addrs) in notes {
                 let _ = writeln!(out, "  note ({}): {n}", addrs.join(", "));
+            }
+            let _ = writeln!(
+                out,
+                "  hung after {:.0} ms; new flows pass over a backend owing an answer {:.0} ms or a SYN-ACK {:.0} ms (0: never)",
+                s.hung_after_ms, s.pass_over_ms, s.pass_over_syn_ms
+            );
+            for b in &s.backends {
+                let c = |k: &str| b.counters.get(k).copied().unwrap_or(0);
+                let (refused, silent, passed) = (
+                    c("retried_refused"),
+                    c("retried_silent"),
+                    c("skipped_owing"),
+                );
+                if refused + silent + passed > 0 {
+                    let _ = writeln!(
+                        out,
+                        "  {}: {refused} refused and {silent} unanswered SYNs retried on another backend; passed over by {passed} new flows",
+                        b.addr
+                    );
+                }
             }
             let skip = s.recent.len().saturating_sub(5);
             for e in s.recent.iter().skip(skip) {
