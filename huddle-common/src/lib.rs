@@ -113,9 +113,6 @@ pub const NAT_LINGER_NS: u64 = 2_000_000_000;
 /// Backends a client's SYN is sent to after the first one refused it or
 /// left it unanswered (so at most 1 + this many backends per connection).
 pub const MAX_SYN_RETRIES: u8 = 2;
-/// Ring entries a new flow may pass over because they owe an answer for
-/// too long (`Tuning`) before it takes the next one regardless.
-pub const PICK_TRIES: u32 = 3;
 /// Bytes of TCP options a half-open slot keeps of the client's SYN (the
 /// most a TCP header carries).
 pub const SYN_OPTS: usize = 40;
@@ -409,6 +406,11 @@ pub struct Tuning {
     pub turn_skip_ns: u64,
     /// Oldest unanswered SYN (`Pulse::syn_wait_ns`).
     pub syn_skip_ns: u64,
+    /// 1: of the ring's next two entries a new flow takes the one that
+    /// has owed an answer for less time (least outstanding work, measured
+    /// in time); 0: plain round robin.
+    pub two_choices: u32,
+    pub _pad: u32,
 }
 
 /// The NAT side of a half-open flow: slot `hash(key) & half_open_mask` of
@@ -541,7 +543,7 @@ assert_size!(NatValue, 48);
 assert_size!(Config, 16 * MAX_SNAT + 48);
 assert_size!(HalfOpen, 128);
 assert_size!(SynCopy, 48);
-assert_size!(Tuning, 16);
+assert_size!(Tuning, 24);
 assert_size!(HalfOpenNat, 96);
 assert_size!(NatCursor, 24);
 

@@ -14,45 +14,63 @@ use crate::{
     ring,
 };
 use core::ptr::read_volatile;
-use huddle_common::{Tuning, PICK_TRIES};
+use huddle_common::Tuning;
 
 /// No backend (to avoid, or chosen).
 pub const NONE: u32 = u32::MAX;
 
-/// The backend for a new flow of `service` at `now`: the ring's next one,
-/// passing over one that owes an answer for too long, and `avoid` (the
-/// backend that just refused or ignored this connection). After
-/// `PICK_TRIES` ring entries the last one is taken even if it owes (never
-/// `avoid`). `NONE` when the ring is empty or offers only `avoid`.
+/// The backend for a new flow of `service` at `now`. Of the ring's next
+/// two entries it takes the one that has owed an answer for less time
+/// (the first on a tie; with `Tuning::two_choices`), never `avoid` (the
+/// backend that just refused or ignored this connection), and passes over
+/// one that owes for longer than the limits; if both do, the next two
+/// entries are taken as they come. `NONE` when the ring is empty or offers
+/// only `avoid`.
 #[inline(never)]
 pub fn choose(service: u32, avoid: u32, now: u64) -> u32 {
-    let limits = match TUNING.get(service) {
-        Some(t) => *t,
-        None => Tuning::default(),
+    let Some(limits) = TUNING.get_ptr(service) else {
+        return NONE;
     };
-    let mut i = 0;
-    while i < PICK_TRIES {
-        i += 1;
-        let Some(id) = ring::pick(service) else {
-            return NONE;
-        };
-        if id == avoid {
-            continue;
+    // SAFETY: a map value pointer, valid for this run.
+    let limits = unsafe { &*limits };
+    let Some((a, b)) = ring::pick(service) else {
+        return NONE;
+    };
+    // Few live values: the call chain's stack is nearly full here.
+    let (sa, sb) = (look(a, now, limits), look(b, now, limits));
+    let swap = a == avoid || (b != avoid && limits.two_choices != 0 && sb < sa);
+    let (first, s1, second, s2) = if swap { (b, sb, a, sa) } else { (a, sa, b, sb) };
+    if first != avoid {
+        if s1 & LATE == 0 {
+            return first;
         }
-        if i == PICK_TRIES || !owes_too_long(id, &limits, now) {
-            return id;
-        }
-        bump(&BACKEND_STATS, id, |s| s.skipped_owing += 1);
+        bump(&BACKEND_STATS, first, |s| s.skipped_owing += 1);
     }
-    NONE
+    if second != avoid && second != first {
+        if s2 & LATE == 0 {
+            return second;
+        }
+        bump(&BACKEND_STATS, second, |s| s.skipped_owing += 1);
+    }
+    // Both owe too long: the next two, as they come.
+    match ring::pick(service) {
+        Some((a, _)) if a != avoid => a,
+        Some((_, b)) if b != avoid => b,
+        _ => NONE,
+    }
 }
 
-/// Whether backend `id` has owed a SYN-ACK or an answer for longer than
-/// `limits` allow.
+/// Set in `look`'s answer when the backend owes past a limit.
+const LATE: u64 = 1 << 63;
+
+/// How long backend `id` has owed an answer or a SYN-ACK at `now` (the
+/// longer of the two, in ns; 0: nothing), with `LATE` set when either is
+/// past its limit (0: no limit). A wait started on another CPU after `now`
+/// was read counts as none.
 #[inline(always)]
-fn owes_too_long(id: u32, limits: &Tuning, now: u64) -> bool {
+fn look(id: u32, now: u64, limits: &Tuning) -> u64 {
     let Some(p) = PULSE.get_ptr(id) else {
-        return false;
+        return 0;
     };
     // SAFETY: a map value pointer, valid for this run; other CPUs write it
     // with plain stores, so each load sees an old or a new value.
@@ -62,13 +80,16 @@ fn owes_too_long(id: u32, limits: &Tuning, now: u64) -> bool {
             read_volatile(&(*p).syn_wait_ns),
         )
     };
-    late(turn, limits.turn_skip_ns, now) || late(syn, limits.syn_skip_ns, now)
-}
-
-/// Whether a wait that started at `since` (0: none) has passed `limit`
-/// (0: no limit). A wait started on another CPU after `now` was read is
-/// not late.
-#[inline(always)]
-fn late(since: u64, limit: u64, now: u64) -> bool {
-    limit != 0 && since != 0 && now > since && now - since > limit
+    let age = |since: u64| {
+        if since != 0 && now > since {
+            now - since
+        } else {
+            0
+        }
+    };
+    let (turn, syn) = (age(turn), age(syn));
+    let late = (limits.turn_skip_ns != 0 && turn > limits.turn_skip_ns)
+        || (limits.syn_skip_ns != 0 && syn > limits.syn_skip_ns);
+    let longer = if turn > syn { turn } else { syn };
+    (longer & !LATE) | if late { LATE } else { 0 }
 }

@@ -10,15 +10,23 @@
 //! a just-retired slot alone for a while before reusing it.
 
 use crate::maps::{global, RINGS, RING_GEN, RR_CURSOR};
+use aya_ebpf::helpers::bpf_get_prandom_u32;
 use core::ptr::read_volatile;
 use huddle_common::{ring_slot, MEMBER_WORDS, RING_CAPACITY};
 
+const _: () = assert!(RING_CAPACITY.is_power_of_two());
+
 const READ_TRIES: u32 = 3;
 
-/// Backend id for the next new flow of `service`, or `None` if its ring is
-/// empty.
+/// The next entry of `service`'s ring for a new flow, advancing this CPU's
+/// round-robin position by one, and a random other entry (the same when
+/// the ring has one: a second choice, so that the work a backend is passed
+/// over for spreads over all the others, not onto its neighbour); `None`
+/// if the ring is empty.
 #[inline(always)]
-pub fn pick(service: u32) -> Option<u32> {
+pub fn pick(service: u32) -> Option<(u32, u32)> {
+    // SAFETY: plain helper call.
+    let r = unsafe { bpf_get_prandom_u32() };
     let generation = RING_GEN.get_ptr(service)?;
     let cursor = RR_CURSOR.get_ptr_mut(service)?;
     // SAFETY: per-CPU element, only this CPU touches it.
@@ -37,22 +45,28 @@ pub fn pick(service: u32) -> Option<u32> {
         let len = unsafe { read_volatile(&(*ring).len) };
         let mut chosen = None;
         if len != 0 {
-            // Only this check bounds `idx` for the verifier: a separate
-            // `len <= RING_CAPACITY` test would let LLVM drop it.
-            let idx = (turn % len) as usize;
-            if idx < RING_CAPACITY {
-                chosen = Some(unsafe { read_volatile(&(*ring).backends[idx]) });
+            // The masks bound the indexes for the verifier (a comparison
+            // LLVM may move away from the access); `len` is at most
+            // RING_CAPACITY, a power of two, so they change nothing.
+            let idx = (turn % len) as usize & (RING_CAPACITY - 1);
+            let other = turn
+                .wrapping_add(1)
+                .wrapping_add(r.checked_rem(len - 1).unwrap_or(0));
+            let next = (other % len) as usize & (RING_CAPACITY - 1);
+            {
+                chosen = Some(unsafe {
+                    (
+                        read_volatile(&(*ring).backends[idx]),
+                        read_volatile(&(*ring).backends[next]),
+                    )
+                });
             }
         }
         let g2 = unsafe { read_volatile(generation) };
         if g1 == g2 {
-            if let Some(id) = chosen {
-                // SAFETY: as above; the bitmap read is bounds-checked.
-                let member = unsafe {
-                    let w = (id / 64) as usize;
-                    w < MEMBER_WORDS && (read_volatile(&(*ring).members[w]) >> (id % 64)) & 1 == 1
-                };
-                if !member {
+            if let Some((a, b)) = chosen {
+                // SAFETY: as above; the bitmap reads are bounds-checked.
+                if !unsafe { member(ring, a) && member(ring, b) } {
                     global(|s| s.ring_stray += 1);
                     continue;
                 }
@@ -62,4 +76,15 @@ pub fn pick(service: u32) -> Option<u32> {
         global(|s| s.ring_retry += 1);
     }
     None
+}
+
+/// Whether backend `id` is in the membership bitmap of `ring`.
+///
+/// # Safety
+/// `ring` must be a map value pointer valid for this run.
+#[inline(always)]
+unsafe fn member(ring: *const huddle_common::Ring, id: u32) -> bool {
+    let w = (id / 64) as usize;
+    // SAFETY: the caller's pointer; the index is bounds-checked.
+    w < MEMBER_WORDS && (unsafe { read_volatile(&(*ring).members[w]) } >> (id % 64)) & 1 == 1
 }

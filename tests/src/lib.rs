@@ -564,6 +564,9 @@ pub struct Outcome {
     pub latency: Duration,
     /// The backend that answered, or the error.
     pub result: Result<String, String>,
+    /// Sent again on a new connection, as HTTP clients do, after a reused
+    /// keep-alive connection failed before any byte of the answer.
+    pub retried: bool,
 }
 
 /// An open-loop load: a new connection and request at a fixed rate,
@@ -614,17 +617,18 @@ impl OpenLoop {
                 let tx = tx.clone();
                 // Threads inherit the namespace of the thread creating them.
                 thread::spawn(move || {
-                    let record = |sent: Instant, r: Result<String, String>| {
+                    let record = |sent: Instant, r: Result<String, String>, retried: bool| {
                         let _ = tx.send(Outcome {
                             at: sent - start,
                             latency: sent.elapsed(),
                             result: r,
+                            retried,
                         });
                     };
                     if per_conn == 1 {
                         let sent = Instant::now();
                         let r = http_get(addr, timeout).map_err(|e| format!("{e:#}"));
-                        record(sent, r);
+                        record(sent, r, false);
                         return;
                     }
                     let sent = Instant::now();
@@ -633,21 +637,35 @@ impl OpenLoop {
                         Err(e) => {
                             let e = format!("connect: {e:#}");
                             for _ in 0..per_conn {
-                                record(sent, Err(e.clone()));
+                                record(sent, Err(e.clone()), false);
                             }
                             return;
                         }
                     };
                     for k in 0..per_conn {
                         let sent = if k == 0 { sent } else { Instant::now() };
-                        match conn.get() {
-                            Ok(b) => record(sent, Ok(b)),
+                        let mut r = conn.get();
+                        let mut retried = false;
+                        // As HTTP clients do (RFC 9112 9.3.1; curl, Go,
+                        // browsers): a GET on a reused connection that
+                        // failed before any byte of its answer is sent
+                        // once more on a new connection. Never the first
+                        // request of a connection.
+                        if r.is_err() && k > 0 && conn.got_nothing {
+                            retried = true;
+                            r = KeepAlive::connect(addr, timeout).and_then(|c| {
+                                conn = c;
+                                conn.get()
+                            });
+                        }
+                        match r {
+                            Ok(b) => record(sent, Ok(b), retried),
                             Err(e) => {
                                 // The session is over: its remaining
                                 // requests fail with it.
                                 let e = format!("{e:#}");
                                 for _ in k..per_conn {
-                                    record(sent, Err(e.clone()));
+                                    record(sent, Err(e.clone()), retried);
                                 }
                                 return;
                             }
@@ -842,6 +860,8 @@ pub fn tally(
 pub struct KeepAlive {
     reader: BufReader<TcpStream>,
     writer: TcpStream,
+    /// The last `get` failed before a single byte of its answer came.
+    pub got_nothing: bool,
 }
 
 impl KeepAlive {
@@ -852,13 +872,19 @@ impl KeepAlive {
         Ok(KeepAlive {
             writer: s.try_clone()?,
             reader: BufReader::new(s),
+            got_nothing: false,
         })
     }
 
     /// One request on the connection; returns the body.
     pub fn get(&mut self) -> Result<String> {
+        self.got_nothing = true;
         self.writer
             .write_all(b"GET / HTTP/1.1\r\nHost: vip\r\n\r\n")?;
+        if self.reader.fill_buf()?.is_empty() {
+            bail!("connection closed");
+        }
+        self.got_nothing = false;
         let mut len = None;
         loop {
             let mut line = String::new();

@@ -348,8 +348,9 @@ impl ServiceHuddle {
         }
     }
 
-    /// What the kernel needs to pass over a backend that owes too long (see
-    /// `huddle_common::Tuning`): an answer owed for twice the ring's p99
+    /// What the kernel needs to prefer, of two ring entries, the backend
+    /// owing an answer for less time, and to pass over one that owes too
+    /// long (see `huddle_common::Tuning`): an answer owed for twice the ring's p99
     /// (at least `PASS_OVER_MIN`, at most `hung_after`), a SYN-ACK owed as
     /// long (at least 20 ms, at most `syn_timeout`). Zero (never) for UDP,
     /// whose backends need not answer, and with `pass_over_owing` off.
@@ -367,6 +368,8 @@ impl ServiceHuddle {
         huddle_common::Tuning {
             turn_skip_ns: turn.as_nanos() as u64,
             syn_skip_ns: syn.as_nanos() as u64,
+            two_choices: 1,
+            _pad: 0,
         }
     }
 

@@ -268,6 +268,9 @@ fn run() -> Result<()> {
                     tr.requests,
                     tr.degraded_share * 100.0
                 );
+                for f in tr.failures.iter().take(3) {
+                    println!("      failed at {f}");
+                }
                 if t == 0 {
                     series.push((b.name(), stats::series(&outcomes, 0.5, o.secs)));
                     if *b == Balancer::Huddle {
@@ -421,15 +424,17 @@ fn table(cells: &[Cell], s: Scenario, o: &Opts, load: &str) -> String {
     let _ = writeln!(
         t,
         "\n### {} \n\n{load}; {} trial(s), mean ± stdev. Failed requests count at the time they took (the timeout at most). \
-         \"b{DEGRADED} share\": of the requests sent after the fault started (all, for the others), the share b{DEGRADED} answered.\n",
+         \"b{DEGRADED} share\": of the requests sent after the fault started (all, for the others), the share b{DEGRADED} answered. \
+         \"client retries\": requests a keep-alive client sent again on a new connection, as HTTP clients do, because its reused \
+         connection failed before any byte of the answer (they count as failed only if the retry failed too).\n",
         s.name(),
         o.trials
     );
     let _ = writeln!(
         t,
-        "| balancer | P50 ms | P95 ms | P99 ms | P99.9 ms | max ms | mean ms | failed | b{DEGRADED} share % | req/s |"
+        "| balancer | P50 ms | P95 ms | P99 ms | P99.9 ms | max ms | mean ms | failed | client retries | b{DEGRADED} share % | req/s |"
     );
-    let _ = writeln!(t, "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
+    let _ = writeln!(t, "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
     for c in cells.iter().filter(|c| c.scenario == s.slug()) {
         let name = peers::ALL
             .iter()
@@ -440,7 +445,7 @@ fn table(cells: &[Cell], s: Scenario, o: &Opts, load: &str) -> String {
         };
         let _ = writeln!(
             t,
-            "| {name} | {} | {} | {} | {} | {} | {} | {} | {} | {} |",
+            "| {name} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} |",
             f(|x| x.p50_ms, 1),
             f(|x| x.p95_ms, 1),
             f(|x| x.p99_ms, 1),
@@ -448,6 +453,7 @@ fn table(cells: &[Cell], s: Scenario, o: &Opts, load: &str) -> String {
             f(|x| x.max_ms, 0),
             f(|x| x.mean_ms, 1),
             f(|x| x.failed as f64, 1),
+            f(|x| x.client_retries as f64, 1),
             f(|x| x.degraded_share * 100.0, 1),
             f(|x| x.throughput, 0),
         );

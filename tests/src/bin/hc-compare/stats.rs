@@ -21,6 +21,12 @@ pub struct Trial {
     pub degraded_share: f64,
     /// Answered requests per second.
     pub throughput: f64,
+    /// Requests a keep-alive client sent again on a new connection (its
+    /// reused one failed before any byte of the answer), answered or not.
+    pub client_retries: u64,
+    /// The first failures, with when they were sent (seconds into the
+    /// run) and why, so a failure count can be explained.
+    pub failures: Vec<String>,
 }
 
 /// Nearest-rank quantile of sorted values (NaN when there are none).
@@ -59,6 +65,17 @@ pub fn trial(outcomes: &[Outcome], degraded: &str, fault_s: f64, secs: f64) -> T
         failed,
         degraded_share: by_degraded as f64 / after.len().max(1) as f64,
         throughput: (outcomes.len() as u64 - failed) as f64 / secs,
+        client_retries: outcomes.iter().filter(|o| o.retried).count() as u64,
+        failures: outcomes
+            .iter()
+            .filter_map(|o| {
+                o.result
+                    .as_ref()
+                    .err()
+                    .map(|e| format!("{:.3} s: {e}", o.at.as_secs_f64()))
+            })
+            .take(20)
+            .collect(),
     }
 }
 
