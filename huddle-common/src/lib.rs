@@ -69,9 +69,13 @@ pub mod maps {
     /// `Array<Tuning>` indexed by service id: the thresholds past which a
     /// backend that owes an answer is passed over for new flows.
     pub const TUNING: &str = "TUNING";
+    /// `Array<u64>` indexed by backend id: established UDP flows the
+    /// control plane removed after their idle timeout (closes the program
+    /// never saw), written by the control plane only.
+    pub const SWEPT: &str = "SWEPT";
 
     /// Every map the control plane opens, for checks against the object.
-    pub const ALL: [&str; 19] = [
+    pub const ALL: [&str; 20] = [
         SERVICES,
         BACKENDS,
         RINGS,
@@ -91,6 +95,7 @@ pub mod maps {
         NAT_CURSOR,
         CONNECT,
         TUNING,
+        SWEPT,
     ];
 }
 
@@ -155,7 +160,9 @@ pub mod flow_flags {
     /// `FlowValue::turn_ns` is when the turn started.
     pub const TURN_WAIT: u8 = 4;
     /// A half-open flow whose SYN-ACK went by: `FlowValue::synack_seq` is
-    /// its sequence number, which the client's ACK must acknowledge.
+    /// its sequence number, which the client's ACK must acknowledge. A
+    /// half-open UDP flow whose backend answered: the client's next
+    /// datagram promotes it.
     pub const SYNACK_SEEN: u8 = 8;
 }
 
@@ -284,7 +291,8 @@ pub struct FlowValue {
     /// Sequence number of the backend's SYN-ACK (half-open flows).
     pub synack_seq: u32,
     /// `bpf_ktime_get_ns()` when the flow was created, then when it started
-    /// closing.
+    /// closing; for an established UDP flow, its last datagram either way
+    /// (`bpf_ktime_get_coarse_ns()`, for the idle timeout).
     pub stamp_ns: u64,
     /// When the pending SYN or request turn started (see `flow_flags`).
     pub turn_ns: u64,

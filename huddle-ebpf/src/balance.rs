@@ -19,11 +19,15 @@ use crate::{
     rewrite::{rewrite, Tuple},
     timing,
 };
-use aya_ebpf::{bindings::xdp_action, helpers::bpf_ktime_get_ns, programs::XdpContext};
+use aya_ebpf::{
+    bindings::xdp_action,
+    helpers::{bpf_ktime_get_ns, generated::bpf_ktime_get_coarse_ns},
+    programs::XdpContext,
+};
 use aya_log_ebpf::warn;
 use huddle_common::{
     addr_v4, backend_flags, flow_flags, slot_tag, Config, FlowKey, FlowValue, HalfOpen, ServiceKey,
-    FAMILY_V4, MAX_SYN_RETRIES, NAT_PORT_TRIES, PROTO_TCP, SERVICE_KIND_SNAT, SERVICE_KIND_VIP,
+    FAMILY_V4, MAX_SYN_RETRIES, NAT_PORT_TRIES, SERVICE_KIND_SNAT, SERVICE_KIND_VIP,
 };
 
 /// `reply`'s answer for a refused SYN that may be retried: the packet is
@@ -116,17 +120,10 @@ fn request(ctx: &XdpContext, p: &Packet, cfg: &Config, service: u32) -> u32 {
     let (mut flow, mut entry) = match existing {
         // SAFETY: map value pointer, valid for this run.
         Some(f) => (unsafe { *f }, Some(f)),
-        None => {
-            let opened = if p.is_tcp() {
-                handshake(ctx, cfg, service, sc, p)
-            } else {
-                new_flow(ctx, cfg, service, sc, p, true, false).map(|f| (f, None))
-            };
-            match opened {
-                Ok(o) => o,
-                Err(verdict) => return verdict,
-            }
-        }
+        None => match handshake(ctx, cfg, service, sc, p) {
+            Ok(o) => o,
+            Err(verdict) => return verdict,
+        },
     };
     let Some(mut backend) = BACKENDS.get(flow.backend) else {
         return xdp_action::XDP_DROP;
@@ -150,6 +147,11 @@ fn request(ctx: &XdpContext, p: &Packet, cfg: &Config, service: u32) -> u32 {
                 None => return xdp_action::XDP_DROP,
             };
         } else {
+            if !p.is_tcp() {
+                // A UDP flow's last activity, for its idle timeout.
+                // SAFETY: map value pointer, valid for this run.
+                unsafe { (*f).stamp_ns = bpf_ktime_get_coarse_ns() };
+            }
             timing::request(f, p, flow.backend);
         }
     }
@@ -182,12 +184,14 @@ fn request(ctx: &XdpContext, p: &Packet, cfg: &Config, service: u32) -> u32 {
     send(ctx, p, Some(flow.backend), cfg.hop_generation)
 }
 
-/// A TCP packet of no established flow (its key in `sc.nval.flow`). A SYN
-/// opens a half-open flow (in tables of its own, so a flood of them never
-/// evicts an established flow); the client's ACK of the backend's SYN-ACK
-/// promotes it; anything else of a half-open flow goes to its backend as
-/// it is; the rest is not ours. Returns the flow and, once established,
-/// its table entry.
+/// A packet of no established flow (its key in `sc.nval.flow`). A TCP SYN,
+/// or any UDP datagram, opens a half-open flow (in tables of its own, so a
+/// flood of them never evicts an established flow); the client's ACK of
+/// the backend's SYN-ACK, or its next datagram after the backend's first
+/// answer, promotes it (proof that the client is where it says it is);
+/// anything else of a half-open flow goes to its backend as it is; the
+/// rest is not ours. Returns the flow and, once established, its table
+/// entry.
 #[inline(always)]
 fn handshake(
     ctx: &XdpContext,
@@ -196,20 +200,27 @@ fn handshake(
     sc: &mut Scratch,
     p: &Packet,
 ) -> Result<(FlowValue, Option<*mut FlowValue>), u32> {
-    if p.has_flag(TCP_SYN) {
+    let tcp = p.is_tcp();
+    if tcp && p.has_flag(TCP_SYN) {
         return new_flow(ctx, cfg, service, sc, p, true, true).map(|f| (f, None));
     }
     let Some(slot) = halfopen::find(cfg, &sc.nval.flow) else {
-        bump(&SERVICE_STATS, service, |s| s.pass_no_flow += 1);
-        return Err(xdp_action::XDP_PASS);
+        if tcp {
+            bump(&SERVICE_STATS, service, |s| s.pass_no_flow += 1);
+            return Err(xdp_action::XDP_PASS);
+        }
+        return new_flow(ctx, cfg, service, sc, p, true, true).map(|f| (f, None));
     };
     // SAFETY: map value pointer, copied out at once.
     let half = unsafe { (*slot).flow };
-    let acks_synack = half.flags & flow_flags::SYNACK_SEEN != 0
-        && p.has_flag(TCP_ACK)
-        && p.ack == half.synack_seq.wrapping_add(1);
-    if acks_synack {
-        return promote(cfg, service, sc, slot, &half);
+    let answered = half.flags & flow_flags::SYNACK_SEEN != 0;
+    let promote_now = if tcp {
+        answered && p.has_flag(TCP_ACK) && p.ack == half.synack_seq.wrapping_add(1)
+    } else {
+        answered
+    };
+    if promote_now {
+        return promote(cfg, service, sc, slot, &half, p.proto);
     }
     // Early packets: same backend, no promotion.
     Ok((half, None))
@@ -224,11 +235,12 @@ fn promote(
     sc: &mut Scratch,
     slot: *mut HalfOpen,
     half: &FlowValue,
+    proto: u8,
 ) -> Result<(FlowValue, Option<*mut FlowValue>), u32> {
     let Some(backend) = BACKENDS.get(half.backend) else {
         return Err(xdp_action::XDP_DROP);
     };
-    sc.nkey = nat::flow_key(cfg, half, &backend.addr, backend.port_be, PROTO_TCP);
+    sc.nkey = nat::flow_key(cfg, half, &backend.addr, backend.port_be, proto);
     sc.nval.backend = half.backend;
     sc.nval._pad = 0;
     let mut flow = *half;
@@ -253,7 +265,7 @@ fn promote(
             if o.nat_port_be != flow.nat_port_be || o.snat != flow.snat || o.backend != flow.backend
             {
                 if let Some(b) = BACKENDS.get(o.backend) {
-                    sc.nkey = nat::flow_key(cfg, &o, &b.addr, b.port_be, PROTO_TCP);
+                    sc.nkey = nat::flow_key(cfg, &o, &b.addr, b.port_be, proto);
                     nat::forget(&sc.nkey);
                 }
             }
@@ -319,7 +331,7 @@ fn new_flow(
         let Some(backend) = BACKENDS.get(flow.backend) else {
             return Err(xdp_action::XDP_DROP);
         };
-        sc.nkey = nat::flow_key(cfg, &flow, &backend.addr, backend.port_be, PROTO_TCP);
+        sc.nkey = nat::flow_key(cfg, &flow, &backend.addr, backend.port_be, p.proto);
         let silent = flow.flags & flow_flags::SYN_WAIT != 0
             && cfg.syn_timeout_ns != 0
             && now.wrapping_sub(flow.turn_ns) >= cfg.syn_timeout_ns
@@ -394,11 +406,15 @@ fn new_flow(
             }
             put(&mut (*s).key, &sc.nval.flow);
             put(&mut (*s).flow, &flow);
-            retry::keep_syn(ctx, p, core::ptr::addr_of_mut!((*s).syn), retries);
+            if p.is_tcp() {
+                retry::keep_syn(ctx, p, core::ptr::addr_of_mut!((*s).syn), retries);
+            }
             (*s).tag = slot_tag(h);
         }
         bump(&SERVICE_STATS, service, |s| s.half_open += 1);
-        bump(&BACKEND_STATS, backend_id, |s| s.syns += 1);
+        if p.is_tcp() {
+            bump(&BACKEND_STATS, backend_id, |s| s.syns += 1);
+        }
     } else {
         if FLOWS.insert(&sc.nval.flow, &flow, 0).is_err() {
             nat::forget(&sc.nkey);
@@ -495,14 +511,32 @@ fn reply(ctx: &XdpContext, p: &Packet, cfg: &Config) -> u32 {
                 (*flow).flags |= flow_flags::SYNACK_SEEN;
             }
         }
+        if ours && !p.is_tcp() {
+            // SAFETY: as above.
+            unsafe {
+                if half {
+                    // The backend answered: the client's next datagram
+                    // promotes the flow.
+                    (*flow).flags |= flow_flags::SYNACK_SEEN;
+                } else {
+                    (*flow).stamp_ns = bpf_ktime_get_coarse_ns();
+                }
+            }
+        }
         // A refusal of the client's SYN (no SYN-ACK came before it), which
         // the balancer may take to another backend itself.
         // SAFETY: as above.
+        // A real refusal is a RST+ACK acknowledging the client's SYN
+        // exactly: anything else (an off-path guess at the tuple, a SYN
+        // with RST set) moves nothing and goes on as it is.
         let refused = ours
             && half
-            && p.has_flag(TCP_RST)
-            && unsafe { (*flow).flags & (flow_flags::SYN_WAIT | flow_flags::SYNACK_SEEN) }
-                == flow_flags::SYN_WAIT;
+            && p.tcp_flags & (TCP_RST | TCP_ACK | TCP_SYN) == TCP_RST | TCP_ACK
+            && unsafe {
+                (*flow).flags & (flow_flags::SYN_WAIT | flow_flags::SYNACK_SEEN)
+                    == flow_flags::SYN_WAIT
+                    && p.ack == (*slot).syn.isn.wrapping_add(1)
+            };
         timing::reply(flow, p, backend);
         if refused {
             return RETRY;

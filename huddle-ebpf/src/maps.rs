@@ -79,6 +79,12 @@ pub static NAT_CURSOR: PerCpuArray<NatCursor> = PerCpuArray::with_max_entries(MA
 #[map]
 pub static TUNING: Array<Tuning> = Array::with_max_entries(MAX_SERVICES, 0);
 
+/// Backend id -> established UDP flows the control plane removed for being
+/// idle. Only the control plane touches it; the program only declares it,
+/// so it is pinned and outlives a daemon with the other counters.
+#[map]
+pub static SWEPT: Array<u64> = Array::with_max_entries(MAX_BACKENDS, 0);
+
 /// Data plane settings (SNAT addresses, NAT port range and slices).
 #[map]
 pub static CONFIG: Array<Config> = Array::with_max_entries(1, 0);

@@ -18,7 +18,7 @@
 
 use huddle_user::{
     config::{Config, PortRange, Proto, Service},
-    packet::{checksum, checksums_valid, endpoints, l4_checksum, Frame, ACK, ETH_LEN, SYN},
+    packet::{checksum, checksums_valid, endpoints, l4_checksum, Frame, ACK, ETH_LEN, RST, SYN},
     prog_run::{mac_of, ProgRun, BALANCER_IP, BALANCER_MAC},
 };
 use std::net::{Ipv4Addr, SocketAddr};
@@ -196,7 +196,14 @@ impl Gen {
                     let n = r.below(80) as usize;
                     r.bytes(n)
                 };
-                let f = if proto == 6 {
+                let f = if proto == 6 && r.chance(20) {
+                    // A refusal of a client's SYN (they carry sequence
+                    // number 1000): retried on another backend if the
+                    // tuple is a half-open flow's.
+                    Frame::tcp((b, 8080), (BALANCER_IP, port))
+                        .flags(RST | ACK)
+                        .seq_ack(0, 1001)
+                } else if proto == 6 {
                     Frame::tcp((b, 8080), (BALANCER_IP, port)).flags(r.byte())
                 } else {
                     Frame::udp((b, 5353), (BALANCER_IP, port))
@@ -302,6 +309,16 @@ impl Gen {
     }
 }
 
+/// Whether `out` is `f`, a backend's RST+ACK to a NAT tuple, turned into a
+/// SYN (the kernel's retry of a refused connection).
+fn is_retry(f: &[u8], out: &[u8]) -> bool {
+    let flags = |p: &[u8]| p.get(ETH_LEN + 33).copied().unwrap_or(0);
+    f.get(ETH_LEN + 9) == Some(&6)
+        && out.get(ETH_LEN + 9) == Some(&6)
+        && flags(f) & (RST | ACK | SYN) == RST | ACK
+        && flags(out) == SYN
+}
+
 fn hex(f: &[u8]) -> String {
     f.iter().map(|b| format!("{b:02x}")).collect()
 }
@@ -402,6 +419,33 @@ fn a_fuzzed_packet_path_never_rewrites_wrongly() {
                 }
                 if service.is_none() && !reply {
                     fail("rewrote traffic that is not for a service");
+                }
+                if reply && is_retry(&f, &out) {
+                    // A backend refused a client's SYN: the RST came out
+                    // as that SYN toward another backend.
+                    let ((osrc, osport), (odst, odport)) = endpoints(&out);
+                    if osrc != BALANCER_IP
+                        || !backends().contains(&odst)
+                        || odst == src
+                        || odport != 8080
+                        || !(NAT.min..=NAT.max).contains(&osport)
+                    {
+                        fail("a retried SYN not from the SNAT address to another backend");
+                    }
+                    if !checksums_valid(&out) {
+                        fail("a retried SYN with a bad checksum");
+                    }
+                    let ack = u32::from_be_bytes(f[ETH_LEN + 28..ETH_LEN + 32].try_into().unwrap());
+                    let seq =
+                        u32::from_be_bytes(out[ETH_LEN + 24..ETH_LEN + 28].try_into().unwrap());
+                    if seq.wrapping_add(1) != ack {
+                        fail("a retried SYN whose sequence number the refusal did not acknowledge");
+                    }
+                    *reasons.entry("refused SYN retried").or_default() += 1;
+                    if g.nat.len() < 4096 {
+                        g.nat.push((odst, osport, proto));
+                    }
+                    continue;
                 }
                 if out.len() != f.len() {
                     fail("length changed");

@@ -989,3 +989,66 @@ fn a_syn_left_unanswered_is_retransmitted_to_another_backend() {
         .macs(mac_of(b1), BALANCER_MAC);
     assert_eq!(env.run(&late.build()).unwrap().0, XDP_PASS);
 }
+
+fn udp_frame(sport: u16) -> Frame {
+    Frame::udp((CLIENT, sport), (VIP, 53))
+        .payload(b"query")
+        .macs(mac_of(CLIENT), BALANCER_MAC)
+}
+
+fn udp_answer(b: Ipv4Addr, nat_port: u16) -> Vec<u8> {
+    Frame::udp((b, 5353), (BALANCER_IP, nat_port))
+        .payload(b"answer")
+        .macs(mac_of(b), BALANCER_MAC)
+        .build()
+}
+
+/// Flows established over the UDP service's backends.
+fn flows_new(env: &ProgRun) -> u64 {
+    env.dp.services[1]
+        .backend_ids
+        .iter()
+        .map(|id| env.dp.backend_stats(*id).unwrap().flows_new)
+        .sum()
+}
+
+#[test]
+fn a_udp_flow_is_established_by_the_clients_datagram_after_an_answer_and_a_flood_never_evicts_it() {
+    let env = env("pr-udp-half");
+    let (v, out) = env.run(&udp_frame(41100).build()).unwrap();
+    assert_eq!(v, XDP_TX);
+    let ((_, port), (b, _)) = endpoints(&out);
+    // Before any answer, the client's datagrams follow the half-open flow.
+    let (_, out) = env.run(&udp_frame(41100).build()).unwrap();
+    assert_eq!(endpoints(&out), ((BALANCER_IP, port), (b, 5353)));
+    let (v, out) = env.run(&udp_answer(b, port)).unwrap();
+    assert_eq!(v, XDP_TX);
+    assert_eq!(endpoints(&out), ((VIP, 53), (CLIENT, 41100)));
+    assert_eq!(flows_new(&env), 0, "an answer alone does not establish it");
+    // The client's next datagram proves it is where it says: established.
+    let (_, out) = env.run(&udp_frame(41100).build()).unwrap();
+    assert_eq!(endpoints(&out), ((BALANCER_IP, port), (b, 5353)));
+    assert_eq!(flows_new(&env), 1);
+
+    // 10,000 one-shot flows from spoofed sources, each answered by its
+    // backend: two and a half times the flow table (4,096). None is
+    // established, so none can evict the flow above.
+    for i in 0..10_000u32 {
+        let src = Ipv4Addr::new(10, 213, 128 + (i >> 14) as u8, (i >> 6) as u8);
+        let q = Frame::udp((src, 1024 + (i & 0x3fff) as u16), (VIP, 53))
+            .payload(b"q")
+            .macs(mac_of(CLIENT), BALANCER_MAC);
+        let (v, out) = env.run(&q.build()).unwrap();
+        if v != XDP_TX {
+            continue;
+        }
+        let ((_, p), (d, _)) = endpoints(&out);
+        env.run(&udp_answer(d, p)).unwrap();
+    }
+    assert_eq!(flows_new(&env), 1, "one-shot flows stay half-open");
+    let (_, out) = env.run(&udp_frame(41100).build()).unwrap();
+    assert_eq!(endpoints(&out), ((BALANCER_IP, port), (b, 5353)));
+    let (v, out) = env.run(&udp_answer(b, port)).unwrap();
+    assert_eq!(v, XDP_TX);
+    assert_eq!(endpoints(&out), ((VIP, 53), (CLIENT, 41100)));
+}

@@ -184,7 +184,10 @@ impl Tracker {
         if let Some(age) = owed(pulse.turn_wait_ns, now_ns, stats.turns, &mut self.wait_seen) {
             let (_, turns_then) = self.wait_seen.unwrap_or_default();
             let piled = stats.turns.wrapping_sub(turns_then) >= 1;
-            if (age > hung_ns && piled) || age > hung_ns.saturating_mul(5) {
+            // Alone, a request may just be slow; but new flows now avoid a
+            // backend that owes (two choices), so nothing piles up behind
+            // a hung one: three times as long then settles it.
+            if (age > hung_ns && piled) || age > hung_ns.saturating_mul(3) {
                 self.kernel_fault = Some(format!("hung: no answer for {} ms", age / 1_000_000));
             }
         }

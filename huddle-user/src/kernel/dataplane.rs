@@ -17,9 +17,10 @@ use aya::{
     Ebpf, EbpfLoader,
 };
 use huddle_common::{
-    addr_v4, maps, ring_slot, Backend, BackendStats, Config as KernelConfig, Counters, GlobalStats,
-    Latency, NatCursor, Pulse, Ring, ServiceKey, ServiceStats, ServiceValue, Tuning, FAMILY_V4,
-    MAX_SNAT, PROGRAM_NAME, RING_CAPACITY, SERVICE_KIND_SNAT, SERVICE_KIND_VIP,
+    addr_v4, maps, ring_slot, Backend, BackendStats, Config as KernelConfig, Counters, FlowKey,
+    FlowValue, GlobalStats, Latency, NatCursor, NatKey, NatValue, Pulse, Ring, ServiceKey,
+    ServiceStats, ServiceValue, Tuning, FAMILY_V4, MAX_SNAT, PROGRAM_NAME, PROTO_UDP,
+    RING_CAPACITY, SERVICE_KIND_SNAT, SERVICE_KIND_VIP,
 };
 use huddle_common::{MAX_BACKENDS, MAX_SERVICES};
 use std::{
@@ -118,12 +119,101 @@ pub struct Dataplane {
     connect: PerCpuArray<MapData, Latency>,
     pulse: Array<MapData, Pulse>,
     tuning: Array<MapData, Tuning>,
+    swept: Array<MapData, u64>,
+    /// Handles of its own on the maps the idle sweep needs (see `Sweeper`).
+    sweeper: Option<Sweeper>,
     nat_cursor: PerCpuArray<MapData, NatCursor>,
     /// `NAT_CURSOR` was made by this load: every backend's cursor starts.
     fresh_cursors: bool,
     /// Possible CPUs: per-CPU map values have one entry each.
     cpus: usize,
     pub services: Vec<ServiceSlot>,
+}
+
+/// A second handle on map `name` of `ebpf` (its fd duplicated).
+fn reopen(ebpf: &Ebpf, name: &str) -> Result<aya::maps::Map> {
+    let map = ebpf
+        .map(name)
+        .with_context(|| format!("map {name} missing from the XDP object"))?;
+    let data = match map {
+        aya::maps::Map::LruHashMap(m) | aya::maps::Map::HashMap(m) | aya::maps::Map::Array(m) => m,
+        _ => bail!("map {name} has an unexpected type"),
+    };
+    let fd = std::os::fd::AsFd::as_fd(data.fd())
+        .try_clone_to_owned()
+        .with_context(|| format!("duplicating the fd of map {name}"))?;
+    Ok(aya::maps::Map::from_map_data(MapData::from_fd(fd)?)?)
+}
+
+/// Removes established UDP flows that stayed silent past their service's
+/// idle timeout, with their NAT entries: their tuples are free again and
+/// they stop counting as active. The program keeps each UDP flow's last
+/// datagram time in `FlowValue::stamp_ns`; it never removes flows itself.
+pub struct Sweeper {
+    flows: HashMap<MapData, FlowKey, FlowValue>,
+    nat: HashMap<MapData, NatKey, NatValue>,
+    backends: Array<MapData, Backend>,
+    swept: Array<MapData, u64>,
+    snat_addrs: [huddle_common::Addr; MAX_SNAT],
+}
+
+impl Sweeper {
+    /// One pass: every UDP flow of a service in `idle_ns` (service id ->
+    /// idle timeout) silent for longer than that at `now_ns`
+    /// (CLOCK_MONOTONIC). Returns how many it removed.
+    pub fn sweep(&mut self, now_ns: u64, idle_ns: &StdHashMap<u32, u64>) -> Result<u64> {
+        if idle_ns.is_empty() {
+            return Ok(0);
+        }
+        let mut idle = Vec::new();
+        for entry in self.flows.iter() {
+            let Ok((k, v)) = entry else { continue };
+            let Some(limit) = idle_ns.get(&v.service) else {
+                continue;
+            };
+            if k.proto == PROTO_UDP
+                && v.flags & huddle_common::flow_flags::CLOSING == 0
+                && now_ns.saturating_sub(v.stamp_ns) > *limit
+            {
+                idle.push((k, v));
+            }
+        }
+        let mut by_backend: StdHashMap<u32, u64> = StdHashMap::new();
+        for (k, v) in &idle {
+            // Alive again since the scan read it: leave it.
+            match self.flows.get(k, 0) {
+                Ok(now) if now.stamp_ns == v.stamp_ns => {}
+                _ => continue,
+            }
+            if self.flows.remove(k).is_err() {
+                continue;
+            }
+            if let Ok(b) = self.backends.get(&v.backend, 0) {
+                let key = NatKey {
+                    backend: b.addr,
+                    local: self.snat_addrs[usize::from(v.snat) % MAX_SNAT],
+                    backend_port_be: b.port_be,
+                    nat_port_be: v.nat_port_be,
+                    proto: PROTO_UDP,
+                    family: FAMILY_V4,
+                    _pad: [0; 2],
+                };
+                // Only if it still names this flow (the tuple may have been
+                // handed to another since).
+                if self.nat.get(&key, 0).is_ok_and(|n| n.flow == *k) {
+                    let _ = self.nat.remove(&key);
+                }
+            }
+            *by_backend.entry(v.backend).or_default() += 1;
+        }
+        let mut removed = 0;
+        for (id, n) in by_backend {
+            let before = self.swept.get(&id, 0).unwrap_or(0);
+            self.swept.set(id, before + n, 0)?;
+            removed += n;
+        }
+        Ok(removed)
+    }
 }
 
 fn take<T>(ebpf: &mut Ebpf, name: &str) -> Result<T>
@@ -189,8 +279,20 @@ impl Dataplane {
             .program_mut(PROGRAM_NAME)
             .context("program missing from the XDP object")?
             .try_into()?;
-        prog.load()
-            .context("the kernel verifier refused the XDP program")?;
+        // The verifier gives up with EAGAIN when a signal reaches the
+        // loading thread (a child's SIGCHLD, say) during its second or so
+        // of work: that is not a refusal, so try again.
+        let mut tries = 0;
+        loop {
+            match prog.load() {
+                Err(aya::programs::ProgramError::LoadError { io_error, .. })
+                    if io_error.raw_os_error() == Some(libc::EAGAIN) && tries < 5 =>
+                {
+                    tries += 1;
+                }
+                r => break r.context("the kernel verifier refused the XDP program")?,
+            }
+        }
         // After the program holds its maps: the logger owns the log map's fd.
         match aya_log::EbpfLogger::init(&mut ebpf) {
             Ok(logger) => crate::logs::forward(logger),
@@ -250,6 +352,14 @@ impl Dataplane {
         };
         config.set(0, kernel_config, 0).context("writing CONFIG")?;
 
+        // Before the maps are taken: handles of its own for the sweep.
+        let sweeper = Sweeper {
+            flows: HashMap::try_from(reopen(&ebpf, maps::FLOWS)?)?,
+            nat: HashMap::try_from(reopen(&ebpf, maps::NAT)?)?,
+            backends: Array::try_from(reopen(&ebpf, maps::BACKENDS)?)?,
+            swept: Array::try_from(reopen(&ebpf, maps::SWEPT)?)?,
+            snat_addrs,
+        };
         let mut dp = Dataplane {
             services_map: take(&mut ebpf, maps::SERVICES)?,
             backends_map: take(&mut ebpf, maps::BACKENDS)?,
@@ -265,6 +375,8 @@ impl Dataplane {
             cpus,
             pulse: take(&mut ebpf, maps::PULSE)?,
             tuning: take(&mut ebpf, maps::TUNING)?,
+            sweeper: Some(sweeper),
+            swept: take(&mut ebpf, maps::SWEPT)?,
             ebpf,
             link: None,
             pinned_link: None,
@@ -651,9 +763,19 @@ impl Dataplane {
         Ok(())
     }
 
-    /// Sum over CPUs of one backend's counters.
+    /// Sum over CPUs of one backend's counters; `flows_closed` includes
+    /// the idle UDP flows `sweep_idle_udp` removed.
     pub fn backend_stats(&self, id: u32) -> Result<BackendStats> {
-        Ok(sum(&self.backend_stats.get(&id, 0)?))
+        let mut st: BackendStats = sum(&self.backend_stats.get(&id, 0)?);
+        st.flows_closed += self.swept.get(&id, 0).unwrap_or(0);
+        Ok(st)
+    }
+
+    /// The idle sweep's own handles on the maps, for a thread of its own
+    /// (a sweep of a large flow table must not hold up the huddle's tick).
+    /// Given once.
+    pub fn take_sweeper(&mut self) -> Option<Sweeper> {
+        self.sweeper.take()
     }
 
     /// Sum over CPUs of one service's counters; its packets and bytes are

@@ -278,6 +278,7 @@ impl RunArgs {
                 vip,
                 proto: None,
                 backends: this.backends.into_iter().map(BackendEntry::Addr).collect(),
+                udp_idle_ms: None,
             }),
             (None, false) => bail!("--backend given without --vip"),
             (None, true) => {}

@@ -192,7 +192,7 @@ pub struct HuddleFile {
     pub latency_floor_ms: Option<f64>,
     pub weights: Option<crate::thermal::Weights>,
     /// A backend owing answers this long (two or more requests, or one
-    /// for five times as long) is hung: the most it waits, when the ring's
+    /// for three times as long) is hung: the most it waits, when the ring's
     /// own answer times do not call for less.
     pub hung_after_ms: Option<u64>,
     /// The least `hung_after` ever drops to, however fast the ring answers.
@@ -229,6 +229,9 @@ pub struct ServiceFile {
     /// Overrides a protocol suffix on `vip`; tcp when neither says.
     pub proto: Option<Proto>,
     pub backends: Vec<BackendEntry>,
+    /// UDP only: an established flow with no datagram either way for this
+    /// long is removed, and its NAT tuple freed (default 30,000).
+    pub udp_idle_ms: Option<u64>,
 }
 
 /// The whole file.
@@ -267,6 +270,10 @@ pub struct ConfigFile {
     pub huddle: HuddleFile,
 }
 
+/// An established UDP flow silent for this long is removed (as Linux
+/// conntrack's `nf_conntrack_udp_timeout`).
+pub const DEFAULT_UDP_IDLE: Duration = Duration::from_secs(30);
+
 /// A validated service.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Service {
@@ -275,6 +282,9 @@ pub struct Service {
     pub backends: Vec<SocketAddr>,
     /// Per backend, parallel to `backends`.
     pub options: Vec<BackendOptions>,
+    /// UDP: how long an established flow may stay silent before it is
+    /// removed (see `ServiceFile::udp_idle_ms`).
+    pub udp_idle: Duration,
 }
 
 /// What the huddle knows about a backend beyond its address.
@@ -346,6 +356,7 @@ impl Service {
             proto,
             backends,
             options,
+            udp_idle: DEFAULT_UDP_IDLE,
         }
     }
 
@@ -561,11 +572,25 @@ impl ConfigFile {
                 backends.push(addr);
             }
             total_backends += backends.len();
+            let udp_idle = match (s.udp_idle_ms, proto) {
+                (None, _) => DEFAULT_UDP_IDLE,
+                (Some(_), Proto::Tcp) => {
+                    bail!("{field}.udp_idle_ms: only UDP services have an idle timeout")
+                }
+                (Some(ms), Proto::Udp) => millis(
+                    Some(ms),
+                    0,
+                    &format!("{field}.udp_idle_ms"),
+                    1000,
+                    86_400_000,
+                )?,
+            };
             services.push(Service {
                 vip,
                 proto,
                 backends,
                 options,
+                udp_idle,
             });
         }
         if total_backends > MAX_BACKENDS as usize {

@@ -30,7 +30,7 @@ use tokio::{
     net::{TcpListener, UnixListener, UnixStream},
     signal::unix::{signal, SignalKind},
 };
-use tracing::{info, warn};
+use tracing::{debug, info, warn};
 
 /// How often backend neighbours are refreshed in the kernel's cache.
 const NEIGHBOUR_REFRESH: Duration = Duration::from_secs(15);
@@ -901,6 +901,7 @@ pub async fn run(cfg: Config, reloader: Option<Reloader>) -> Result<()> {
         h.probe.interval
     );
     let stop = balancer.stop.clone();
+    let sweeper = balancer.dp.take_sweeper();
     let shared = Arc::new(Mutex::new(balancer));
 
     let mut tasks = vec![
@@ -914,6 +915,7 @@ pub async fn run(cfg: Config, reloader: Option<Reloader>) -> Result<()> {
         }),
         tokio::spawn(ticker(shared.clone(), cfg.huddle.tick)),
         tokio::spawn(saver(shared.clone())),
+        tokio::spawn(sweep_idle(shared.clone(), sweeper)),
         tokio::spawn(prober(shared.clone(), cfg.huddle.probe.clone())),
         tokio::spawn(scraper(
             shared.clone(),
@@ -1002,6 +1004,52 @@ async fn saver(shared: Arc<Mutex<Balancer>>) {
         b.save_state();
         if let Err(e) = b.dp.refresh_next_hops() {
             warn!("{e:#}");
+        }
+    }
+}
+
+/// Every second, removes the established UDP flows silent past their
+/// service's `udp_idle_ms` (on a blocking thread, without the lock: a
+/// large flow table takes a while to walk).
+async fn sweep_idle(shared: Arc<Mutex<Balancer>>, sweeper: Option<crate::dataplane::Sweeper>) {
+    let Some(mut sweeper) = sweeper else {
+        return;
+    };
+    let mut tick = tokio::time::interval(Duration::from_secs(1));
+    loop {
+        tick.tick().await;
+        let idle: std::collections::HashMap<u32, u64> = {
+            let b = lock(&shared);
+            b.cfg
+                .services
+                .iter()
+                .zip(&b.dp.services)
+                .filter(|(s, _)| s.proto == crate::config::Proto::Udp)
+                .map(|(s, slot)| (slot.id, s.udp_idle.as_nanos() as u64))
+                .collect()
+        };
+        if idle.is_empty() {
+            continue;
+        }
+        let now = host::monotonic_ns();
+        let done = tokio::task::spawn_blocking(move || {
+            let r = sweeper.sweep(now, &idle);
+            (sweeper, r)
+        })
+        .await;
+        match done {
+            Ok((s, r)) => {
+                sweeper = s;
+                match r {
+                    Ok(0) => {}
+                    Ok(n) => debug!("removed {n} idle UDP flows"),
+                    Err(e) => warn!("sweeping idle UDP flows: {e:#}"),
+                }
+            }
+            Err(e) => {
+                warn!("the idle UDP sweep stopped: {e}");
+                return;
+            }
         }
     }
 }
