@@ -647,10 +647,11 @@ impl OpenLoop {
                         let mut r = conn.get();
                         let mut retried = false;
                         // As HTTP clients do (RFC 9112 9.3.1; curl, Go,
-                        // browsers): a GET on a reused connection that
-                        // failed before any byte of its answer is sent
-                        // once more on a new connection. Never the first
-                        // request of a connection.
+                        // browsers): a GET on a reused connection that the
+                        // server closed or reset before any byte of its
+                        // answer is sent once more on a new connection.
+                        // Never after a timeout, never the first request
+                        // of a connection.
                         if r.is_err() && k > 0 && conn.got_nothing {
                             retried = true;
                             r = KeepAlive::connect(addr, timeout).and_then(|c| {
@@ -860,7 +861,8 @@ pub fn tally(
 pub struct KeepAlive {
     reader: BufReader<TcpStream>,
     writer: TcpStream,
-    /// The last `get` failed before a single byte of its answer came.
+    /// The last `get` failed because the server closed or reset the
+    /// connection before a single byte of its answer came.
     pub got_nothing: bool,
 }
 
@@ -878,13 +880,31 @@ impl KeepAlive {
 
     /// One request on the connection; returns the body.
     pub fn get(&mut self) -> Result<String> {
-        self.got_nothing = true;
-        self.writer
-            .write_all(b"GET / HTTP/1.1\r\nHost: vip\r\n\r\n")?;
-        if self.reader.fill_buf()?.is_empty() {
-            bail!("connection closed");
-        }
+        use std::io::ErrorKind::{BrokenPipe, ConnectionAborted, ConnectionReset};
+        // Closed or reset by the server before a byte of the answer (not
+        // a timeout: the request may still be in the works).
+        let closed = |e: &std::io::Error| {
+            matches!(e.kind(), ConnectionReset | ConnectionAborted | BrokenPipe)
+        };
         self.got_nothing = false;
+        if let Err(e) = self
+            .writer
+            .write_all(b"GET / HTTP/1.1\r\nHost: vip\r\n\r\n")
+        {
+            self.got_nothing = closed(&e);
+            return Err(e.into());
+        }
+        match self.reader.fill_buf() {
+            Ok([]) => {
+                self.got_nothing = true;
+                bail!("connection closed");
+            }
+            Ok(_) => {}
+            Err(e) => {
+                self.got_nothing = closed(&e);
+                return Err(e.into());
+            }
+        }
         let mut len = None;
         loop {
             let mut line = String::new();

@@ -192,11 +192,14 @@ impl Status {
             for (n, addrs) in notes {
                 let _ = writeln!(out, "  note ({}): {n}", addrs.join(", "));
             }
-            let _ = writeln!(
-                out,
-                "  hung after {:.0} ms; new flows pass over a backend owing an answer {:.0} ms or a SYN-ACK {:.0} ms (0: never)",
-                s.hung_after_ms, s.pass_over_ms, s.pass_over_syn_ms
-            );
+            // UDP backends need not answer: neither applies to them.
+            if !s.name.ends_with("/udp") {
+                let _ = writeln!(
+                    out,
+                    "  hung after {:.0} ms; new flows pass over a backend owing an answer {:.0} ms or a SYN-ACK {:.0} ms (0: never)",
+                    s.hung_after_ms, s.pass_over_ms, s.pass_over_syn_ms
+                );
+            }
             for b in &s.backends {
                 let c = |k: &str| b.counters.get(k).copied().unwrap_or(0);
                 let (refused, silent, passed) = (

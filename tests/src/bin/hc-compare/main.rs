@@ -425,8 +425,8 @@ fn table(cells: &[Cell], s: Scenario, o: &Opts, load: &str) -> String {
         t,
         "\n### {} \n\n{load}; {} trial(s), mean ± stdev. Failed requests count at the time they took (the timeout at most). \
          \"b{DEGRADED} share\": of the requests sent after the fault started (all, for the others), the share b{DEGRADED} answered. \
-         \"client retries\": requests a keep-alive client sent again on a new connection, as HTTP clients do, because its reused \
-         connection failed before any byte of the answer (they count as failed only if the retry failed too).\n",
+         \"client retries\": requests a keep-alive client sent again on a new connection, as HTTP clients do, because the server closed or reset its \
+         reused connection before any byte of the answer (they count as failed only if the retry failed too).\n",
         s.name(),
         o.trials
     );

@@ -22,7 +22,8 @@ pub struct Trial {
     /// Answered requests per second.
     pub throughput: f64,
     /// Requests a keep-alive client sent again on a new connection (its
-    /// reused one failed before any byte of the answer), answered or not.
+    /// reused one was closed or reset before any byte of the answer),
+    /// answered or not.
     pub client_retries: u64,
     /// The first failures, with when they were sent (seconds into the
     /// run) and why, so a failure count can be explained.
