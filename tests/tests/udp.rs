@@ -3,7 +3,7 @@
 //! never take a flow-table entry or a NAT tuple past their half-open slot,
 //! and an established flow silent for `udp_idle_ms` is removed with its
 //! NAT entry. Real datagrams through the XDP path, a flow table of 1,024
-//! entries, 10,000 one-shot flows.
+//! entries, 10,000 one-shot flows, a 4 s idle timeout.
 
 use aya::maps::{HashMap, MapData};
 use huddle_common::{maps, FlowKey, FlowValue, NatKey, NatValue, PROTO_UDP};
@@ -67,7 +67,7 @@ fn one_shot_udp_flows_hold_nothing_and_idle_ones_are_removed_with_their_nat_tupl
     std::fs::write(
         &config,
         format!(
-            "flow_table_size = 1024\n\n[[service]]\nvip = \"{VIP}:53/udp\"\nudp_idle_ms = 1000\nbackends = [{}]\n",
+            "flow_table_size = 1024\n\n[[service]]\nvip = \"{VIP}:53/udp\"\nudp_idle_ms = 4000\nbackends = [{}]\n",
             backends.join(", ")
         ),
     )
@@ -144,10 +144,11 @@ fn one_shot_udp_flows_hold_nothing_and_idle_ones_are_removed_with_their_nat_tupl
     assert_eq!(still, 200, "established flows survived the flood");
     assert_eq!(active(&bed), 200, "and were not established again");
 
-    // Silent for udp_idle_ms (1 s): removed within the next sweep (every
+    // Silent for udp_idle_ms (4 s: well past the steps above, so none was
+    // removed before its time): removed within the next sweep (every
     // second), NAT entries with them.
     let t0 = Instant::now();
-    wait_until(Duration::from_secs(6), || {
+    wait_until(Duration::from_secs(10), || {
         active(&bed) == 0 && udp_entries(&bed) == (0, 0)
     })
     .unwrap_or_else(|_| {
