@@ -252,10 +252,7 @@ fn promote(
     // The NAT entry now answers for the tuple: free its half-open slot
     // (only if still this flow's); the client slot goes once the flow
     // table has the flow.
-    if let Some(n) = halfopen::find_nat(cfg, &sc.nkey) {
-        // SAFETY: map value pointer, valid for this run.
-        unsafe { (*n).tag = 0 };
-    }
+    halfopen::forget_nat(cfg, &sc.nkey);
     let entry = match FLOWS.get_ptr_mut(&sc.nval.flow) {
         // An earlier connection on this client tuple: its NAT tuple must
         // not catch anything more, and its entry becomes this flow's.
@@ -346,10 +343,7 @@ fn new_flow(
         }
         // Its backend never answered: the client's retransmission goes to
         // another one, and a late answer from the first finds no NAT slot.
-        if let Some(n) = halfopen::find_nat(cfg, &sc.nkey) {
-            // SAFETY: map value pointer, valid for this run.
-            unsafe { (*n).tag = 0 };
-        }
+        halfopen::forget_nat(cfg, &sc.nkey);
         bump(&BACKEND_STATS, flow.backend, |st| st.retried_silent += 1);
         avoid = flow.backend;
         retries = tried + 1;
@@ -365,17 +359,8 @@ fn new_flow(
     };
     sc.nval.backend = backend_id;
     sc.nval._pad = 0;
-    let Some(tuple) = nat::allocate(
-        cfg,
-        backend_id,
-        &backend.addr,
-        backend.port_be,
-        sc.nval.flow.proto,
-        &sc.nval,
-        &mut sc.nkey,
-        half,
-        now,
-    ) else {
+    let proto = sc.nval.flow.proto;
+    let Some(tuple) = nat::allocate(cfg, backend_id, backend, proto, sc, half, now) else {
         // Rare (every tuple tried is held by a live flow): worth a record.
         warn!(
             ctx,

@@ -67,3 +67,13 @@ pub fn write_nat(cfg: &Config, service: u32, sc: &Scratch) {
         }
     }
 }
+
+/// Empties the NAT slot of half-open tuple `key` if it still holds it, so
+/// a late answer on that tuple finds nothing (the flow moved on).
+#[inline(always)]
+pub fn forget_nat(cfg: &Config, key: &NatKey) {
+    if let Some(n) = find_nat(cfg, key) {
+        // SAFETY: map value pointer, valid for this run.
+        unsafe { (*n).tag = 0 };
+    }
+}

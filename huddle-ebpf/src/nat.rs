@@ -12,13 +12,13 @@
 //! in order gives every tuple the longest rest the port space allows, and
 //! no two CPUs ever share a cursor or a tuple.
 
-use crate::maps::{bump, BACKEND_STATS, FLOWS, NAT, NAT_CURSOR};
+use crate::maps::{bump, Scratch, BACKEND_STATS, FLOWS, NAT, NAT_CURSOR};
 use aya_ebpf::{
     bindings::BPF_NOEXIST,
     helpers::{bpf_get_smp_processor_id, bpf_ktime_get_ns},
 };
 use huddle_common::{
-    flow_flags, Addr, Config, FlowValue, NatKey, NatValue, FAMILY_V4, MAX_SNAT, NAT_LINGER_NS,
+    flow_flags, Addr, Backend, Config, FlowValue, NatKey, FAMILY_V4, MAX_SNAT, NAT_LINGER_NS,
     NAT_PORT_TRIES, TIME_WAIT_NS,
 };
 
@@ -55,21 +55,18 @@ pub fn snat_addr(cfg: &Config, i: u8) -> &Addr {
     &cfg.snat_addrs[usize::from(i) & (MAX_SNAT - 1)]
 }
 
-/// Hands out the next free tuple of this CPU's slice toward backend `id`
-/// (`addr`:`port_be`), leaving its NAT key in `nkey`. Outside a handshake
-/// (`half` false: UDP, a moved flow) it is recorded at once for `nval`'s
-/// flow in the NAT table; a half-open flow's goes to its half-open slot.
-/// `now` is the clock. `None`: every tuple tried is held by a live flow.
+/// Hands out the next free tuple of this CPU's slice toward backend `id`,
+/// leaving its NAT key in `sc.nkey`. Outside a handshake (`half` false:
+/// UDP, a moved flow) it is recorded at once for `sc.nval`'s flow in the
+/// NAT table; a half-open flow's goes to its half-open slot. `now` is the
+/// clock. `None`: every tuple tried is held by a live flow.
 #[inline(always)]
-#[allow(clippy::too_many_arguments)]
 pub fn allocate(
     cfg: &Config,
     id: u32,
-    addr: &Addr,
-    port_be: u16,
+    backend: &Backend,
     proto: u8,
-    nval: &NatValue,
-    nkey: &mut NatKey,
+    sc: &mut Scratch,
     half: bool,
     now: u64,
 ) -> Option<Tuple> {
@@ -92,7 +89,8 @@ pub fn allocate(
     if c.round_ns == 0 {
         c.round_ns = now;
     }
-    *nkey = key(cfg.snat_addrs[0], *addr, port_be, 0, proto);
+    let (nval, nkey) = (&sc.nval, &mut sc.nkey);
+    *nkey = key(cfg.snat_addrs[0], backend.addr, backend.port_be, 0, proto);
     for _ in 0..NAT_PORT_TRIES {
         // Whether this tuple's last use was less than TIME_WAIT ago: the
         // round it was last handed out in was that short.

@@ -96,27 +96,13 @@ pub fn plan(cfg: &Config) -> *mut HalfOpen {
     let Some(backend) = BACKENDS.get(id) else {
         return none;
     };
-    let nat_slot = halfopen::find_nat(cfg, &sc.nkey);
+    // The refusing backend's NAT slot must catch nothing more.
+    halfopen::forget_nat(cfg, &sc.nkey);
     sc.nval.backend = id;
     sc.nval._pad = 0;
-    let Some(tuple) = nat::allocate(
-        cfg,
-        id,
-        &backend.addr,
-        backend.port_be,
-        PROTO_TCP,
-        &sc.nval,
-        &mut sc.nkey,
-        true,
-        now,
-    ) else {
+    let Some(tuple) = nat::allocate(cfg, id, backend, PROTO_TCP, sc, true, now) else {
         return none;
     };
-    // The refusing backend's NAT slot must catch nothing more.
-    if let Some(n) = nat_slot {
-        // SAFETY: map value pointer, valid for this run.
-        unsafe { (*n).tag = 0 };
-    }
     s.flow.backend = id;
     s.flow.nat_port_be = tuple.port_be;
     s.flow.snat = tuple.snat;
