@@ -1,4 +1,5 @@
-//! Incremental Internet checksum updates (RFC 1624).
+//! Internet checksums: incremental updates (RFC 1624), and sums of whole
+//! headers the program writes itself.
 //!
 //! Values are taken as they lie in memory (native-endian loads of network
 //! order bytes); one's-complement sums do not depend on byte order as long
@@ -29,4 +30,17 @@ pub fn apply(check: u16, diff: u64) -> u16 {
     s = (s & 0xffff) + (s >> 16);
     s = (s & 0xffff) + (s >> 16);
     !(s as u16)
+}
+
+/// Sum of the 16-bit words of `b`; `apply(0xffff, sum)` (a zero field
+/// updated by the whole sum) is the checksum of a header written afresh.
+#[inline(always)]
+pub fn words<const N: usize>(b: &[u8; N]) -> u64 {
+    let mut s = 0u64;
+    let mut i = 0;
+    while i + 1 < N {
+        s += u64::from(u16::from_ne_bytes([b[i], b[i + 1]]));
+        i += 2;
+    }
+    s
 }

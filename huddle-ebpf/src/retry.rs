@@ -9,6 +9,7 @@
 //! the refusal: a flow that got any data from its backend never is.
 
 use crate::{
+    csum,
     forward::send,
     halfopen,
     maps::{bump, put, BACKENDS, BACKEND_STATS, SCRATCH},
@@ -192,11 +193,11 @@ pub fn resend(ctx: &XdpContext, cfg: &Config, slot: *mut HalfOpen) -> u32 {
     ];
     // Pseudo header: addresses, protocol and TCP length; then the header
     // and the options.
-    let mut l4_sum = words(&[
+    let mut l4_sum = csum::words(&[
         src[0], src[1], src[2], src[3], dst[0], dst[1], dst[2], dst[3], 0, PROTO_TCP,
     ]) + u64::from(u16::from_ne_bytes(
         ((TCP_LEN + opt_len) as u16).to_be_bytes(),
-    )) + words(&tcph);
+    )) + csum::words(&tcph);
     let mut i = 0;
     while i < SYN_OPTS / 2 {
         if 2 * i < opt_len {
@@ -215,8 +216,12 @@ pub fn resend(ctx: &XdpContext, cfg: &Config, slot: *mut HalfOpen) -> u32 {
         put(ip.sub(2).cast::<[u8; 2]>(), &0x0800u16.to_be_bytes());
         put(ip.cast::<[u8; IP_LEN]>(), &iph);
         put(tcp.cast::<[u8; TCP_LEN]>(), &tcph);
-        ip.add(10).cast::<u16>().write_unaligned(fold(words(&iph)));
-        tcp.add(16).cast::<u16>().write_unaligned(fold(l4_sum));
+        ip.add(10)
+            .cast::<u16>()
+            .write_unaligned(csum::apply(0xffff, csum::words(&iph)));
+        tcp.add(16)
+            .cast::<u16>()
+            .write_unaligned(csum::apply(0xffff, l4_sum));
         if opt_len > 0
             && bpf_xdp_store_bytes(
                 ctx.ctx.cast(),
@@ -249,25 +254,4 @@ pub fn resend(ctx: &XdpContext, cfg: &Config, slot: *mut HalfOpen) -> u32 {
         ack: 0,
     };
     send(ctx, &p, Some(id), cfg.hop_generation)
-}
-
-/// Sum of the 16-bit words of `b` (native loads of network-order bytes).
-#[inline(always)]
-fn words<const N: usize>(b: &[u8; N]) -> u64 {
-    let mut s = 0u64;
-    let mut i = 0;
-    while i + 1 < N {
-        s += u64::from(u16::from_ne_bytes([b[i], b[i + 1]]));
-        i += 2;
-    }
-    s
-}
-
-/// A checksum field's value from a sum of words.
-#[inline(always)]
-fn fold(mut s: u64) -> u16 {
-    s = (s & 0xffff) + (s >> 16);
-    s = (s & 0xffff) + (s >> 16);
-    s = (s & 0xffff) + (s >> 16);
-    !(s as u16)
 }

@@ -600,10 +600,8 @@ impl Balancer {
                 .map(|i| slot.service.backends[i].to_string())
                 .collect();
             let name = slot.service.name();
-            let tuning = h.tuning(
-                &self.cfg.huddle,
-                slot.service.proto == crate::config::Proto::Udp,
-            );
+            // What the kernel has, as `tune` last wrote it.
+            let tuning = self.tuned.get(&slot.id).copied().unwrap_or_default();
             services.push(ServiceStatus {
                 rotation: h.rotation,
                 panic: h.engine.panic,
