@@ -12,7 +12,7 @@ use std::{
     process::Command,
 };
 
-const OBJECTS: [&str; 3] = ["huddle", "baseline", "trafficgen"];
+const OBJECTS: [&str; 4] = ["huddle", "baseline", "trafficgen", "decap"];
 
 fn main() {
     let manifest = PathBuf::from(env::var_os("CARGO_MANIFEST_DIR").expect("CARGO_MANIFEST_DIR"));

@@ -17,7 +17,7 @@ pub mod latency;
 pub mod stats;
 
 pub use latency::{latency_bucket, Latency, Pulse, LATENCY_BUCKETS};
-pub use stats::{BackendStats, Counters, GlobalStats, ServiceStats};
+pub use stats::{BackendStats, Counters, DecapStats, GlobalStats, ServiceStats};
 
 /// Map names, as the XDP program declares them (the static's identifier).
 pub mod maps {
@@ -101,6 +101,19 @@ pub mod maps {
 
 /// Name of the XDP program in the object.
 pub const PROGRAM_NAME: &str = "huddle";
+
+/// The backend agent's decap object (`decap`): its program and maps.
+pub mod decap {
+    /// The XDP program.
+    pub const PROGRAM: &str = "decap";
+    /// `HashMap<Addr, u32>`: this host's addresses; only IP-in-IP packets
+    /// to one of them are unwrapped.
+    pub const LOCAL: &str = "DECAP_LOCAL";
+    /// `PerCpuArray<DecapStats>` of one element.
+    pub const STATS: &str = "DECAP_STATS";
+    /// Addresses `LOCAL` holds at most.
+    pub const MAX_LOCAL: u32 = 256;
+}
 
 /// Services (VIP:port/proto) one balancer can serve.
 pub const MAX_SERVICES: u32 = 64;
@@ -214,7 +227,22 @@ pub struct ServiceValue {
     /// A VIP: index into `RING_GEN`, `RR_CURSOR` and `SERVICE_STATS`. A
     /// SNAT address: its index in `Config::snat_addrs`.
     pub id: u32,
+    /// A VIP: its `service_mode`.
     pub flags: u32,
+}
+
+/// How a VIP's packets reach their backend (`ServiceValue::flags`).
+pub mod service_mode {
+    /// Source NAT: addresses and ports rewritten both ways; replies come
+    /// back through the balancer.
+    pub const SNAT: u32 = 0;
+    /// Direct server return on one L2 segment: only the destination MAC
+    /// changes; the backend has the VIP on a local interface and answers
+    /// the client itself.
+    pub const DSR_L2: u32 = 1;
+    /// Direct server return by IP-in-IP: the packet, unchanged, inside an
+    /// outer header to the backend, whose decap hands it to its stack.
+    pub const DSR_IPIP: u32 = 2;
 }
 
 /// A backend, indexed by its id in `BACKENDS`.
@@ -347,7 +375,10 @@ pub struct Config {
     /// Slots of the half-open tables minus one (their size is a power of
     /// two).
     pub half_open_mask: u32,
-    pub _pad3: u32,
+    /// Bits of `encap_src` (as it lies in memory) that each flow sets from
+    /// its client address and port: the outer source of IP-in-IP packets
+    /// varies per flow, so a backend's NIC spreads flows over its queues.
+    pub encap_vary: u32,
     /// Secret seed of the half-open tables' hash, so nobody outside can
     /// aim SYNs at one slot. Kept across restarts (the slots stay valid).
     pub hash_seed: u64,
@@ -355,6 +386,9 @@ pub struct Config {
     /// SYN-ACK or RST from the backend in between, goes to another backend
     /// (0: never).
     pub syn_timeout_ns: u64,
+    /// Outer source address of IP-in-IP packets (IPv4: the first 4 bytes),
+    /// before the per-flow bits of `encap_vary`.
+    pub encap_src: Addr,
 }
 
 impl Config {
@@ -508,7 +542,9 @@ pub struct NextHop {
     /// Interface to send on, and the ingress interface the answer is for.
     pub ifindex: u32,
     pub ingress: u32,
-    pub _pad: u32,
+    /// 1: the FIB reached the backend through a gateway (not on the
+    /// balancer's own segment, so L2 DSR cannot reach it).
+    pub routed: u32,
     /// `Config::hop_generation` when the FIB answered, plus one (0: never).
     pub generation: u64,
 }
@@ -548,7 +584,7 @@ assert_size!(GenConfig, 16);
 assert_size!(NextHop, 32);
 assert_size!(NatKey, 40);
 assert_size!(NatValue, 48);
-assert_size!(Config, 16 * MAX_SNAT + 48);
+assert_size!(Config, 16 * MAX_SNAT + 64);
 assert_size!(HalfOpen, 128);
 assert_size!(SynCopy, 48);
 assert_size!(Tuning, 24);
@@ -572,6 +608,7 @@ mod pod {
     unsafe impl aya::Pod for BackendStats {}
     unsafe impl aya::Pod for ServiceStats {}
     unsafe impl aya::Pod for GlobalStats {}
+    unsafe impl aya::Pod for DecapStats {}
     unsafe impl aya::Pod for Latency {}
     unsafe impl aya::Pod for Pulse {}
     unsafe impl aya::Pod for GenConfig {}

@@ -144,5 +144,28 @@ counters!(
         /// New flows whose picked backend was not a member of the ring it
         /// was read from (a torn read): must stay 0.
         ring_stray,
+        /// Packets of DSR services sent inside an IP-in-IP header.
+        encap,
+        /// Dropped, L2 DSR: the backend's neighbour entry is not resolved
+        /// yet (the control plane resolves it), or the FIB reaches the
+        /// backend only through a gateway (it is not on this segment).
+        drop_no_neigh,
+        drop_not_onlink,
+        /// Dropped, IP-in-IP: no headroom for the outer header.
+        drop_encap,
+    }
+);
+
+counters!(
+    /// The backend agent's decap program (`huddle agent --decap`), one
+    /// element.
+    DecapStats {
+        /// IP-in-IP packets to a local address, unwrapped and passed on.
+        decapped,
+        /// IP-in-IP packets to an address not of this host: left alone.
+        pass_not_local,
+        /// IP-in-IP packets with outer options, fragmented, or with an
+        /// inner packet that is not a whole IPv4 header: left alone.
+        pass_malformed,
     }
 );

@@ -7,6 +7,7 @@
 //! traffic that is not ours leaves right there.
 
 use crate::{
+    ackclock, dsr,
     forward::send,
     halfopen,
     maps::{
@@ -26,8 +27,9 @@ use aya_ebpf::{
 };
 use aya_log_ebpf::warn;
 use huddle_common::{
-    addr_v4, backend_flags, flow_flags, slot_tag, Config, FlowKey, FlowValue, HalfOpen, ServiceKey,
-    FAMILY_V4, MAX_SYN_RETRIES, NAT_PORT_TRIES, SERVICE_KIND_SNAT, SERVICE_KIND_VIP,
+    addr_v4, backend_flags, flow_flags, service_mode, slot_tag, Config, FlowKey, FlowValue,
+    HalfOpen, ServiceKey, FAMILY_V4, MAX_SYN_RETRIES, NAT_PORT_TRIES, SERVICE_KIND_SNAT,
+    SERVICE_KIND_VIP,
 };
 
 /// `reply`'s answer for a refused SYN that may be retried: the packet is
@@ -71,7 +73,8 @@ pub fn balance(ctx: &XdpContext, p: &Packet) -> u32 {
     // SAFETY: the value is copied out at once; the control plane replaces
     // hash values whole, so the copy is never torn.
     match unsafe { SERVICES.get(&vip) } {
-        Some(s) => request(ctx, p, cfg, s.id),
+        Some(s) if s.flags == service_mode::SNAT => request::<false>(ctx, p, cfg, s.id, s.flags),
+        Some(s) => request::<true>(ctx, p, cfg, s.id, s.flags),
         None => {
             global(|s| s.pass_not_service += 1);
             xdp_action::XDP_PASS
@@ -79,11 +82,20 @@ pub fn balance(ctx: &XdpContext, p: &Packet) -> u32 {
     }
 }
 
-/// Client to backend. Its own BPF function (as is `reply`): the two
-/// paths then neither share one stack frame nor multiply the verifier's
-/// states (inlined together they passed its 1M-instruction limit).
+/// Client to backend, in the service's `mode` (`DSR`: one of the direct
+/// server return modes). Its own BPF function (as is `reply`), one per
+/// kind of mode: the paths then neither share one stack frame nor
+/// multiply the verifier's states (inlined together they passed its
+/// 1M-instruction limit and the 512-byte stack).
 #[inline(never)]
-fn request(ctx: &XdpContext, p: &Packet, cfg: &Config, service: u32) -> u32 {
+fn request<const DSR: bool>(
+    ctx: &XdpContext,
+    p: &Packet,
+    cfg: &Config,
+    service: u32,
+    mode: u32,
+) -> u32 {
+    let dsr = DSR;
     let Some(sc) = SCRATCH.get_ptr_mut(0) else {
         return xdp_action::XDP_PASS;
     };
@@ -120,7 +132,7 @@ fn request(ctx: &XdpContext, p: &Packet, cfg: &Config, service: u32) -> u32 {
     let (mut flow, mut entry) = match existing {
         // SAFETY: map value pointer, valid for this run.
         Some(f) => (unsafe { *f }, Some(f)),
-        None => match handshake(ctx, cfg, service, sc, p) {
+        None => match handshake(ctx, cfg, service, sc, p, dsr) {
             Ok(o) => o,
             Err(verdict) => return verdict,
         },
@@ -133,11 +145,13 @@ fn request(ctx: &XdpContext, p: &Packet, cfg: &Config, service: u32) -> u32 {
             // Its backend is dead: balance the flow afresh. A TCP peer then
             // gets a RST from the new backend at once instead of waiting
             // on a dead one; a UDP flow simply carries on there.
-            sc.nkey = nat::flow_key(cfg, &flow, &backend.addr, backend.port_be, p.proto);
-            nat::forget(&sc.nkey);
+            if !dsr {
+                sc.nkey = nat::flow_key(cfg, &flow, &backend.addr, backend.port_be, p.proto);
+                nat::forget(&sc.nkey);
+            }
             nat::close(f, flow.backend);
             bump(&BACKEND_STATS, flow.backend, |s| s.flows_moved += 1);
-            flow = match new_flow(ctx, cfg, service, sc, p, false, false) {
+            flow = match new_flow(ctx, cfg, service, sc, p, false, false, dsr) {
                 Ok(f) => f,
                 Err(verdict) => return verdict,
             };
@@ -152,7 +166,11 @@ fn request(ctx: &XdpContext, p: &Packet, cfg: &Config, service: u32) -> u32 {
                 // SAFETY: map value pointer, valid for this run.
                 unsafe { (*f).stamp_ns = bpf_ktime_get_coarse_ns() };
             }
-            timing::request(f, p, flow.backend);
+            if dsr {
+                ackclock::request(f, p, flow.backend);
+            } else {
+                timing::request(f, p, flow.backend);
+            }
         }
     }
     if p.has_flag(TCP_FIN | TCP_RST) {
@@ -166,6 +184,9 @@ fn request(ctx: &XdpContext, p: &Packet, cfg: &Config, service: u32) -> u32 {
         s.pkts_to += 1;
         s.bytes_to += bytes;
     });
+    if dsr {
+        return dsr::send(ctx, p, cfg, flow.backend, backend, mode);
+    }
     let src = nat::snat_addr(cfg, flow.snat);
     rewrite(
         p,
@@ -192,6 +213,10 @@ fn request(ctx: &XdpContext, p: &Packet, cfg: &Config, service: u32) -> u32 {
 /// anything else of a half-open flow goes to its backend as it is; the
 /// rest is not ours. Returns the flow and, once established, its table
 /// entry.
+///
+/// DSR (`dsr`): the balancer never sees the backend's answers, so a TCP
+/// flow is promoted by the client's first ACK (a spoofed SYN flood still
+/// only takes half-open slots), and UDP flows go to the flow table at once.
 #[inline(always)]
 fn handshake(
     ctx: &XdpContext,
@@ -199,28 +224,31 @@ fn handshake(
     service: u32,
     sc: &mut Scratch,
     p: &Packet,
+    dsr: bool,
 ) -> Result<(FlowValue, Option<*mut FlowValue>), u32> {
     let tcp = p.is_tcp();
     if tcp && p.has_flag(TCP_SYN) {
-        return new_flow(ctx, cfg, service, sc, p, true, true).map(|f| (f, None));
+        return new_flow(ctx, cfg, service, sc, p, true, true, dsr).map(|f| (f, None));
     }
     let Some(slot) = halfopen::find(cfg, &sc.nval.flow) else {
         if tcp {
             bump(&SERVICE_STATS, service, |s| s.pass_no_flow += 1);
             return Err(xdp_action::XDP_PASS);
         }
-        return new_flow(ctx, cfg, service, sc, p, true, true).map(|f| (f, None));
+        return new_flow(ctx, cfg, service, sc, p, !dsr, !dsr, dsr).map(|f| (f, None));
     };
     // SAFETY: map value pointer, copied out at once.
     let half = unsafe { (*slot).flow };
     let answered = half.flags & flow_flags::SYNACK_SEEN != 0;
-    let promote_now = if tcp {
+    let promote_now = if dsr {
+        p.has_flag(TCP_ACK)
+    } else if tcp {
         answered && p.has_flag(TCP_ACK) && p.ack == half.synack_seq.wrapping_add(1)
     } else {
         answered
     };
     if promote_now {
-        return promote(cfg, service, sc, slot, &half, p.proto);
+        return promote(cfg, service, sc, slot, &half, p.proto, dsr);
     }
     // Early packets: same backend, no promotion.
     Ok((half, None))
@@ -236,30 +264,39 @@ fn promote(
     slot: *mut HalfOpen,
     half: &FlowValue,
     proto: u8,
+    dsr: bool,
 ) -> Result<(FlowValue, Option<*mut FlowValue>), u32> {
     let Some(backend) = BACKENDS.get(half.backend) else {
         return Err(xdp_action::XDP_DROP);
     };
-    sc.nkey = nat::flow_key(cfg, half, &backend.addr, backend.port_be, proto);
-    sc.nval.backend = half.backend;
-    sc.nval._pad = 0;
     let mut flow = *half;
     flow.flags &= !flow_flags::SYNACK_SEEN;
-    if NAT.insert(&sc.nkey, &sc.nval, 0).is_err() {
-        bump(&SERVICE_STATS, service, |s| s.drop_flow_table += 1);
-        return Err(xdp_action::XDP_DROP);
+    if dsr {
+        // SAFETY: plain helper call.
+        ackclock::handshake(&mut flow, half.backend, unsafe { bpf_ktime_get_ns() });
+    } else {
+        sc.nkey = nat::flow_key(cfg, half, &backend.addr, backend.port_be, proto);
+        sc.nval.backend = half.backend;
+        sc.nval._pad = 0;
+        if NAT.insert(&sc.nkey, &sc.nval, 0).is_err() {
+            bump(&SERVICE_STATS, service, |s| s.drop_flow_table += 1);
+            return Err(xdp_action::XDP_DROP);
+        }
+        // The NAT entry now answers for the tuple: free its half-open
+        // slot (only if still this flow's); the client slot goes once the
+        // flow table has the flow.
+        halfopen::forget_nat(cfg, &sc.nkey);
     }
-    // The NAT entry now answers for the tuple: free its half-open slot
-    // (only if still this flow's); the client slot goes once the flow
-    // table has the flow.
-    halfopen::forget_nat(cfg, &sc.nkey);
     let entry = match FLOWS.get_ptr_mut(&sc.nval.flow) {
         // An earlier connection on this client tuple: its NAT tuple must
         // not catch anything more, and its entry becomes this flow's.
         Some(old) => {
             // SAFETY: map value pointer, valid for this run.
             let o = unsafe { *old };
-            if o.nat_port_be != flow.nat_port_be || o.snat != flow.snat || o.backend != flow.backend
+            if !dsr
+                && (o.nat_port_be != flow.nat_port_be
+                    || o.snat != flow.snat
+                    || o.backend != flow.backend)
             {
                 if let Some(b) = BACKENDS.get(o.backend) {
                     sc.nkey = nat::flow_key(cfg, &o, &b.addr, b.port_be, proto);
@@ -291,7 +328,9 @@ fn promote(
 /// Picks a backend and a NAT tuple for a new flow (its key in
 /// `sc.nval.flow`) and records both directions: in the half-open slots
 /// (`half`, a TCP SYN) or the flow tables. `time` starts timing its first
-/// wait. Errors carry the verdict for the packet.
+/// wait. A DSR flow (`dsr`) has no NAT tuple. Errors carry the verdict for
+/// the packet.
+#[allow(clippy::too_many_arguments)]
 #[inline(always)]
 fn new_flow(
     ctx: &XdpContext,
@@ -301,6 +340,7 @@ fn new_flow(
     p: &Packet,
     time: bool,
     half: bool,
+    dsr: bool,
 ) -> Result<FlowValue, u32> {
     // Only a SYN needs the hash: other new flows go to the flow table.
     let h = if half {
@@ -336,14 +376,18 @@ fn new_flow(
         if !silent {
             // A retransmitted SYN: same backend, same tuple; its NAT slot
             // is written again in case a colliding SYN took it meanwhile.
-            sc.nval.backend = flow.backend;
-            sc.nval._pad = 0;
-            halfopen::write_nat(cfg, service, sc);
+            if !dsr {
+                sc.nval.backend = flow.backend;
+                sc.nval._pad = 0;
+                halfopen::write_nat(cfg, service, sc);
+            }
             return Ok(flow);
         }
         // Its backend never answered: the client's retransmission goes to
         // another one, and a late answer from the first finds no NAT slot.
-        halfopen::forget_nat(cfg, &sc.nkey);
+        if !dsr {
+            halfopen::forget_nat(cfg, &sc.nkey);
+        }
         bump(&BACKEND_STATS, flow.backend, |st| st.retried_silent += 1);
         avoid = flow.backend;
         retries = tried + 1;
@@ -360,27 +404,34 @@ fn new_flow(
     sc.nval.backend = backend_id;
     sc.nval._pad = 0;
     let proto = sc.nval.flow.proto;
-    let Some(tuple) = nat::allocate(cfg, backend_id, backend, proto, sc, half, now) else {
-        // Rare (every tuple tried is held by a live flow): worth a record.
-        warn!(
-            ctx,
-            "no free NAT tuple toward backend {} after {} tries", backend_id, NAT_PORT_TRIES
-        );
-        bump(&SERVICE_STATS, service, |s| s.drop_nat_ports += 1);
-        return Err(xdp_action::XDP_DROP);
+    let (nat_port_be, snat) = if dsr {
+        (0, 0)
+    } else {
+        let Some(tuple) = nat::allocate(cfg, backend_id, backend, proto, sc, half, now) else {
+            // Rare (every tuple tried is held by a live flow): worth a record.
+            warn!(
+                ctx,
+                "no free NAT tuple toward backend {} after {} tries", backend_id, NAT_PORT_TRIES
+            );
+            bump(&SERVICE_STATS, service, |s| s.drop_nat_ports += 1);
+            return Err(xdp_action::XDP_DROP);
+        };
+        (tuple.port_be, tuple.snat)
     };
     let flow = FlowValue {
         backend: backend_id,
         service,
-        nat_port_be: tuple.port_be,
+        nat_port_be,
         flags: if time { timing::first_flags(p) } else { 0 },
-        snat: tuple.snat,
+        snat,
         synack_seq: 0,
         stamp_ns: now,
         turn_ns: now,
     };
     if let Some(s) = slot {
-        halfopen::write_nat(cfg, service, sc);
+        if !dsr {
+            halfopen::write_nat(cfg, service, sc);
+        }
         // SAFETY: map value pointer, valid for this run. A slot still
         // tagged holds a handshake that had not completed: it loses it.
         // Field by field, tag last: no 80-byte temporary on the stack, and
@@ -391,7 +442,7 @@ fn new_flow(
             }
             put(&mut (*s).key, &sc.nval.flow);
             put(&mut (*s).flow, &flow);
-            if p.is_tcp() {
+            if p.is_tcp() && !dsr {
                 retry::keep_syn(ctx, p, core::ptr::addr_of_mut!((*s).syn), retries);
             }
             (*s).tag = slot_tag(h);
@@ -402,7 +453,9 @@ fn new_flow(
         }
     } else {
         if FLOWS.insert(&sc.nval.flow, &flow, 0).is_err() {
-            nat::forget(&sc.nkey);
+            if !dsr {
+                nat::forget(&sc.nkey);
+            }
             bump(&SERVICE_STATS, service, |s| s.drop_flow_table += 1);
             return Err(xdp_action::XDP_DROP);
         }

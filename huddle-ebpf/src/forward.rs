@@ -16,6 +16,7 @@ use aya_ebpf::{
     programs::XdpContext,
 };
 use core::mem::{size_of, zeroed};
+use network_types::eth::EthHdr;
 
 const AF_INET: u8 = 2;
 
@@ -27,33 +28,68 @@ const AF_INET: u8 = 2;
 /// and `accept_local` on the interface for this); it is never dropped here.
 #[inline(always)]
 pub fn send(ctx: &XdpContext, p: &Packet, backend: Option<u32>, generation: u64) -> u32 {
+    // SAFETY: the IP header was bounds-checked by `parse`.
+    let (src, dst) = unsafe { ((*p.ip).src_addr, (*p.ip).dst_addr) };
+    match route(
+        ctx, p.eth, src, dst, p.proto, p.tot_len, backend, generation, false,
+    ) {
+        Ok(ifindex) => out(ctx, ifindex),
+        Err(rc) => {
+            unsettled(rc);
+            xdp_action::XDP_PASS
+        }
+    }
+}
+
+/// `route`'s error for a destination the FIB reaches only through a
+/// gateway, when it had to be on the balancer's own segment.
+pub const ROUTED: u32 = u32::MAX;
+
+/// Sets the MAC addresses of the frame whose Ethernet header is `eth` for
+/// a packet from `src` to `dst` (network order) and returns the interface
+/// to leave by: the next hop cached for `backend` while current, else the
+/// FIB's (cached again). `onlink`: the destination must be a neighbour,
+/// not behind a gateway. The error is the FIB's answer when it gave no
+/// next hop (`BPF_FIB_LKUP_RET_*`), or `ROUTED`; the frame is unchanged.
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+pub fn route(
+    ctx: &XdpContext,
+    eth: *mut EthHdr,
+    src: [u8; 4],
+    dst: [u8; 4],
+    proto: u8,
+    tot_len: u16,
+    backend: Option<u32>,
+    generation: u64,
+    onlink: bool,
+) -> Result<u32, u32> {
     let ingress = ctx.ingress_ifindex() as u32;
     let cache = backend.and_then(|id| NEXT_HOP.get_ptr_mut(id));
     // Stored plus one, so a never-filled entry (0) never matches.
     let current = generation.wrapping_add(1);
     if let Some(c) = cache {
-        // SAFETY: this CPU's element; the Ethernet header was
-        // bounds-checked by `parse`.
+        // SAFETY: this CPU's element; the caller checked `eth`'s bounds.
         unsafe {
             let hop = &*c;
             if hop.generation == current && hop.ingress == ingress {
-                put(&mut (*p.eth).dst_addr, &hop.dmac);
-                put(&mut (*p.eth).src_addr, &hop.smac);
-                return out(ingress, hop.ifindex);
+                if onlink && hop.routed != 0 {
+                    return Err(ROUTED);
+                }
+                put(&mut (*eth).dst_addr, &hop.dmac);
+                put(&mut (*eth).src_addr, &hop.smac);
+                return Ok(hop.ifindex);
             }
         }
     }
     // SAFETY: an all-zero bpf_fib_lookup is a valid request skeleton.
     let mut params: bpf_fib_lookup = unsafe { zeroed() };
     params.family = AF_INET;
-    params.l4_protocol = p.proto;
-    params.__bindgen_anon_1.tot_len = p.tot_len;
-    params.ifindex = ctx.ingress_ifindex() as u32;
-    // SAFETY: the IP header was bounds-checked by `parse`.
-    unsafe {
-        params.__bindgen_anon_3.ipv4_src = u32::from_ne_bytes((*p.ip).src_addr);
-        params.__bindgen_anon_4.ipv4_dst = u32::from_ne_bytes((*p.ip).dst_addr);
-    }
+    params.l4_protocol = proto;
+    params.__bindgen_anon_1.tot_len = tot_len;
+    params.ifindex = ingress;
+    params.__bindgen_anon_3.ipv4_src = u32::from_ne_bytes(src);
+    params.__bindgen_anon_4.ipv4_dst = u32::from_ne_bytes(dst);
     // SAFETY: `params` is a valid, correctly sized request for the helper.
     let rc = unsafe {
         fib_lookup(
@@ -63,39 +99,48 @@ pub fn send(ctx: &XdpContext, p: &Packet, backend: Option<u32>, generation: u64)
             0,
         )
     };
-    match rc as u32 {
-        BPF_FIB_LKUP_RET_SUCCESS => {
-            // SAFETY: the Ethernet header was bounds-checked by `parse`;
-            // the cache element is this CPU's.
-            unsafe {
-                put(&mut (*p.eth).dst_addr, &params.dmac);
-                put(&mut (*p.eth).src_addr, &params.smac);
-                if let Some(c) = cache {
-                    (*c).smac = params.smac;
-                    (*c).dmac = params.dmac;
-                    (*c).ifindex = params.ifindex;
-                    (*c).ingress = ingress;
-                    (*c).generation = current;
-                }
-            }
-            out(ingress, params.ifindex)
+    if rc as u32 != BPF_FIB_LKUP_RET_SUCCESS {
+        return Err(rc as u32);
+    }
+    // The FIB leaves the next hop's address where the destination was:
+    // another address there means a gateway.
+    // SAFETY: a union field the helper filled.
+    let routed = unsafe { params.__bindgen_anon_4.ipv4_dst } != u32::from_ne_bytes(dst);
+    // SAFETY: the caller checked `eth`'s bounds; the cache element is
+    // this CPU's.
+    unsafe {
+        if let Some(c) = cache {
+            (*c).smac = params.smac;
+            (*c).dmac = params.dmac;
+            (*c).ifindex = params.ifindex;
+            (*c).ingress = ingress;
+            (*c).routed = u32::from(routed);
+            (*c).generation = current;
         }
-        BPF_FIB_LKUP_RET_NO_NEIGH => {
-            global(|s| s.pass_no_neigh += 1);
-            xdp_action::XDP_PASS
+        if onlink && routed {
+            return Err(ROUTED);
         }
-        _ => {
-            global(|s| s.pass_no_route += 1);
-            xdp_action::XDP_PASS
-        }
+        put(&mut (*eth).dst_addr, &params.dmac);
+        put(&mut (*eth).src_addr, &params.smac);
+    }
+    Ok(params.ifindex)
+}
+
+/// Counts a packet `route` found no next hop for, which goes to the kernel.
+#[inline(always)]
+pub fn unsettled(rc: u32) {
+    if rc == BPF_FIB_LKUP_RET_NO_NEIGH {
+        global(|s| s.pass_no_neigh += 1);
+    } else {
+        global(|s| s.pass_no_route += 1);
     }
 }
 
 /// XDP_TX when the next hop is out of the interface the packet came in on,
 /// else a redirect.
 #[inline(always)]
-fn out(ingress: u32, ifindex: u32) -> u32 {
-    if ifindex == ingress {
+pub fn out(ctx: &XdpContext, ifindex: u32) -> u32 {
+    if ifindex == ctx.ingress_ifindex() as u32 {
         global(|s| s.tx += 1);
         xdp_action::XDP_TX
     } else {

@@ -1,5 +1,6 @@
 //! HuddleCluster's XDP program: balances IPv4 TCP and UDP services over
-//! each service's active ring, with source NAT so replies come back here.
+//! each service's active ring, by source NAT (replies come back here) or
+//! direct server return (backends answer clients themselves).
 #![no_std]
 #![no_main]
 // Map keys are passed by reference on purpose: most live in the per-CPU
@@ -7,8 +8,10 @@
 // of 512 for the whole call chain.
 #![allow(clippy::needless_borrows_for_generic_args)]
 
+mod ackclock;
 mod balance;
 mod csum;
+mod dsr;
 mod forward;
 mod halfopen;
 mod maps;

@@ -67,7 +67,7 @@ pub fn request(f: *mut FlowValue, p: &Packet, backend: u32) {
 }
 
 #[inline(always)]
-fn start_turn(backend: u32, now: u64) {
+pub fn start_turn(backend: u32, now: u64) {
     bump(&BACKEND_STATS, backend, |s| s.turns += 1);
     owe(backend, now, false);
 }
@@ -102,18 +102,7 @@ pub fn reply(f: *mut FlowValue, p: &Packet, backend: u32) {
     if !syn_answer && !data {
         return;
     }
-    if let Some(pulse) = PULSE.get_ptr_mut(backend) {
-        // SAFETY: as in `owe`; read first so a busy backend's answers do
-        // not all write the shared line.
-        unsafe {
-            if syn_answer && (*pulse).syn_wait_ns != 0 {
-                (*pulse).syn_wait_ns = 0;
-            }
-            if data && (*pulse).turn_wait_ns != 0 {
-                (*pulse).turn_wait_ns = 0;
-            }
-        }
-    }
+    settle(backend, syn_answer, data);
     if f.is_null() {
         return;
     }
@@ -130,36 +119,66 @@ pub fn reply(f: *mut FlowValue, p: &Packet, backend: u32) {
                 bump(&BACKEND_STATS, backend, |s| s.refused += 1);
             } else if p.has_flag(TCP_SYN) && p.has_flag(TCP_ACK) {
                 (*f).flags = flags & !flow_flags::SYN_WAIT;
-                bump(&BACKEND_STATS, backend, |s| {
-                    s.syn_acks += 1;
-                    s.connect_ns += waited;
-                });
-                let b = latency_bucket(waited);
-                bump(&CONNECT, backend, |l| {
-                    // The bound is already true; the verifier needs to see it.
-                    if b < LATENCY_BUCKETS {
-                        l.buckets[b] += 1;
-                    }
-                });
+                connect_sample(backend, waited);
             }
             return;
         }
         if data {
             (*f).flags = flags & !flow_flags::TURN_WAIT;
-            bump(&BACKEND_STATS, backend, |s| {
-                s.answered += 1;
-                s.ttfb_ns += waited;
-            });
-            let b = latency_bucket(waited);
-            bump(&LATENCY, backend, |l| {
-                // The bound is already true; the verifier needs to see it.
-                if b < LATENCY_BUCKETS {
-                    l.buckets[b] += 1;
-                }
-            });
+            ttfb_sample(backend, waited);
         } else if p.has_flag(TCP_RST) {
             (*f).flags = flags & !flow_flags::TURN_WAIT;
             bump(&BACKEND_STATS, backend, |s| s.reset_turns += 1);
+        }
+    }
+}
+
+/// A SYN answered after `waited` ns: counted and put in `CONNECT`.
+#[inline(always)]
+pub fn connect_sample(backend: u32, waited: u64) {
+    bump(&BACKEND_STATS, backend, |s| {
+        s.syn_acks += 1;
+        s.connect_ns += waited;
+    });
+    let b = latency_bucket(waited);
+    bump(&CONNECT, backend, |l| {
+        // The bound is already true; the verifier needs to see it.
+        if b < LATENCY_BUCKETS {
+            l.buckets[b] += 1;
+        }
+    });
+}
+
+/// A turn answered after `waited` ns: counted and put in `LATENCY`.
+#[inline(always)]
+pub fn ttfb_sample(backend: u32, waited: u64) {
+    bump(&BACKEND_STATS, backend, |s| {
+        s.answered += 1;
+        s.ttfb_ns += waited;
+    });
+    let b = latency_bucket(waited);
+    bump(&LATENCY, backend, |l| {
+        // The bound is already true; the verifier needs to see it.
+        if b < LATENCY_BUCKETS {
+            l.buckets[b] += 1;
+        }
+    });
+}
+
+/// `backend` answered: it no longer owes SYN answers (`syn`) or request
+/// answers (`data`) since any time.
+#[inline(always)]
+pub fn settle(backend: u32, syn: bool, data: bool) {
+    if let Some(pulse) = PULSE.get_ptr_mut(backend) {
+        // SAFETY: as in `owe`; read first so a busy backend's answers do
+        // not all write the shared line.
+        unsafe {
+            if syn && (*pulse).syn_wait_ns != 0 {
+                (*pulse).syn_wait_ns = 0;
+            }
+            if data && (*pulse).turn_wait_ns != 0 {
+                (*pulse).turn_wait_ns = 0;
+            }
         }
     }
 }

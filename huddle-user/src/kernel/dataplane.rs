@@ -346,9 +346,10 @@ impl Dataplane {
             flags: 0,
             hop_generation,
             half_open_mask: half_open - 1,
-            _pad3: 0,
+            encap_vary: 0,
             hash_seed,
             syn_timeout_ns: cfg.huddle.syn_timeout.as_nanos() as u64,
+            encap_src: [0; 16],
         };
         config.set(0, kernel_config, 0).context("writing CONFIG")?;
 
@@ -469,8 +470,14 @@ impl Dataplane {
             .collect();
         let reloading = !self.services.is_empty();
         let syn_timeout_ns = cfg.huddle.syn_timeout.as_nanos() as u64;
-        if self.kernel_config.syn_timeout_ns != syn_timeout_ns {
+        let (encap_src, encap_vary) = encap_source(cfg.encap_prefix, self.snat[0]);
+        if self.kernel_config.syn_timeout_ns != syn_timeout_ns
+            || self.kernel_config.encap_src != encap_src
+            || self.kernel_config.encap_vary != encap_vary
+        {
             self.kernel_config.syn_timeout_ns = syn_timeout_ns;
+            self.kernel_config.encap_src = encap_src;
+            self.kernel_config.encap_vary = encap_vary;
             self.config
                 .set(0, self.kernel_config, 0)
                 .context("writing CONFIG")?;
@@ -583,8 +590,12 @@ impl Dataplane {
             if first != actual {
                 self.swap_ring(self.services.len() - 1, &first)?;
             }
+            let value = ServiceValue {
+                id: sid,
+                flags: service.mode.number(),
+            };
             self.services_map
-                .insert(key, ServiceValue { id: sid, flags: 0 }, 0)
+                .insert(key, value, 0)
                 .with_context(|| format!("writing service {}", service.name()))?;
         }
         for (k, id) in old_services {
@@ -991,6 +1002,19 @@ fn sum<T: Counters + aya::Pod>(per_cpu: &PerCpuValues<T>) -> T {
     total
 }
 
+/// `Config::encap_src` and `encap_vary` for outer source addresses from
+/// `prefix`, or `own` alone.
+#[must_use]
+pub fn encap_source(prefix: Option<crate::config::Prefix>, own: Ipv4Addr) -> ([u8; 16], u32) {
+    match prefix {
+        Some(p) => (
+            addr_v4(p.addr.octets()),
+            u32::from_ne_bytes((!p.mask()).to_be_bytes()),
+        ),
+        None => (addr_v4(own.octets()), 0),
+    }
+}
+
 /// Map key of a service.
 #[must_use]
 pub fn service_key(vip: SocketAddr, proto: Proto) -> ServiceKey {
@@ -1046,6 +1070,17 @@ fn ip_bytes(ip: IpAddr) -> [u8; 16] {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn encap_sources_vary_only_in_the_host_bits_of_the_prefix() {
+        let own = Ipv4Addr::new(10, 0, 0, 1);
+        assert_eq!(encap_source(None, own), (addr_v4([10, 0, 0, 1]), 0));
+        let p: crate::config::Prefix = "172.16.4.0/22".parse().unwrap();
+        let (src, vary) = encap_source(Some(p), own);
+        assert_eq!(&src[..4], &[172, 16, 4, 0]);
+        // As the bytes lie in memory: the last 10 bits of the address.
+        assert_eq!(vary.to_ne_bytes(), [0, 0, 0x03, 0xff]);
+    }
 
     #[test]
     fn keys_hold_network_order_ports() {

@@ -10,3 +10,6 @@ pub static BASELINE: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR")
 /// The live-frames packet generator (`gen`) and counting sink (`sink`) of
 /// `huddle bench`'s packets-per-second measurement.
 pub static TRAFFICGEN: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/trafficgen"));
+
+/// The backend agent's IP-in-IP decap (`decap`) and its maps.
+pub static DECAP: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/decap"));

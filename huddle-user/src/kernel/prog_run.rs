@@ -31,6 +31,7 @@ pub fn config(
     Config {
         interface: IFACE.into(),
         snat_ips: vec![BALANCER_IP],
+        encap_prefix: None,
         xdp_mode: XdpMode::Auto,
         nat_ports,
         flow_table_size,

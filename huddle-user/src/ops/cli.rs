@@ -212,6 +212,13 @@ struct RunArgs {
     /// Backend IP:PORT of --vip; repeat for each backend.
     #[arg(long = "backend")]
     backends: Vec<String>,
+    /// How --vip's packets reach its backends.
+    #[arg(long, value_enum)]
+    mode: Option<crate::config::Mode>,
+    /// Outer source addresses of dsr-ipip packets, ADDR/LEN (default: the
+    /// interface's address).
+    #[arg(long)]
+    encap_prefix: Option<crate::config::Prefix>,
     /// Source address toward backends (default: the interface's IPv4);
     /// repeat for a pool (more NAT tuples per backend).
     #[arg(long = "snat-ip")]
@@ -261,6 +268,7 @@ impl RunArgs {
             file.snat_ips = Some(this.snat_ips.clone());
         }
         file.xdp_mode = this.xdp_mode.or(file.xdp_mode);
+        file.encap_prefix = this.encap_prefix.or(file.encap_prefix);
         file.nat_ports = this.nat_ports.or(file.nat_ports);
         file.flow_table_size = this.flow_table_size.or(file.flow_table_size);
         file.control_socket = this.control_socket.or(file.control_socket);
@@ -279,8 +287,10 @@ impl RunArgs {
                 proto: None,
                 backends: this.backends.into_iter().map(BackendEntry::Addr).collect(),
                 udp_idle_ms: None,
+                mode: this.mode,
             }),
             (None, false) => bail!("--backend given without --vip"),
+            (None, true) if this.mode.is_some() => bail!("--mode given without --vip"),
             (None, true) => {}
         }
         let what = this.config.as_ref().map_or_else(

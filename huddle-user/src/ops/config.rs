@@ -53,6 +53,115 @@ impl FromStr for Proto {
     }
 }
 
+/// How a service's packets reach its backends.
+#[derive(
+    Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Deserialize, serde::Serialize, clap::ValueEnum,
+)]
+#[serde(rename_all = "kebab-case")]
+pub enum Mode {
+    /// Source NAT: backends see the balancer's address; replies come back
+    /// through it (and it times them).
+    #[default]
+    Snat,
+    /// Direct server return on this L2 segment: only the destination MAC
+    /// changes. Backends have the VIP on a local interface and answer
+    /// clients themselves.
+    DsrL2,
+    /// Direct server return by IP-in-IP to the backend, which unwraps it
+    /// (`huddle agent --decap`) and answers clients itself.
+    DsrIpip,
+}
+
+impl Mode {
+    /// `huddle_common::service_mode` value.
+    #[must_use]
+    pub fn number(self) -> u32 {
+        match self {
+            Mode::Snat => huddle_common::service_mode::SNAT,
+            Mode::DsrL2 => huddle_common::service_mode::DSR_L2,
+            Mode::DsrIpip => huddle_common::service_mode::DSR_IPIP,
+        }
+    }
+
+    #[must_use]
+    pub fn is_dsr(self) -> bool {
+        self != Mode::Snat
+    }
+}
+
+impl fmt::Display for Mode {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Mode::Snat => "snat",
+            Mode::DsrL2 => "dsr-l2",
+            Mode::DsrIpip => "dsr-ipip",
+        })
+    }
+}
+
+/// An IPv4 prefix, `"10.0.0.0/24"`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Prefix {
+    pub addr: Ipv4Addr,
+    pub len: u8,
+}
+
+impl Prefix {
+    /// The prefix's mask, host order.
+    #[must_use]
+    pub fn mask(&self) -> u32 {
+        if self.len == 0 {
+            0
+        } else {
+            u32::MAX << (32 - u32::from(self.len))
+        }
+    }
+
+    #[must_use]
+    pub fn contains(&self, ip: Ipv4Addr) -> bool {
+        u32::from(ip) & self.mask() == u32::from(self.addr) & self.mask()
+    }
+}
+
+impl fmt::Display for Prefix {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}/{}", self.addr, self.len)
+    }
+}
+
+impl FromStr for Prefix {
+    type Err = anyhow::Error;
+    fn from_str(s: &str) -> Result<Self> {
+        let (a, l) = s.split_once('/').unwrap_or((s, "32"));
+        let addr: Ipv4Addr = a
+            .trim()
+            .parse()
+            .with_context(|| format!("{s:?} is not an IPv4 prefix (ADDR/LEN)"))?;
+        let len: u8 = l
+            .trim()
+            .parse()
+            .ok()
+            .filter(|l| *l <= 32)
+            .with_context(|| format!("{s:?}: prefix length must be 0..=32"))?;
+        let p = Prefix { addr, len };
+        if u32::from(addr) & !p.mask() != 0 {
+            bail!(
+                "{s:?}: host bits set (did you mean {}/{len}?)",
+                Ipv4Addr::from(u32::from(addr) & p.mask())
+            );
+        }
+        Ok(p)
+    }
+}
+
+impl<'de> Deserialize<'de> for Prefix {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let s = String::deserialize(d)?;
+        s.parse()
+            .map_err(|e: anyhow::Error| serde::de::Error::custom(format!("{e:#}")))
+    }
+}
+
 /// How the program is attached.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize, clap::ValueEnum)]
 #[serde(rename_all = "lowercase")]
@@ -232,6 +341,8 @@ pub struct ServiceFile {
     /// UDP only: an established flow with no datagram either way for this
     /// long is removed, and its NAT tuple freed (default 30,000).
     pub udp_idle_ms: Option<u64>,
+    /// `"snat"` (default), `"dsr-l2"` or `"dsr-ipip"`.
+    pub mode: Option<Mode>,
 }
 
 /// The whole file.
@@ -246,6 +357,9 @@ pub struct ConfigFile {
     /// each multiplies the NAT tuples a backend can be given without
     /// reusing one still in TIME_WAIT. Each must be an address of this host.
     pub snat_ips: Option<Vec<Ipv4Addr>>,
+    /// Outer source addresses of `dsr-ipip` packets: each flow takes one
+    /// from this prefix (default: the interface's address alone).
+    pub encap_prefix: Option<Prefix>,
     pub xdp_mode: Option<XdpMode>,
     /// NAT source port range, `"low-high"`.
     pub nat_ports: Option<PortRange>,
@@ -285,6 +399,7 @@ pub struct Service {
     /// UDP: how long an established flow may stay silent before it is
     /// removed (see `ServiceFile::udp_idle_ms`).
     pub udp_idle: Duration,
+    pub mode: Mode,
 }
 
 /// What the huddle knows about a backend beyond its address.
@@ -357,6 +472,7 @@ impl Service {
             backends,
             options,
             udp_idle: DEFAULT_UDP_IDLE,
+            mode: Mode::Snat,
         }
     }
 
@@ -373,6 +489,8 @@ pub struct Config {
     pub interface: String,
     /// SNAT addresses; empty: the interface's IPv4 address.
     pub snat_ips: Vec<Ipv4Addr>,
+    /// `None`: the interface's address alone.
+    pub encap_prefix: Option<Prefix>,
     pub xdp_mode: XdpMode,
     pub nat_ports: PortRange,
     pub flow_table_size: u32,
@@ -526,6 +644,7 @@ impl ConfigFile {
             let field = format!("service[{i}]");
             let (vip, suffix) = parse_vip(&s.vip).with_context(|| format!("{field}.vip"))?;
             let proto = s.proto.or(suffix).unwrap_or(Proto::Tcp);
+            let mode = s.mode.unwrap_or_default();
             if !seen.insert((vip, proto)) {
                 bail!("{field}.vip: {vip}/{proto} is configured twice");
             }
@@ -569,6 +688,14 @@ impl ConfigFile {
                 if snat_ips.iter().any(|s| IpAddr::V4(*s) == addr.ip()) {
                     bail!("{field}.backends[{j}]: backend {addr} has a SNAT address");
                 }
+                // The packet arrives as the client sent it: nothing can
+                // change its port on the way.
+                if mode.is_dsr() && addr.port() != vip.port() {
+                    bail!(
+                        "{field}.backends[{j}]: backend {addr} listens on another port than the VIP {vip}; {mode} delivers the client's packet unchanged, so the backend must listen on port {}",
+                        vip.port()
+                    );
+                }
                 backends.push(addr);
             }
             total_backends += backends.len();
@@ -585,12 +712,20 @@ impl ConfigFile {
                     86_400_000,
                 )?,
             };
+            if let (Some(p), true) = (self.encap_prefix, mode.is_dsr()) {
+                if let IpAddr::V4(v4) = vip.ip() {
+                    if p.contains(v4) {
+                        bail!("encap_prefix: {p} holds the VIP {vip} of {field}; outer source addresses must not be service addresses");
+                    }
+                }
+            }
             services.push(Service {
                 vip,
                 proto,
                 backends,
                 options,
                 udp_idle,
+                mode,
             });
         }
         if total_backends > MAX_BACKENDS as usize {
@@ -612,9 +747,22 @@ impl ConfigFile {
                 );
             }
         }
+        if let Some(p) = self.encap_prefix {
+            if !services.iter().any(|s| s.mode == Mode::DsrIpip) {
+                bail!("encap_prefix: {p} is set but no service has mode = \"dsr-ipip\"");
+            }
+            for s in &services {
+                if let IpAddr::V4(v4) = s.vip.ip() {
+                    if p.contains(v4) {
+                        bail!("encap_prefix: {p} holds the VIP {}; outer source addresses must not be service addresses", s.vip);
+                    }
+                }
+            }
+        }
         Ok(Config {
             interface,
             snat_ips,
+            encap_prefix: self.encap_prefix,
             xdp_mode: self.xdp_mode.unwrap_or_default(),
             nat_ports,
             flow_table_size,

@@ -1,0 +1,155 @@
+//! Direct server return: the client's packet reaches its backend as the
+//! client sent it, and the backend answers the client itself. L2 mode
+//! changes only the destination MAC (the backend is on this segment and
+//! has the VIP on a local interface); IP-in-IP mode puts the packet inside
+//! an outer IPv4 header to the backend, whose decap (`huddle agent
+//! --decap`, or a kernel ipip device) hands the inner packet to its stack.
+//! No NAT entry, no reply path: a new flow costs a pick and a flow entry.
+
+use crate::{
+    csum,
+    forward::{out, route, unsettled, ROUTED},
+    maps::global,
+    parse::Packet,
+};
+use aya_ebpf::{
+    bindings::xdp_action, helpers::generated::bpf_xdp_adjust_head, programs::XdpContext,
+};
+use huddle_common::{service_mode, Backend, Config};
+
+const ETH_LEN: usize = 14;
+const IP_LEN: usize = 20;
+/// IP protocol number of IPv4-in-IPv4.
+pub const PROTO_IPIP: u8 = 4;
+/// The largest inner packet an outer IPv4 header can still carry.
+const MAX_INNER: u16 = u16::MAX - IP_LEN as u16;
+
+/// Sends the client packet `p` of a DSR flow to `backend` (id `id`) in
+/// service mode `mode`.
+#[inline(always)]
+pub fn send(
+    ctx: &XdpContext,
+    p: &Packet,
+    cfg: &Config,
+    id: u32,
+    backend: &Backend,
+    mode: u32,
+) -> u32 {
+    let dst = [
+        backend.addr[0],
+        backend.addr[1],
+        backend.addr[2],
+        backend.addr[3],
+    ];
+    if mode == service_mode::DSR_L2 {
+        let gen = cfg.hop_generation;
+        return match route(
+            ctx,
+            p.eth,
+            p.src,
+            dst,
+            p.proto,
+            p.tot_len,
+            Some(id),
+            gen,
+            true,
+        ) {
+            Ok(ifindex) => out(ctx, ifindex),
+            // Not on this segment: no MAC of ours reaches it, and the
+            // kernel would route the packet by its VIP.
+            Err(ROUTED) => {
+                global(|s| s.drop_not_onlink += 1);
+                xdp_action::XDP_DROP
+            }
+            // The control plane resolves its backends' neighbours; the
+            // client resends.
+            Err(_) => {
+                global(|s| s.drop_no_neigh += 1);
+                xdp_action::XDP_DROP
+            }
+        };
+    }
+    encap(ctx, p, cfg, id, dst)
+}
+
+/// IP-in-IP: the outer header's source comes from the configured prefix,
+/// its per-flow bits from the client's address and port; DF, TOS and the
+/// IP id are the inner packet's, TTL 64.
+#[inline(always)]
+fn encap(ctx: &XdpContext, p: &Packet, cfg: &Config, id: u32, dst: [u8; 4]) -> u32 {
+    if p.tot_len > MAX_INNER {
+        global(|s| s.drop_encap += 1);
+        return xdp_action::XDP_DROP;
+    }
+    let outer_len = p.tot_len + IP_LEN as u16;
+    let vary = cfg.encap_vary;
+    let base = u32::from_ne_bytes([
+        cfg.encap_src[0],
+        cfg.encap_src[1],
+        cfg.encap_src[2],
+        cfg.encap_src[3],
+    ]);
+    let mut h = (u32::from_ne_bytes(p.src) ^ u32::from(u16::from_ne_bytes(p.sport)))
+        .wrapping_mul(0x9e37_79b1);
+    h ^= h >> 16;
+    let src = ((base & !vary) | (h & vary)).to_ne_bytes();
+    // SAFETY: the IP header was bounds-checked by `parse`.
+    let (tos, ip_id, df) = unsafe { ((*p.ip).tos, (*p.ip).id, (*p.ip).frags[0] & 0x40) };
+    // Asked before the packet changes (`p`'s pointers die with it): the
+    // next hop's addresses go into the client's Ethernet header, which
+    // then moves to the front.
+    let next = route(
+        ctx,
+        p.eth,
+        src,
+        dst,
+        PROTO_IPIP,
+        outer_len,
+        Some(id),
+        cfg.hop_generation,
+        false,
+    );
+    // SAFETY: plain helper call; every pointer is derived afresh below.
+    if unsafe { bpf_xdp_adjust_head(ctx.ctx.cast(), -(IP_LEN as i32)) } != 0 {
+        global(|s| s.drop_encap += 1);
+        return xdp_action::XDP_DROP;
+    }
+    let (data, end) = (ctx.data(), ctx.data_end());
+    if data + IP_LEN + ETH_LEN + IP_LEN > end {
+        return xdp_action::XDP_DROP;
+    }
+    let outer = (data + ETH_LEN) as *mut u8;
+    let len = outer_len.to_be_bytes();
+    let id_b = ip_id;
+    let iph: [u8; IP_LEN] = [
+        0x45, tos, len[0], len[1], id_b[0], id_b[1], df, 0, 64, PROTO_IPIP, 0, 0, src[0], src[1],
+        src[2], src[3], dst[0], dst[1], dst[2], dst[3],
+    ];
+    // SAFETY: the new Ethernet header, the outer IP header and the old
+    // Ethernet header (the 14 bytes after the new start plus 20) were
+    // checked to lie inside the packet just above; the old and new
+    // Ethernet headers do not overlap (20 bytes apart).
+    unsafe {
+        // The client's header, with the next hop's addresses if there is
+        // one (else still this host's: the kernel takes the packet).
+        core::ptr::copy_nonoverlapping(
+            (data + IP_LEN) as *const [u8; ETH_LEN],
+            data as *mut [u8; ETH_LEN],
+            1,
+        );
+        crate::maps::put(outer.cast::<[u8; IP_LEN]>(), &iph);
+        outer
+            .add(10)
+            .cast::<u16>()
+            .write_unaligned(csum::apply(0xffff, csum::words(&iph)));
+    }
+    global(|s| s.encap += 1);
+    match next {
+        Ok(ifindex) => out(ctx, ifindex),
+        // The kernel resolves the neighbour and forwards the outer packet.
+        Err(rc) => {
+            unsettled(rc);
+            xdp_action::XDP_PASS
+        }
+    }
+}
