@@ -186,6 +186,8 @@ pub struct Testbed {
     pub procs: Vec<Proc>,
     /// The balancer daemon, once started.
     pub huddle: Option<Proc>,
+    /// `huddle agent` of each backend, when DSR set them up.
+    pub agents: Vec<Proc>,
     /// Where the balancer pins its data plane (bpffs is shared by all
     /// namespaces, so each testbed has its own folder).
     pub pins: PathBuf,
@@ -234,6 +236,7 @@ impl Testbed {
             backends: Vec::new(),
             procs: Vec::new(),
             huddle: None,
+            agents: Vec::new(),
             pins: PathBuf::from(PIN_ROOT).join(&prefix),
             huddle_args: Vec::new(),
             huddle_bin: PathBuf::new(),
@@ -355,6 +358,58 @@ impl Testbed {
         }
         self.wait_backend(i)
             .with_context(|| format!("backend b{i} did not come back"))
+    }
+
+    /// Sets every backend up for direct server return of `VIP`: the VIP on
+    /// its loopback and, with `decap`, `huddle agent --decap eth0` (binary
+    /// `huddle`, metrics on 127.0.0.1:9100 in its namespace) to unwrap
+    /// dsr-ipip packets. Returns when each agent's decap is attached.
+    pub fn dsr_backends(&mut self, huddle: &Path, decap: bool) -> Result<()> {
+        let vip = VIP.to_string();
+        for (i, ns) in self.backends.iter().enumerate() {
+            ns.ip(&["addr", "add", &format!("{vip}/32"), "dev", "lo"])?;
+            if decap {
+                let log = self.dir.join(format!("agent{i}.log"));
+                let args = [
+                    "agent",
+                    "--decap",
+                    "eth0",
+                    "--listen",
+                    "127.0.0.1:9100",
+                    "--vip",
+                    &vip,
+                ];
+                self.agents.push(spawn_in(ns, huddle, &args, Some(&log))?);
+            }
+        }
+        for (i, ns) in self.backends.iter().enumerate().filter(|_| decap) {
+            let up = wait_until(Duration::from_secs(10), || {
+                in_ns(ns, || {
+                    http_get_path(
+                        (Ipv4Addr::LOCALHOST, 9100).into(),
+                        "/metrics",
+                        Duration::from_millis(500),
+                    )
+                    .is_ok()
+                })
+            });
+            if up.is_err() {
+                let log = std::fs::read_to_string(self.dir.join(format!("agent{i}.log")));
+                bail!("the agent of b{i} did not come up: {log:?}");
+            }
+        }
+        Ok(())
+    }
+
+    /// The metrics text of backend `i`'s agent.
+    pub fn agent_metrics(&self, i: usize) -> Result<String> {
+        in_ns(&self.backends[i], || {
+            http_get_path(
+                (Ipv4Addr::LOCALHOST, 9100).into(),
+                "/metrics",
+                Duration::from_secs(2),
+            )
+        })
     }
 
     /// Makes the VIP an address of the balancer host (for proxies, which
@@ -547,6 +602,9 @@ impl Drop for Testbed {
             let _ = p.terminate(Duration::from_secs(5));
         }
         let _ = huddle_user::dataplane::unpin(&self.pins);
+        while let Some(mut p) = self.agents.pop() {
+            let _ = p.terminate(Duration::from_secs(5));
+        }
         // Only succeeds once the last testbed is gone.
         let _ = std::fs::remove_dir(PIN_ROOT);
         while let Some(mut p) = self.procs.pop() {

@@ -4,6 +4,7 @@
 
 pub mod bench;
 pub mod dataplane;
+pub mod decap;
 pub mod link;
 pub mod logs;
 pub mod object;

@@ -1,11 +1,18 @@
 //! `huddle agent`: this host's CPU and memory under node_exporter's metric
-//! names, for backends that run no node_exporter. Read from /proc on every
-//! scrape, so the figures are always current.
+//! names, for backends that run no node_exporter (read from /proc on every
+//! scrape, so always current); with `--decap IFACE`, the XDP program that
+//! unwraps the balancer's `dsr-ipip` packets, and a check of the DSR
+//! set-up that says what is missing.
 
-use crate::http;
+use crate::{config::XdpMode, decap::Decap, http};
 use anyhow::{Context, Result};
-use std::{fmt::Write as _, net::SocketAddr};
-use tracing::info;
+use huddle_common::{Counters, DecapStats};
+use std::{
+    fmt::Write as _,
+    net::{Ipv4Addr, SocketAddr},
+    sync::{Arc, Mutex},
+};
+use tracing::{info, warn};
 
 /// Kernel ticks per second of /proc/stat.
 fn user_hz() -> f64 {
@@ -71,24 +78,178 @@ fn current() -> Result<String> {
     Ok(render(&stat, &mem, user_hz()))
 }
 
-/// Serves `/metrics` on `listen` until killed.
-pub async fn run(listen: SocketAddr) -> Result<()> {
+/// What `huddle agent` runs: host metrics, and optionally the decap.
+#[derive(Clone, Debug)]
+pub struct AgentArgs {
+    pub listen: SocketAddr,
+    /// Interface to unwrap the balancer's IP-in-IP packets on.
+    pub decap: Option<String>,
+    pub xdp_mode: XdpMode,
+    /// VIPs this backend serves by DSR, checked against its set-up.
+    pub vips: Vec<Ipv4Addr>,
+}
+
+/// Serves `/metrics` on `args.listen` until killed; with `--decap`, keeps
+/// the decap program attached and fed with this host's addresses.
+pub async fn run(args: AgentArgs) -> Result<()> {
     current()?;
-    let listener = tokio::net::TcpListener::bind(listen)
+    let decap = match &args.decap {
+        Some(iface) => {
+            crate::host::check_privileges()?;
+            let ifindex = crate::host::ifindex(iface)?;
+            let mut d = Decap::load()?;
+            d.set_local(&local_ipv4()?)?;
+            let mode = d.attach(ifindex, args.xdp_mode)?;
+            info!("huddle agent: unwrapping IP-in-IP to this host on {iface} ({mode} mode)");
+            Some(Arc::new(Mutex::new(d)))
+        }
+        None => None,
+    };
+    let iface = match &args.decap {
+        Some(i) => Some(i.clone()),
+        None => default_route_iface(),
+    };
+    for line in setup_problems(iface.as_deref(), args.decap.is_some(), &args.vips) {
+        warn!("{line}");
+    }
+    if let Some(d) = decap.clone() {
+        // Addresses come and go (a VIP added later): follow them.
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(std::time::Duration::from_secs(2));
+            loop {
+                tick.tick().await;
+                if let Err(e) = local_ipv4().and_then(|a| lock(&d).set_local(&a)) {
+                    warn!("decap: updating this host's addresses: {e:#}");
+                }
+            }
+        });
+    }
+    let listener = tokio::net::TcpListener::bind(args.listen)
         .await
-        .with_context(|| format!("binding {listen}"))?;
-    info!("huddle agent: host metrics on http://{listen}/metrics");
-    http::serve(listener, |path| async move {
-        match path.as_str() {
-            "/metrics" => match current() {
-                Ok(text) => (200, "text/plain; version=0.0.4", text),
-                Err(e) => (500, "text/plain", format!("{e:#}\n")),
-            },
-            _ => (404, "text/plain", "not found: try /metrics\n".into()),
+        .with_context(|| format!("binding {}", args.listen))?;
+    info!(
+        "huddle agent: host metrics on http://{}/metrics",
+        args.listen
+    );
+    http::serve(listener, move |path| {
+        let decap = decap.clone();
+        async move {
+            match path.as_str() {
+                "/metrics" => match current() {
+                    Ok(mut text) => {
+                        if let Some(d) = decap {
+                            let stats = lock(&d).stats();
+                            match stats {
+                                Ok(st) => text.push_str(&render_decap(&st)),
+                                Err(e) => return (500, "text/plain", format!("{e:#}\n")),
+                            }
+                        }
+                        (200, "text/plain; version=0.0.4", text)
+                    }
+                    Err(e) => (500, "text/plain", format!("{e:#}\n")),
+                },
+                _ => (404, "text/plain", "not found: try /metrics\n".into()),
+            }
         }
     })
     .await;
     Ok(())
+}
+
+fn lock(d: &Mutex<Decap>) -> std::sync::MutexGuard<'_, Decap> {
+    d.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+/// The decap program's counters as Prometheus text.
+#[must_use]
+pub fn render_decap(st: &DecapStats) -> String {
+    let mut out = String::from(
+        "# HELP huddle_decap_packets_total IP-in-IP packets the decap program saw, by what it did.\n# TYPE huddle_decap_packets_total counter\n",
+    );
+    st.for_each(|name, v| {
+        let _ = writeln!(out, "huddle_decap_packets_total{{result=\"{name}\"}} {v}");
+    });
+    out
+}
+
+fn local_ipv4() -> Result<Vec<Ipv4Addr>> {
+    Ok(crate::host::ipv4_addrs()?
+        .into_iter()
+        .map(|(_, a)| a)
+        .collect())
+}
+
+/// The interface of the main table's default route, if any.
+fn default_route_iface() -> Option<String> {
+    let table = std::fs::read_to_string("/proc/net/route").ok()?;
+    crate::host::route_of(&table, Ipv4Addr::new(192, 0, 2, 1)).map(|(i, _)| i)
+}
+
+fn sysctl(path: &str) -> Option<u32> {
+    std::fs::read_to_string(format!("/proc/sys/net/ipv4/conf/{path}"))
+        .ok()?
+        .trim()
+        .parse()
+        .ok()
+}
+
+/// What keeps DSR packets from reaching the backend's service here, one
+/// line each: a VIP that is not a local address, strict reverse-path
+/// filtering against the clients' route, no decap, ARP answered for a
+/// VIP.
+#[must_use]
+pub fn setup_problems(iface: Option<&str>, decap: bool, vips: &[Ipv4Addr]) -> Vec<String> {
+    let mut out = Vec::new();
+    let local = crate::host::ipv4_addrs().unwrap_or_default();
+    for vip in vips {
+        if !local.iter().any(|(_, a)| a == vip) {
+            out.push(format!(
+                "VIP {vip} is not an address of this host, so its DSR packets are dropped here: `ip addr add {vip}/32 dev lo`"
+            ));
+        }
+    }
+    if !decap && !std::path::Path::new("/sys/class/net/tunl0").exists() {
+        out.push(
+            "no IP-in-IP decap on this host: fine for dsr-l2; for dsr-ipip run `huddle agent --decap IFACE` (or load the ipip module)".into(),
+        );
+    }
+    let Some(iface) = iface else {
+        return out;
+    };
+    let strict = [
+        sysctl("all/rp_filter"),
+        sysctl(&format!("{iface}/rp_filter")),
+    ]
+    .into_iter()
+    .flatten()
+    .max()
+        == Some(1);
+    let default = default_route_iface();
+    if strict && default.as_deref() != Some(iface) {
+        out.push(format!(
+            "rp_filter is strict on {iface} and clients are not routed back through it (default route: {}): the kernel drops their packets; `sysctl -w net.ipv4.conf.{iface}.rp_filter=2 net.ipv4.conf.all.rp_filter=2`",
+            default.as_deref().unwrap_or("none")
+        ));
+    }
+    let arp_ignore = [
+        sysctl("all/arp_ignore"),
+        sysctl(&format!("{iface}/arp_ignore")),
+    ]
+    .into_iter()
+    .flatten()
+    .max()
+    .unwrap_or(0);
+    let on_lo: Vec<&Ipv4Addr> = vips
+        .iter()
+        .filter(|v| local.iter().any(|(n, a)| a == *v && n != iface))
+        .collect();
+    if arp_ignore == 0 && !on_lo.is_empty() {
+        out.push(format!(
+            "this host answers ARP on {iface} for VIP {}: with dsr-l2 on the VIP's own subnet it takes the VIP from the balancer; `sysctl -w net.ipv4.conf.{iface}.arp_ignore=1 net.ipv4.conf.{iface}.arp_announce=2`",
+            on_lo[0]
+        ));
+    }
+    out
 }
 
 #[cfg(test)]

@@ -86,6 +86,17 @@ enum Cmd {
         /// Address to listen on.
         #[arg(long, default_value = "0.0.0.0:9100")]
         listen: std::net::SocketAddr,
+        /// Unwrap the balancer's dsr-ipip packets arriving on this
+        /// interface (an XDP program; no tunnel device needed).
+        #[arg(long, value_name = "IFACE")]
+        decap: Option<String>,
+        /// Attach mode of the decap program.
+        #[arg(long, value_enum, default_value_t = XdpMode::Auto)]
+        xdp_mode: XdpMode,
+        /// A VIP this backend serves by DSR: checked to be a local address
+        /// (with ARP and rp_filter); repeat for each.
+        #[arg(long = "vip")]
+        vips: Vec<Ipv4Addr>,
     },
     /// Time the XDP program per packet under BPF_PROG_TEST_RUN, next to
     /// baseline programs in the same run.
@@ -408,11 +419,21 @@ fn dispatch(cmd: Cmd) -> Result<()> {
                 .render(&mut std::io::stdout())
                 .context("writing the man page")
         }
-        Cmd::Agent { listen } => {
+        Cmd::Agent {
+            listen,
+            decap,
+            xdp_mode,
+            vips,
+        } => {
             let rt = tokio::runtime::Builder::new_current_thread()
                 .enable_all()
                 .build()?;
-            rt.block_on(crate::agent::run(listen))
+            rt.block_on(crate::agent::run(crate::agent::AgentArgs {
+                listen,
+                decap,
+                xdp_mode,
+                vips,
+            }))
         }
     }
 }

@@ -808,6 +808,7 @@ pub async fn run(cfg: Config, reloader: Option<Reloader>) -> Result<()> {
     };
 
     host::check_reachable(&cfg)?;
+    host::check_dsr(&cfg)?;
     let pins = cfg
         .pin_dir
         .clone()
@@ -996,12 +997,21 @@ pub async fn run(cfg: Config, reloader: Option<Reloader>) -> Result<()> {
 /// and moves the next-hop generation on so every CPU asks the FIB again.
 async fn saver(shared: Arc<Mutex<Balancer>>) {
     let mut tick = tokio::time::interval(Duration::from_secs(1));
+    let mut unresolved = 0;
     loop {
         tick.tick().await;
         let mut b = lock(&shared);
         b.save_state();
         if let Err(e) = b.dp.refresh_next_hops() {
             warn!("{e:#}");
+        }
+        // L2 DSR cannot hand a packet to the kernel to resolve its next
+        // hop (the kernel would route it by its VIP): resolve it here.
+        if let Ok(g) = b.dp.global_stats() {
+            if g.drop_no_neigh != unresolved {
+                unresolved = g.drop_no_neigh;
+                host::warm_neighbours(&b.backend_addrs());
+            }
         }
     }
 }

@@ -443,9 +443,91 @@ pub fn check_reachable(cfg: &crate::config::Config) -> Result<()> {
     Ok(())
 }
 
+/// The route the main table gives `ip` (from /proc/net/route text): its
+/// interface and gateway (`None`: on-link), longest prefix first, then
+/// lowest metric.
+#[must_use]
+pub fn route_of(table: &str, ip: Ipv4Addr) -> Option<(String, Option<Ipv4Addr>)> {
+    let ip = u32::from(ip);
+    let hex = |s: &str| u32::from_str_radix(s, 16).ok().map(u32::from_be);
+    table
+        .lines()
+        .skip(1)
+        .filter_map(|l| {
+            let f: Vec<&str> = l.split_whitespace().collect();
+            // Iface Destination Gateway Flags RefCnt Use Metric Mask ...
+            let (dest, gw, flags, metric, mask) = (
+                hex(f.get(1)?)?,
+                hex(f.get(2)?)?,
+                u32::from_str_radix(f.get(3)?, 16).ok()?,
+                f.get(6)?.parse::<u32>().ok()?,
+                hex(f.get(7)?)?,
+            );
+            // RTF_UP, and the destination matches.
+            (flags & 1 == 1 && ip & mask == dest & mask)
+                .then(|| (mask.count_ones(), metric, f[0].to_string(), gw))
+        })
+        .min_by_key(|(bits, metric, _, _)| (std::cmp::Reverse(*bits), *metric))
+        .map(|(_, _, iface, gw)| (iface, (gw != 0).then(|| Ipv4Addr::from(gw))))
+}
+
+/// Refuses a `dsr-l2` backend that is not a neighbour on the interface:
+/// only its MAC address changes, so it must be on the balancer's segment.
+pub fn check_dsr(cfg: &crate::config::Config) -> Result<()> {
+    let l2 = cfg
+        .services
+        .iter()
+        .any(|s| s.mode == crate::config::Mode::DsrL2);
+    if !l2 {
+        return Ok(());
+    }
+    let table = fs::read_to_string("/proc/net/route").context("reading /proc/net/route")?;
+    for (i, s) in cfg.services.iter().enumerate() {
+        if s.mode != crate::config::Mode::DsrL2 {
+            continue;
+        }
+        for (j, b) in s.backends.iter().enumerate() {
+            let std::net::IpAddr::V4(ip) = b.ip() else {
+                continue;
+            };
+            match route_of(&table, ip) {
+                Some((iface, None)) if iface == cfg.interface => {}
+                Some((iface, gw)) => bail!(
+                    "service[{i}].backends[{j}]: backend {ip} is not on the segment of {} (the route goes {}on {iface}); dsr-l2 changes only the destination MAC, so the backend must be a neighbour: move it to this segment or use mode = \"dsr-ipip\"",
+                    cfg.interface,
+                    gw.map(|g| format!("via {g} ")).unwrap_or_default()
+                ),
+                None => bail!(
+                    "service[{i}].backends[{j}]: backend {ip}: no route from this host"
+                ),
+            }
+        }
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn routes_are_matched_longest_prefix_first() {
+        let t =
+            "Iface\tDestination\tGateway \tFlags\tRefCnt\tUse\tMetric\tMask\t\tMTU\tWindow\tIRTT\n\
+eth0\t00000000\tFE00D50A\t0003\t0\t0\t0\t00000000\t0\t0\t0\n\
+eth0\t0000D50A\t00000000\t0001\t0\t0\t0\t00FFFFFF\t0\t0\t0\n\
+eth1\t0063D50A\t0100D50A\t0003\t0\t0\t0\t00FFFFFF\t0\t0\t0\n";
+        let ip = |s: &str| s.parse::<Ipv4Addr>().unwrap();
+        assert_eq!(route_of(t, ip("10.213.0.11")), Some(("eth0".into(), None)));
+        assert_eq!(
+            route_of(t, ip("10.213.99.5")),
+            Some(("eth1".into(), Some(ip("10.213.0.1"))))
+        );
+        assert_eq!(
+            route_of(t, ip("8.8.8.8")),
+            Some(("eth0".into(), Some(ip("10.213.0.254"))))
+        );
+    }
 
     #[test]
     fn readiness_reaches_a_notification_socket_by_path_and_abstract_name() {

@@ -154,6 +154,9 @@ fn metrics() -> String {
 }
 
 fn serve(stream: TcpStream, id: &str) {
+    let peer = stream
+        .peer_addr()
+        .map_or_else(|_| "?".to_string(), |a| a.to_string());
     let _ = stream.set_read_timeout(Some(Duration::from_secs(120)));
     let _ = stream.set_nodelay(true);
     let Ok(mut out) = stream.try_clone() else {
@@ -190,6 +193,12 @@ fn serve(stream: TcpStream, id: &str) {
         let (status, body) = match path {
             "/admin" => (200, admin(query)),
             "/metrics" => (200, metrics()),
+            // Who connected, as this host's stack saw it (DSR keeps the
+            // client's address; SNAT shows the balancer's).
+            "/whoami" => {
+                println!("whoami: {peer}");
+                (200, format!("{id} {peer}\n"))
+            }
             _ => {
                 let d = DELAY_US.load(Ordering::Relaxed);
                 if d > 0 {

@@ -1,0 +1,115 @@
+//! Direct server return through namespaces: real HTTP through the VIP in
+//! both DSR modes, on a testbed as anyone's first (plain veth pairs,
+//! default offloads); the backends see the client's own address and
+//! answer it directly.
+
+use std::{collections::BTreeMap, net::SocketAddr, path::Path, time::Duration};
+use testbed::{backend_ip, http_get_path, in_ns, require_root, Testbed, CLIENT_IP, HTTP_PORT, VIP};
+
+const HUDDLE: &str = env!("CARGO_BIN_EXE_hc-huddle");
+const BACKEND: &str = env!("CARGO_BIN_EXE_hc-backend");
+const TIMEOUT: Duration = Duration::from_secs(3);
+
+/// A plain testbed of `n` backends serving `VIP:HTTP_PORT` in `mode`.
+pub fn dsr_bed(tag: &str, n: usize, mode: &str, extra: &[&str]) -> Testbed {
+    require_root();
+    let mut bed = Testbed::plain(tag, n).expect("build testbed");
+    bed.start_backends(Path::new(BACKEND))
+        .expect("start backends");
+    bed.dsr_backends(Path::new(HUDDLE), mode == "dsr-ipip")
+        .expect("set up the backends for DSR");
+    let mut args: Vec<String> = vec![
+        "--vip".into(),
+        format!("{VIP}:{HTTP_PORT}"),
+        "--mode".into(),
+        mode.into(),
+    ];
+    for i in 0..n {
+        args.push("--backend".into());
+        args.push(format!("{}:{HTTP_PORT}", backend_ip(i)));
+    }
+    args.extend(extra.iter().map(ToString::to_string));
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    bed.start_huddle(Path::new(HUDDLE), &args)
+        .expect("start huddle");
+    bed
+}
+
+/// `n` requests for `/whoami` through the VIP: (backend -> count, the
+/// client addresses the backends saw, failures).
+fn whoami(bed: &Testbed, n: usize) -> (BTreeMap<String, u32>, Vec<String>, Vec<String>) {
+    let vip: SocketAddr = (VIP, HTTP_PORT).into();
+    in_ns(&bed.client, move || {
+        let mut counts: BTreeMap<String, u32> = BTreeMap::new();
+        let mut seen = Vec::new();
+        let mut failures = Vec::new();
+        for i in 0..n {
+            match http_get_path(vip, "/whoami", TIMEOUT) {
+                Ok(body) => {
+                    let mut w = body.split_whitespace();
+                    *counts.entry(w.next().unwrap_or("").into()).or_default() += 1;
+                    let peer = w.next().unwrap_or("").to_string();
+                    if !seen.contains(&peer) && seen.len() < 1000 {
+                        seen.push(peer);
+                    }
+                }
+                Err(e) => failures.push(format!("request {i}: {e:#}")),
+            }
+            if failures.len() >= 5 {
+                break;
+            }
+        }
+        (counts, seen, failures)
+    })
+}
+
+fn check_mode(mode: &str) {
+    let bed = dsr_bed(mode, 3, mode, &[]);
+    let (counts, peers, failures) = whoami(&bed, 300);
+    println!(
+        "{mode}: 300 requests: {counts:?}, failures {}",
+        failures.len()
+    );
+    assert!(
+        failures.is_empty(),
+        "failed requests: {failures:?}\n{}",
+        bed.huddle_log()
+    );
+    assert_eq!(counts.len(), 3, "every backend must serve: {counts:?}");
+    for p in &peers {
+        let ip = p.rsplit_once(':').map_or("", |(ip, _)| ip);
+        assert_eq!(
+            ip,
+            CLIENT_IP.to_string(),
+            "a backend saw {p}, not the client's address"
+        );
+    }
+    let st = bed.status().unwrap();
+    let g = &st.global;
+    println!("{mode}: global counters {g:?}");
+    let get = |name: &str| g.get(name).copied().unwrap_or(0);
+    if mode == "dsr-ipip" {
+        assert!(get("encap") >= 300, "encapsulated: {}", get("encap"));
+        let m = bed.agent_metrics(0).unwrap();
+        let line = m
+            .lines()
+            .find(|l| l.contains("result=\"decapped\""))
+            .expect("decap counters in the agent's metrics");
+        println!("b0 agent: {line}");
+        let decapped: f64 = line.rsplit(' ').next().unwrap().parse().unwrap();
+        assert!(decapped > 0.0, "{m}");
+    } else {
+        assert_eq!(get("encap"), 0);
+    }
+    assert_eq!(get("drop_not_onlink"), 0);
+}
+
+#[test]
+fn l2_dsr_backends_see_the_client_and_answer_it_directly() {
+    check_mode("dsr-l2");
+}
+
+#[test]
+fn ipip_dsr_with_the_agents_decap_serves_every_request() {
+    check_mode("dsr-ipip");
+}
