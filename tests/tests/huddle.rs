@@ -43,10 +43,30 @@ fn addr(i: usize) -> String {
 /// `extra_huddle` lines in `[huddle]` and `backend_extra` in each backend
 /// table.
 fn bed(tag: &str, extra_huddle: &str, metrics: bool) -> Testbed {
+    bed_in(tag, extra_huddle, metrics, "snat")
+}
+
+/// The VIP's address for a service in `mode`: DSR cannot change the port,
+/// so its VIP listens on the backends' port.
+fn vip(mode: &str) -> std::net::SocketAddr {
+    if mode == "snat" {
+        (VIP, 80).into()
+    } else {
+        (VIP, HTTP_PORT).into()
+    }
+}
+
+/// As `bed`, with the service in `mode` (DSR backends set up for it: the
+/// VIP on their loopback, the agent's decap for dsr-ipip).
+fn bed_in(tag: &str, extra_huddle: &str, metrics: bool, mode: &str) -> Testbed {
     require_root();
     let mut bed = Testbed::new(tag, N).expect("build testbed");
     bed.start_backends_with(Path::new(BACKEND), &["--delay-ms", &BASE_MS.to_string()])
         .expect("start backends");
+    if mode != "snat" {
+        bed.dsr_backends(Path::new(HUDDLE), mode == "dsr-ipip")
+            .expect("DSR set-up");
+    }
     let backends: Vec<String> = (0..N)
         .map(|i| {
             if metrics {
@@ -66,7 +86,8 @@ fn bed(tag: &str, extra_huddle: &str, metrics: bool) -> Testbed {
         })
         .collect();
     let text = format!(
-        "[huddle]\nmin_rest_ms = 2000\ncooldown_ms = 1000\n{extra_huddle}\n\n[[service]]\nvip = \"{VIP}:80\"\nbackends = [{}]\n",
+        "[huddle]\nmin_rest_ms = 2000\ncooldown_ms = 1000\n{extra_huddle}\n\n[[service]]\nvip = \"{}\"\nmode = \"{mode}\"\nbackends = [{}]\n",
+        vip(mode),
         backends.join(", ")
     );
     let config = bed.dir.join("huddle.toml");
@@ -300,9 +321,13 @@ struct Fault {
 /// leaves the inner ring; `then`, if given, is sent before the load stops
 /// (SIGCONT for a stopped backend).
 fn fault(tag: &str, i: usize, sig: i32, then: Option<i32>) -> Fault {
+    fault_in(tag, i, sig, then, "snat")
+}
+
+fn fault_in(tag: &str, i: usize, sig: i32, then: Option<i32>, mode: &str) -> Fault {
     let _turn = serial();
-    let bed = bed(tag, "", false);
-    let load = OpenLoop::start(&bed.client, (VIP, 80).into(), RATE, Duration::from_secs(2));
+    let bed = bed_in(tag, "", false, mode);
+    let load = OpenLoop::start(&bed.client, vip(mode), RATE, Duration::from_secs(2));
     thread::sleep(Duration::from_secs(2));
     let t0 = Instant::now();
     bed.signal_backend(i, sig);
@@ -352,9 +377,15 @@ fn a_killed_backend_leaves_within_the_bound() {
 
 #[test]
 fn a_hung_backend_leaves_within_the_bound() {
-    let f = fault("hhung", 3, libc::SIGSTOP, Some(libc::SIGCONT));
+    hung_leaves("hhung", "snat");
+}
+
+/// Backend b3 stops (SIGSTOP: its kernel still completes handshakes,
+/// nothing answers) under load; it must leave within the bound.
+fn hung_leaves(tag: &str, mode: &str) {
+    let f = fault_in(tag, 3, libc::SIGSTOP, Some(libc::SIGCONT), mode);
     println!(
-        "hung backend b3 (SIGSTOP) left the inner ring {} ms after it stopped; {} of {} requests failed (stuck on it before it left): {:?}",
+        "{mode}: hung backend b3 (SIGSTOP) left the inner ring {} ms after it stopped; {} of {} requests failed (stuck on it before it left): {:?}",
         f.out.as_millis(),
         f.failed.len(),
         f.requests,
@@ -373,6 +404,54 @@ fn a_hung_backend_leaves_within_the_bound() {
         "hung backend took {out:?} to leave (bound {BOUND:?})"
     );
     assert!(f.failed.len() <= 40, "too many failures: {:?}", f.failed);
+}
+
+#[test]
+fn dsr_a_backend_made_5x_slower_rests_within_the_bound_by_the_ack_clock() {
+    let _turn = serial();
+    let mode = "dsr-ipip";
+    let bed = bed_in("hdslow", "", false, mode);
+    let load = OpenLoop::start(&bed.client, vip(mode), RATE, Duration::from_secs(3));
+    thread::sleep(Duration::from_secs(2));
+    let st = bed.status().unwrap();
+    assert_eq!(st.services[0].ring.len(), N, "{}", st.render());
+    let b0 = backend(&st, 0);
+    assert_eq!(b0.latency_source, "ack-clock", "{b0:?}");
+    let fast = b0.p50_ms.expect("ACK-clock samples");
+    let t0 = Instant::now();
+    bed.backend_admin(2, &format!("delay_ms={}", BASE_MS * 5))
+        .unwrap();
+    let out = bed
+        .wait_place(&addr(2), "outer", t0, Duration::from_secs(5))
+        .expect("rotation");
+    let st = bed.status().unwrap();
+    print!("{}", st.render());
+    let b2 = backend(&st, 2);
+    println!(
+        "{mode}: 5x slow backend b2 left the inner ring {} ms after it became slow, by the ACK clock: others' p50 {fast:.1} ms, b2's p50 {:?} ms, round trip taken off {:?} ms",
+        out.as_millis(),
+        b2.p50_ms,
+        b2.rtt_ms
+    );
+    let outcomes = load.stop();
+    let (all, failed) = tally(&outcomes, Duration::ZERO, Duration::MAX);
+    println!(
+        "all {} requests: {all:?}, failed {}",
+        outcomes.len(),
+        failed.len()
+    );
+    // Service time 10 ms: the ACK clock, less the round trip, near it.
+    assert!((8.0..16.0).contains(&fast), "p50 {fast} ms");
+    assert!(failed.is_empty(), "failed requests: {failed:?}");
+    assert!(
+        out <= BOUND,
+        "5x slow backend took {out:?} to leave (bound {BOUND:?})"
+    );
+}
+
+#[test]
+fn dsr_a_hung_backend_leaves_within_the_bound() {
+    hung_leaves("hdhung", "dsr-l2");
 }
 
 #[test]

@@ -73,6 +73,21 @@ pub struct Tracker {
     /// Set when a successful probe proves the backend answers again: the
     /// daemon then clears the kernel's stale "owes an answer" record.
     pub clear_pulse: bool,
+    /// DSR: the kernel's request samples run from the client's request to
+    /// its ACK of the answer, a client round trip more than the time to
+    /// first byte; this estimates that round trip (`observe_connect`).
+    pub rtt: Option<Rtt>,
+}
+
+/// The clients' round trip to a DSR backend: the median of its connect
+/// samples (SYN to the client's ACK of the SYN-ACK, which the backend's
+/// kernel sends at once whatever its application does) over the newest
+/// ticks.
+#[derive(Default)]
+pub struct Rtt {
+    prev: Option<Latency>,
+    ticks: VecDeque<Box<[u64; LATENCY_BUCKETS]>>,
+    pub p50_ms: Option<f64>,
 }
 
 impl Tracker {
@@ -101,6 +116,31 @@ impl Tracker {
             components: Components::default(),
             latency_source: "none",
             clear_pulse: false,
+            rtt: None,
+        }
+    }
+
+    /// DSR: takes this tick's connect histogram (before `observe`), whose
+    /// median round trip `observe` then takes off the request samples.
+    pub fn observe_connect(&mut self, connect: &Latency) {
+        let rtt = self.rtt.get_or_insert_with(Rtt::default);
+        let prev = rtt.prev.replace(*connect).unwrap_or(*connect);
+        let mut tick = Box::new([0u64; LATENCY_BUCKETS]);
+        for (i, b) in tick.iter_mut().enumerate() {
+            *b = connect.buckets[i].wrapping_sub(prev.buckets[i]);
+        }
+        rtt.ticks.push_front(tick);
+        rtt.ticks.truncate(WINDOW_TICKS);
+        let mut hist = [0u64; LATENCY_BUCKETS];
+        for t in &rtt.ticks {
+            for (h, v) in hist.iter_mut().zip(t.iter()) {
+                *h += v;
+            }
+        }
+        let total = hist.iter().sum();
+        // Keep the last estimate through ticks without new connections.
+        if let Some(p) = percentile(&hist, total, 0.5) {
+            rtt.p50_ms = Some(p);
         }
     }
 
@@ -145,6 +185,12 @@ impl Tracker {
         self.ticks.push_front(tick);
         self.ticks.truncate(WINDOW_TICKS);
         self.window = window(&self.ticks, s.min_samples);
+        if let Some(rtt) = self.rtt.as_ref().and_then(|r| r.p50_ms) {
+            let less = |v: Option<f64>| v.map(|v| (v - rtt).max(0.0));
+            self.window.mean_ms = less(self.window.mean_ms);
+            self.window.p50_ms = less(self.window.p50_ms);
+            self.window.p99_ms = less(self.window.p99_ms);
+        }
         self.active_flows = stats
             .flows_new
             .saturating_sub(stats.flows_closed)
@@ -408,7 +454,11 @@ impl ServiceHuddle {
         for (i, t) in self.trackers.iter_mut().enumerate() {
             let mut r = t.reading();
             let median = if use_requests[i] {
-                t.latency_source = "request";
+                t.latency_source = if t.rtt.is_some() {
+                    "ack-clock"
+                } else {
+                    "request"
+                };
                 r.latency_ms = t.window.mean_ms;
                 req_median
             } else if let Some(p) = t.probe_ms() {

@@ -346,6 +346,10 @@ impl Balancer {
                         self.dp.clear_pulse(id)?;
                         pulse = Pulse::default();
                     }
+                    if self.cfg.services[si].mode.is_dsr() {
+                        let connect = self.dp.connect_latency(id)?;
+                        self.huddles[si].trackers[bi].observe_connect(&connect);
+                    }
                     Ok((self.dp.backend_stats(id)?, self.dp.latency(id)?, pulse))
                 })();
                 match read {
@@ -568,6 +572,7 @@ impl Balancer {
                     temperature: t.temperature,
                     components: t.components,
                     latency_source: t.latency_source.into(),
+                    rtt_ms: t.rtt.as_ref().and_then(|r| r.p50_ms),
                     samples: t.window.samples,
                     mean_ms: t.window.mean_ms,
                     p50_ms: t.window.p50_ms,
@@ -603,6 +608,7 @@ impl Balancer {
             // What the kernel has, as `tune` last wrote it.
             let tuning = self.tuned.get(&slot.id).copied().unwrap_or_default();
             services.push(ServiceStatus {
+                mode: slot.service.mode.to_string(),
                 rotation: h.rotation,
                 panic: h.engine.panic,
                 ring_generation: slot.generation,

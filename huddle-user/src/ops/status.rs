@@ -38,6 +38,9 @@ pub struct Status {
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct ServiceStatus {
     pub name: String,
+    /// "snat", "dsr-l2" or "dsr-ipip".
+    #[serde(default)]
+    pub mode: String,
     /// False: plain round robin over every (undrained) backend.
     pub rotation: bool,
     /// Too few healthy backends: the least hot unhealthy ones are kept.
@@ -85,8 +88,14 @@ pub struct BackendStatus {
     pub temperature: f64,
     /// The terms of the last raw score.
     pub components: Components,
-    /// Which latency the anomaly used: "request", "probe" or "none".
+    /// Which latency the anomaly used: "request" (replies timed as they
+    /// pass), "ack-clock" (DSR: the client's ACKs, less `rtt_ms`), "probe"
+    /// or "none".
     pub latency_source: String,
+    /// DSR: the clients' round trip taken off the ACK-clock samples (the
+    /// median connect sample).
+    #[serde(default)]
+    pub rtt_ms: Option<f64>,
     /// Request latency (time to first byte) over the newest ticks.
     pub samples: u64,
     pub mean_ms: Option<f64>,
@@ -135,8 +144,9 @@ impl Status {
         for s in &self.services {
             let _ = writeln!(
                 out,
-                "\nservice {}  ring generation {}  rotation {}{}",
+                "\nservice {} ({})  ring generation {}  rotation {}{}",
                 s.name,
+                if s.mode.is_empty() { "snat" } else { &s.mode },
                 s.ring_generation,
                 if s.rotation { "on" } else { "off" },
                 if s.panic {
@@ -191,6 +201,21 @@ impl Status {
             }
             for (n, addrs) in notes {
                 let _ = writeln!(out, "  note ({}): {n}", addrs.join(", "));
+            }
+            if s.mode.starts_with("dsr") {
+                let rtts: Vec<String> = s
+                    .backends
+                    .iter()
+                    .map(|b| {
+                        let rtt = b.rtt_ms.map_or("-".into(), |v| format!("{v:.2}"));
+                        format!("{} {rtt}", b.addr)
+                    })
+                    .collect();
+                let _ = writeln!(
+                    out,
+                    "  latency from the clients' ACKs, less their round trip (ms): {}",
+                    rtts.join(", ")
+                );
             }
             // UDP backends need not answer: neither applies to them.
             if !s.name.ends_with("/udp") {
