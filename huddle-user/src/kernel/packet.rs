@@ -288,3 +288,27 @@ mod tests {
         assert!(!checksums_valid(&bad));
     }
 }
+
+/// `frame`'s IP packet inside an outer IPv4 header (protocol 4) from `src`
+/// to `dst`, as the balancer's dsr-ipip mode builds it: TOS, IP id and DF
+/// of the inner header, TTL 64; Ethernet addresses `macs` (source,
+/// destination).
+#[must_use]
+pub fn ipip(frame: &[u8], src: Ipv4Addr, dst: Ipv4Addr, macs: ([u8; 6], [u8; 6])) -> Vec<u8> {
+    let inner = &frame[ETH_LEN..];
+    let tot_len = (inner.len() + IP_LEN) as u16;
+    let mut f = Vec::with_capacity(frame.len() + IP_LEN);
+    f.extend_from_slice(&macs.1);
+    f.extend_from_slice(&macs.0);
+    f.extend_from_slice(&0x0800u16.to_be_bytes());
+    f.extend_from_slice(&[0x45, inner[1]]);
+    f.extend_from_slice(&tot_len.to_be_bytes());
+    f.extend_from_slice(&inner[4..6]);
+    f.extend_from_slice(&[inner[6] & 0x40, 0, 64, 4, 0, 0]);
+    f.extend_from_slice(&src.octets());
+    f.extend_from_slice(&dst.octets());
+    let sum = checksum(&f[ETH_LEN..ETH_LEN + IP_LEN], 0);
+    f[ETH_LEN + 10..ETH_LEN + 12].copy_from_slice(&sum.to_be_bytes());
+    f.extend_from_slice(inner);
+    f
+}

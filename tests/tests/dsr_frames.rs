@@ -1,0 +1,240 @@
+//! Direct server return on crafted frames (BPF_PROG_TEST_RUN): what leaves
+//! the balancer in each mode, byte for byte; the ACK clock's samples; the
+//! backend agent's decap giving back the client's own packet.
+
+use huddle_common::{BackendStats, GlobalStats};
+use huddle_user::{
+    config::{Mode, PortRange, Proto, Service},
+    decap::Decap,
+    packet::{checksums_valid, ipip, Frame, ACK, PSH},
+    prog_run::{mac_of, test_run, ProgRun, BALANCER_MAC},
+};
+use std::net::{Ipv4Addr, SocketAddr};
+use testbed::{require_root, unique};
+
+const XDP_DROP: u32 = 1;
+const XDP_PASS: u32 = 2;
+const XDP_TX: u32 = 3;
+
+const VIP: Ipv4Addr = Ipv4Addr::new(10, 213, 100, 1);
+const CLIENT: Ipv4Addr = Ipv4Addr::new(10, 213, 0, 2);
+/// Port of the L2 service, of the IP-in-IP one, and of one whose backend
+/// is behind a gateway.
+const L2: u16 = 8080;
+const IPIP: u16 = 9090;
+const FAR: u16 = 7070;
+const FAR_BACKEND: Ipv4Addr = Ipv4Addr::new(10, 99, 0, 5);
+const GATEWAY: Ipv4Addr = Ipv4Addr::new(10, 213, 0, 254);
+const ENCAP_PREFIX: &str = "10.213.200.0/24";
+
+fn backend(i: u8) -> Ipv4Addr {
+    Ipv4Addr::new(10, 213, 0, 11 + i)
+}
+
+fn env(tag: &str) -> ProgRun {
+    require_root();
+    let backends = [backend(0), backend(1), backend(2)];
+    let service = |port: u16, mode: Mode, backends: &[Ipv4Addr]| {
+        let mut s = Service::plain(
+            (VIP, port).into(),
+            Proto::Tcp,
+            backends
+                .iter()
+                .map(|b| SocketAddr::from((*b, port)))
+                .collect(),
+        );
+        s.mode = mode;
+        s
+    };
+    let services = vec![
+        service(L2, Mode::DsrL2, &backends),
+        service(IPIP, Mode::DsrIpip, &backends),
+        service(FAR, Mode::DsrL2, &[FAR_BACKEND]),
+    ];
+    let nat = PortRange {
+        min: 20000,
+        max: 32767,
+    };
+    let mut cfg = huddle_user::prog_run::config(services, nat, 4096, 1024);
+    cfg.encap_prefix = Some(ENCAP_PREFIX.parse().unwrap());
+    let mut neigh = backends.to_vec();
+    neigh.extend([CLIENT, GATEWAY]);
+    let env = ProgRun::new(&unique(tag), &cfg, &neigh).expect("PROG_TEST_RUN namespace");
+    env.ns
+        .ip(&["route", "add", "10.99.0.0/24", "via", &GATEWAY.to_string()])
+        .unwrap();
+    env
+}
+
+fn client(sport: u16, port: u16) -> Frame {
+    Frame::tcp((CLIENT, sport), (VIP, port)).macs(mac_of(CLIENT), BALANCER_MAC)
+}
+
+/// The backend an L2 frame went to, from its destination MAC.
+fn by_mac(out: &[u8]) -> Ipv4Addr {
+    (0..3)
+        .map(backend)
+        .find(|b| out[..6] == mac_of(*b))
+        .unwrap_or_else(|| panic!("no backend has MAC {:02x?}", &out[..6]))
+}
+
+fn global(env: &ProgRun) -> GlobalStats {
+    env.dp.global_stats().unwrap()
+}
+
+fn stats(env: &ProgRun, service: usize, b: Ipv4Addr) -> BackendStats {
+    let i = (0..3).position(|i| backend(i) == b).expect("a backend");
+    env.dp
+        .backend_stats(env.dp.services[service].backend_ids[i])
+        .unwrap()
+}
+
+#[test]
+fn l2_frames_leave_unchanged_but_for_their_mac_addresses() {
+    let env = env("dsr-l2");
+    let syn = client(40000, L2).syn().seq_ack(5000, 0).build();
+    let (verdict, out) = env.run(&syn).unwrap();
+    assert_eq!(verdict, XDP_TX);
+    let b = by_mac(&out);
+    let mut want = syn.clone();
+    want[..6].copy_from_slice(&mac_of(b));
+    want[6..12].copy_from_slice(&BALANCER_MAC);
+    assert_eq!(out, want, "only the MAC addresses change");
+    assert!(checksums_valid(&out));
+    // The handshake's ACK and the data after it go to the same backend,
+    // the IP packet untouched.
+    for f in [
+        client(40000, L2).flags(ACK).seq_ack(5001, 9001),
+        client(40000, L2)
+            .flags(ACK | PSH)
+            .seq_ack(5001, 9001)
+            .payload(b"GET / HTTP/1.1\r\n\r\n"),
+    ] {
+        let frame = f.build();
+        let (verdict, out) = env.run(&frame).unwrap();
+        assert_eq!(verdict, XDP_TX);
+        assert_eq!(by_mac(&out), b);
+        assert_eq!(out[12..], frame[12..]);
+    }
+    let st = env.dp.service_stats(env.dp.services[0].id).unwrap();
+    assert_eq!((st.half_open, st.promoted), (1, 1));
+    assert_eq!(global(&env).encap, 0);
+}
+
+#[test]
+fn ipip_frames_carry_the_clients_packet_inside_a_per_flow_outer_source() {
+    let env = env("dsr-ipip");
+    let prefix: huddle_user::config::Prefix = ENCAP_PREFIX.parse().unwrap();
+    let mut sources = std::collections::BTreeSet::new();
+    for sport in 41000..41064u16 {
+        let syn = client(sport, IPIP).syn().build();
+        let (verdict, out) = env.run(&syn).unwrap();
+        assert_eq!(verdict, XDP_TX, "SYN from port {sport}");
+        let src = Ipv4Addr::new(out[26], out[27], out[28], out[29]);
+        let dst = Ipv4Addr::new(out[30], out[31], out[32], out[33]);
+        assert!(prefix.contains(src), "outer source {src} outside {prefix}");
+        assert!((0..3).map(backend).any(|b| b == dst), "outer dst {dst}");
+        let want = ipip(&syn, src, dst, (BALANCER_MAC, mac_of(dst)));
+        assert_eq!(out, want, "outer header or inner packet differs");
+        // The same flow keeps its outer source.
+        let again = client(sport, IPIP).flags(ACK).build();
+        let (_, out2) = env.run(&again).unwrap();
+        assert_eq!(out2[26..34], out[26..34]);
+        sources.insert(src);
+    }
+    println!("64 flows used {} outer source addresses", sources.len());
+    assert!(sources.len() >= 16, "{sources:?}");
+    let g = global(&env);
+    assert_eq!(g.encap, 128);
+    assert_eq!(g.drop_encap, 0);
+}
+
+#[test]
+fn the_ack_clock_times_handshakes_and_requests_from_the_clients_segments() {
+    let env = env("dsr-ack");
+    let syn = client(42000, L2).syn().seq_ack(100, 0).build();
+    let (_, out) = env.run(&syn).unwrap();
+    let b = by_mac(&out);
+    let before = stats(&env, 0, b);
+    assert_eq!((before.syns, before.syn_acks), (1, 0));
+    // The client's ACK of the SYN-ACK: a connect sample.
+    env.run(&client(42000, L2).flags(ACK).seq_ack(101, 7001).build())
+        .unwrap();
+    let st = stats(&env, 0, b);
+    assert_eq!(st.syn_acks, 1, "handshake timed");
+    // A request, acknowledging nothing new: a turn starts.
+    env.run(
+        &client(42000, L2)
+            .flags(ACK | PSH)
+            .seq_ack(101, 7001)
+            .payload(b"GET / HTTP/1.1\r\n\r\n")
+            .build(),
+    )
+    .unwrap();
+    let st = stats(&env, 0, b);
+    assert_eq!((st.turns, st.answered), (1, 0));
+    // A duplicate ACK of old bytes answers nothing.
+    env.run(&client(42000, L2).flags(ACK).seq_ack(119, 7001).build())
+        .unwrap();
+    assert_eq!(stats(&env, 0, b).answered, 0);
+    // The client acknowledges the backend's first answer bytes.
+    env.run(&client(42000, L2).flags(ACK).seq_ack(119, 7200).build())
+        .unwrap();
+    let st = stats(&env, 0, b);
+    assert_eq!(st.answered, 1, "the answer is timed");
+    assert!(st.ttfb_ns > 0);
+    let pulse = {
+        let i = (0..3).position(|i| backend(i) == b).unwrap();
+        env.dp.pulse(env.dp.services[0].backend_ids[i]).unwrap()
+    };
+    assert_eq!(pulse.turn_wait_ns, 0, "nothing owed any more");
+}
+
+#[test]
+fn an_l2_backend_behind_a_gateway_is_never_sent_a_frame() {
+    let env = env("dsr-far");
+    let syn = client(43000, FAR).syn().build();
+    let (verdict, _) = env.run(&syn).unwrap();
+    assert_eq!(verdict, XDP_DROP);
+    assert_eq!(global(&env).drop_not_onlink, 1);
+}
+
+#[test]
+fn the_agents_decap_gives_back_the_clients_packet() {
+    let env = env("dsr-decap");
+    let mut decap = Decap::load().expect("load decap");
+    let me = backend(1);
+    decap.set_local(&[me, VIP]).unwrap();
+    let inner = client(44000, IPIP)
+        .flags(ACK | PSH)
+        .payload(b"GET / HTTP/1.1\r\n\r\n")
+        .build();
+    let outer_src = Ipv4Addr::new(10, 213, 200, 7);
+    let wrapped = ipip(&inner, outer_src, me, (BALANCER_MAC, mac_of(me)));
+    let prog = decap.program().unwrap();
+    let (verdict, out, _) = test_run(prog, &wrapped, env.ifindex).unwrap();
+    assert_eq!(verdict, XDP_PASS);
+    let mut want = inner.clone();
+    want[..12].copy_from_slice(&wrapped[..12]);
+    assert_eq!(
+        out, want,
+        "the client's packet, with the outer frame's MACs"
+    );
+    // Not to this host, not IP-in-IP, or with outer options: untouched.
+    let elsewhere = ipip(&inner, outer_src, backend(2), (BALANCER_MAC, mac_of(me)));
+    let mut options = wrapped.clone();
+    options[14] = 0x46;
+    for (what, f) in [
+        ("to another host", elsewhere),
+        ("plain TCP", inner.clone()),
+        ("outer options", options),
+    ] {
+        let (verdict, out, _) = test_run(prog, &f, env.ifindex).unwrap();
+        assert_eq!((verdict, &out), (XDP_PASS, &f), "{what}");
+    }
+    let st = decap.stats().unwrap();
+    assert_eq!(
+        (st.decapped, st.pass_not_local, st.pass_malformed),
+        (1, 1, 1)
+    );
+}
