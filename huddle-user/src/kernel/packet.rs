@@ -267,28 +267,6 @@ pub fn endpoints(frame: &[u8]) -> ((Ipv4Addr, u16), (Ipv4Addr, u16)) {
     ((src, sport), (dst, dport))
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn built_frames_have_valid_checksums() {
-        let a = (Ipv4Addr::new(10, 0, 0, 2), 40000);
-        let b = (Ipv4Addr::new(10, 0, 0, 1), 80);
-        for f in [
-            Frame::tcp(a, b).syn().build(),
-            Frame::tcp(a, b).payload(b"GET / HTTP/1.0\r\n\r\n").build(),
-            Frame::udp(a, b).payload(b"ping").build(),
-            Frame::udp(a, b).payload(b"odd").no_udp_checksum().build(),
-        ] {
-            assert!(checksums_valid(&f), "{f:02x?}");
-        }
-        let mut bad = Frame::tcp(a, b).syn().build();
-        bad[ETH_LEN + 24] ^= 1;
-        assert!(!checksums_valid(&bad));
-    }
-}
-
 /// `frame`'s IP packet inside an outer IPv4 header (protocol 4) from `src`
 /// to `dst`, as the balancer's dsr-ipip mode builds it: TOS, IP id and DF
 /// of the inner header, TTL 64; Ethernet addresses `macs` (source,
@@ -311,4 +289,26 @@ pub fn ipip(frame: &[u8], src: Ipv4Addr, dst: Ipv4Addr, macs: ([u8; 6], [u8; 6])
     f[ETH_LEN + 10..ETH_LEN + 12].copy_from_slice(&sum.to_be_bytes());
     f.extend_from_slice(inner);
     f
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn built_frames_have_valid_checksums() {
+        let a = (Ipv4Addr::new(10, 0, 0, 2), 40000);
+        let b = (Ipv4Addr::new(10, 0, 0, 1), 80);
+        for f in [
+            Frame::tcp(a, b).syn().build(),
+            Frame::tcp(a, b).payload(b"GET / HTTP/1.0\r\n\r\n").build(),
+            Frame::udp(a, b).payload(b"ping").build(),
+            Frame::udp(a, b).payload(b"odd").no_udp_checksum().build(),
+        ] {
+            assert!(checksums_valid(&f), "{f:02x?}");
+        }
+        let mut bad = Frame::tcp(a, b).syn().build();
+        bad[ETH_LEN + 24] ^= 1;
+        assert!(!checksums_valid(&bad));
+    }
 }
