@@ -113,3 +113,86 @@ fn l2_dsr_backends_see_the_client_and_answer_it_directly() {
 fn ipip_dsr_with_the_agents_decap_serves_every_request() {
     check_mode("dsr-ipip");
 }
+
+/// Runs `huddle run ARGS` in the balancer's namespace to its exit: (exit
+/// success, stderr).
+fn run_refused(bed: &Testbed, args: &[&str]) -> (bool, String) {
+    let mut cmd =
+        huddle_user::netns::command_in(&bed.lb.name, Path::new(HUDDLE)).expect("namespace");
+    let sock = bed.dir.join("refused.sock").display().to_string();
+    cmd.args(["run", "--iface", "eth0", "--control-socket", &sock])
+        .args(["--pin-dir", &bed.pins.display().to_string()])
+        .args(args);
+    let out = cmd.output().expect("run huddle");
+    (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+#[test]
+fn bad_dsr_setups_are_refused_in_one_line_with_nothing_attached() {
+    require_root();
+    let bed = Testbed::plain("dsrbad", 1).expect("build testbed");
+    // A backend behind a gateway (the client, as far as routes go).
+    bed.lb
+        .ip(&[
+            "route",
+            "add",
+            "10.99.0.0/24",
+            "via",
+            &CLIENT_IP.to_string(),
+        ])
+        .unwrap();
+    let vip = format!("{VIP}:{HTTP_PORT}");
+    let b0 = format!("{}:{HTTP_PORT}", backend_ip(0));
+    let cases: [(&str, Vec<&str>, &str); 4] = [
+        (
+            "L2 backend off the segment",
+            vec!["--mode", "dsr-l2", "--backend", "10.99.0.5:8080"],
+            "is not on the segment of eth0",
+        ),
+        (
+            "encapsulation prefix over the VIP",
+            vec![
+                "--mode",
+                "dsr-ipip",
+                "--backend",
+                &b0,
+                "--encap-prefix",
+                "10.213.100.0/24",
+            ],
+            "holds the VIP",
+        ),
+        (
+            "DSR backend on another port",
+            vec!["--mode", "dsr-l2", "--backend", "10.213.0.11:9999"],
+            "must listen on port 8080",
+        ),
+        (
+            "IPv6 VIP with IPv4 backends",
+            vec![
+                "--mode",
+                "dsr-ipip",
+                "--backend",
+                &b0,
+                "--vip",
+                "[fd00::1]:8080",
+            ],
+            "IPv6",
+        ),
+    ];
+    for (what, extra, expect) in cases {
+        let mut args = vec!["--vip", vip.as_str()];
+        if extra.contains(&"[fd00::1]:8080") {
+            args.clear();
+        }
+        args.extend(extra.iter().copied());
+        let (ok, err) = run_refused(&bed, &args);
+        println!("{what}: {}", err.trim());
+        assert!(!ok, "{what}: accepted");
+        assert!(err.contains(expect), "{what}: {err}");
+        assert_eq!(err.trim().lines().count(), 1, "{what}: one line: {err}");
+        assert!(!testbed::xdp_attached(&bed.lb), "{what}: left XDP attached");
+    }
+}

@@ -179,6 +179,23 @@ impl Balancer {
             );
         }
         host::check_reachable(&new).context("reload refused, nothing changed")?;
+        host::check_dsr(&new).context("reload refused, nothing changed")?;
+        for s in &new.services {
+            if let Some(o) = old
+                .services
+                .iter()
+                .find(|o| o.vip == s.vip && o.proto == s.proto)
+            {
+                if o.mode != s.mode {
+                    warn!(
+                        "service {}: mode {} -> {}: its established connections break (their packets now reach the backends another way)",
+                        s.name(),
+                        o.mode,
+                        s.mode
+                    );
+                }
+            }
+        }
         let saved = self.snapshot();
         self.dp.reconcile(&new)?;
         let now = self.now();
