@@ -33,7 +33,13 @@ enum Cmd {
         args: Vec<String>,
     },
     /// Demo: namespaces, balancer, backends, real traffic, a table. Root.
-    Demo,
+    Demo {
+        /// How the VIP reaches its backends: snat (default), dsr-l2 or
+        /// dsr-ipip (direct server return; the backends run the agent's
+        /// decap).
+        #[arg(long, default_value = "snat")]
+        mode: String,
+    },
     /// Build the Debian package (binary, systemd unit, completions, man
     /// page, example config) into target/debian.
     Package {
@@ -161,12 +167,15 @@ fn main() -> Result<()> {
             a.extend(args.iter().map(String::as_str));
             run_tests(&a)
         }
-        Cmd::Demo => {
+        Cmd::Demo { mode } => {
             require_root("cargo xtask demo")?;
             setup::all()?;
             build_release(&["huddle-user", "tests"])?;
             let huddle = release_bin("huddle")?;
-            run(&release_bin("hc-demo")?, &["--huddle", &huddle])
+            run(
+                &release_bin("hc-demo")?,
+                &["--huddle", &huddle, "--mode", &mode],
+            )
         }
         Cmd::BenchHuddle { args } => {
             require_root("cargo xtask bench-huddle")?;

@@ -372,7 +372,13 @@ impl Balancer {
                 match read {
                     Ok((st, lat, pulse)) => {
                         tx.sent += st.syns;
-                        tx.answered += st.pkts_from;
+                        // DSR replies bypass the balancer: a completed
+                        // handshake is the proof that SYNs arrived.
+                        tx.answered += if self.cfg.services[si].mode.is_dsr() {
+                            st.syn_acks
+                        } else {
+                            st.pkts_from
+                        };
                         self.watch_nat_reuse(si, bi, id, st.nat_reuse_early);
                         self.huddles[si].trackers[bi].observe(
                             &st,

@@ -4,7 +4,11 @@
 //! slower under an open-loop load, rests in the outer ring, and returns
 //! once fast again. Everything it creates is removed when it ends.
 //!
-//! `hc-demo [--huddle PATH]` (default: `huddle` next to this binary).
+//! `hc-demo [--huddle PATH] [--mode snat|dsr-l2|dsr-ipip]` (default:
+//! `huddle` next to this binary, source NAT). In a DSR mode the VIP is on
+//! the backends' port, each backend has it on its loopback, and in
+//! dsr-ipip each runs `huddle agent --decap eth0`; the balancer then never
+//! sees a reply and the huddle runs on the clients' ACKs.
 
 use anyhow::{Context, Result};
 use huddle_user::control::Request;
@@ -30,8 +34,7 @@ fn main() {
 
 /// `n` requests from each of `threads` client threads, a new connection
 /// each; returns answers per backend and failures.
-fn load(bed: &Testbed, threads: usize, n: usize) -> (BTreeMap<String, u32>, u32) {
-    let vip: SocketAddr = (VIP, 80).into();
+fn load(bed: &Testbed, vip: SocketAddr, threads: usize, n: usize) -> (BTreeMap<String, u32>, u32) {
     let handles: Vec<_> = (0..threads)
         .map(|_| {
             let name = bed.client.name.clone();
@@ -76,11 +79,11 @@ fn show(title: &str, counts: &BTreeMap<String, u32>, failed: u32) {
 }
 
 /// One backend made 5x slower under load: it rests, then returns.
-fn rotation_demo(bed: &Testbed) -> Result<()> {
+fn rotation_demo(bed: &Testbed, vip: SocketAddr) -> Result<()> {
     let slow = 2;
     let addr = format!("{}:{HTTP_PORT}", backend_ip(slow));
     println!("\nthe huddle: an open-loop client opens 200 connections per second; after 2 s backend b{slow} becomes 5x slower ({} ms)", BASE_MS * 5);
-    let load = OpenLoop::start(&bed.client, (VIP, 80).into(), 200.0, Duration::from_secs(3));
+    let load = OpenLoop::start(&bed.client, vip, 200.0, Duration::from_secs(3));
     thread::sleep(Duration::from_secs(2));
     let slow_at = load.start.elapsed();
     bed.backend_admin(slow, &format!("delay_ms={}", BASE_MS * 5))?;
@@ -133,14 +136,39 @@ fn run() -> Result<()> {
         Some(i) => PathBuf::from(args.get(i + 1).context("--huddle PATH")?),
         None => sibling("huddle")?,
     };
+    let mode = match args.iter().position(|a| a == "--mode") {
+        Some(i) => args
+            .get(i + 1)
+            .context("--mode snat|dsr-l2|dsr-ipip")?
+            .clone(),
+        None => "snat".into(),
+    };
+    if !["snat", "dsr-l2", "dsr-ipip"].contains(&mode.as_str()) {
+        anyhow::bail!("--mode {mode}: expected snat, dsr-l2 or dsr-ipip");
+    }
+    let dsr = mode != "snat";
+    // DSR delivers the client's packet unchanged: the VIP takes the
+    // backends' port.
+    let vip: SocketAddr = (VIP, if dsr { HTTP_PORT } else { 80 }).into();
     testbed::require_root();
-    println!("building the testbed: client, balancer and {BACKENDS} backends in network namespaces (10.213.0.0/24, VIP {VIP}:80)");
+    println!("building the testbed: client, balancer and {BACKENDS} backends in network namespaces (10.213.0.0/24, VIP {vip}, mode {mode})");
     let mut bed = Testbed::new("demo", BACKENDS)?;
     bed.start_backends_with(
         &sibling("hc-backend")?,
         &["--delay-ms", &BASE_MS.to_string()],
     )?;
     println!("each backend answers HTTP in about {BASE_MS} ms");
+    if dsr {
+        bed.dsr_backends(&huddle, mode == "dsr-ipip")?;
+        println!(
+            "each backend has the VIP on its loopback{}",
+            if mode == "dsr-ipip" {
+                " and runs `huddle agent --decap eth0 --vip VIP` to unwrap IP-in-IP"
+            } else {
+                ""
+            }
+        );
+    }
     let config = bed.dir.join("huddle.toml");
     // Defaults everywhere except shorter rests, so the return is seen.
     std::fs::write(
@@ -152,7 +180,9 @@ fn run() -> Result<()> {
         "--config".to_string(),
         config_s,
         "--vip".to_string(),
-        format!("{VIP}:80"),
+        vip.to_string(),
+        "--mode".to_string(),
+        mode.clone(),
     ];
     for i in 0..BACKENDS {
         flags.push("--backend".into());
@@ -170,7 +200,7 @@ fn run() -> Result<()> {
         st.xdp_mode, st.interface, st.program_id
     );
 
-    let (c, f) = load(&bed, 4, 250);
+    let (c, f) = load(&bed, vip, 4, 250);
     show(
         "1,000 HTTP requests (4 clients, a new TCP connection each), round robin:",
         &c,
@@ -188,7 +218,7 @@ fn run() -> Result<()> {
         "live ring (generation {}): {:?}",
         st.services[0].ring_generation, st.services[0].ring
     );
-    let (c, f) = load(&bed, 4, 150);
+    let (c, f) = load(&bed, vip, 4, 150);
     show("600 more requests with the backend drained:", &c, f);
     let r = bed.control(Request::Undrain {
         backend: drained,
@@ -196,7 +226,23 @@ fn run() -> Result<()> {
     })?;
     println!("\nring swap: {}", r.message.or(r.error).unwrap_or_default());
 
-    rotation_demo(&bed)?;
+    let who = testbed::in_ns(&bed.client, move || {
+        testbed::http_get_path(vip, "/whoami", Duration::from_secs(2))
+    })?;
+    println!(
+        "\na backend's answer to /whoami (its name and the peer its stack saw): {}",
+        who.trim()
+    );
+    println!(
+        "{}",
+        if dsr {
+            "the client's own address: the backend answered it directly"
+        } else {
+            "the balancer's SNAT address: replies come back through it"
+        }
+    );
+
+    rotation_demo(&bed, vip)?;
 
     println!("\nthe balancer's own view now (`huddle status`), from kernel counters:\n");
     print!("{}", bed.status()?.render());
