@@ -9,7 +9,7 @@
 //! median round is reported.
 
 use crate::{
-    config::{Config, PortRange, Proto, Service, XdpMode},
+    config::{Config, Mode, PortRange, Proto, Service, XdpMode},
     object,
     packet::{endpoints, Frame, ACK, SYN},
     prog_run::{test_run, ProgRun, BALANCER_IP},
@@ -43,15 +43,28 @@ const BACKENDS: u8 = 16;
 /// (filled twice over first), so its SYNs evict.
 const HALF_OPEN_SLOTS: u32 = huddle_common::DEFAULT_HALF_OPEN_SIZE;
 
+/// VIP ports of the DSR services (their backends listen on the same).
+const L2_PORT: u16 = 8080;
+const IPIP_PORT: u16 = 9090;
+
 fn bench_config(half_open: u32) -> Config {
-    crate::prog_run::config(
-        vec![Service::plain(
-            (VIP, 80).into(),
+    let service = |vip_port: u16, port: u16, mode: Mode| {
+        let mut s = Service::plain(
+            (VIP, vip_port).into(),
             Proto::Tcp,
             (0..BACKENDS)
-                .map(|i| (Ipv4Addr::new(10, 213, 0, 10 + i), 8080).into())
+                .map(|i| (Ipv4Addr::new(10, 213, 0, 10 + i), port).into())
                 .collect(),
-        )],
+        );
+        s.mode = mode;
+        s
+    };
+    crate::prog_run::config(
+        vec![
+            service(80, 8080, Mode::Snat),
+            service(L2_PORT, L2_PORT, Mode::DsrL2),
+            service(IPIP_PORT, IPIP_PORT, Mode::DsrIpip),
+        ],
         PortRange {
             min: 1024,
             max: 65535,
@@ -162,11 +175,27 @@ fn measure(args: &BenchArgs) -> Result<()> {
     if (v, v2, v3) != (3, 3, 3) || env.dp.service_stats(0)?.promoted != 1 {
         bail!("setting up the established flow returned verdicts {v}, {v2}, {v3}, expected XDP_TX (3)");
     }
+    // Established DSR flows: the SYN, then the client's ACK promotes it.
+    let mut dsr_established = Vec::new();
+    for port in [L2_PORT, IPIP_PORT] {
+        let (v, _) = env.run(&Frame::tcp((client, 40000), (VIP, port)).syn().build())?;
+        let ack = Frame::tcp((client, 40000), (VIP, port)).seq_ack(1001, 5001);
+        let (v2, _) = env.run(&ack.build())?;
+        if (v, v2) != (3, 3) {
+            bail!("setting up the established flow on port {port} returned verdicts {v}, {v2}, expected XDP_TX (3)");
+        }
+        dsr_established.push(
+            Frame::tcp((client, 40000), (VIP, port))
+                .flags(ACK)
+                .payload(&payload)
+                .build(),
+        );
+    }
     let other = Frame::tcp((client, 40000), (Ipv4Addr::new(10, 213, 0, 99), 80))
         .payload(&payload)
         .build();
     // A fresh client address and port for every new flow over all rounds.
-    let new_flow = |n: u32| {
+    let new_flow_to = |n: u32, port: u16| {
         let host = n / 50_000;
         let addr = Ipv4Addr::new(
             10,
@@ -174,13 +203,15 @@ fn measure(args: &BenchArgs) -> Result<()> {
             1 + (host % 250) as u8,
             1 + (host / 250 % 250) as u8,
         );
-        Frame::tcp((addr, 1024 + (n % 50_000) as u16), (VIP, 80))
+        Frame::tcp((addr, 1024 + (n % 50_000) as u16), (VIP, port))
             .syn()
             .build()
     };
+    let new_flow = |n: u32| new_flow_to(n, 80);
     // Fewer new flows than the others, so the empty tables stay mostly
-    // empty over all rounds (the full ones time the other case).
-    let new_calls = args.calls.min(HALF_OPEN_SLOTS / 4 / args.rounds.max(1));
+    // empty over all rounds (the full ones time the other case): three
+    // cases of new flows share them.
+    let new_calls = args.calls.min(HALF_OPEN_SLOTS / 6 / args.rounds.max(1));
     let full_base = 10_000_000u32;
     for n in 0..HALF_OPEN_SLOTS * 2 {
         let (verdict, _) = full.run(&new_flow(full_base + n))?;
@@ -189,7 +220,7 @@ fn measure(args: &BenchArgs) -> Result<()> {
         }
     }
     // (name, program, runs, expected verdict)
-    let cases: [(&str, &Xdp, u32, u32); 6] = [
+    let cases: [(&str, &Xdp, u32, u32); 10] = [
         ("established flow", prog, args.calls, 3),
         ("new flow (SYN), half-open slots free", prog, new_calls, 3),
         (
@@ -199,10 +230,14 @@ fn measure(args: &BenchArgs) -> Result<()> {
             3,
         ),
         ("non-VIP (pass)", prog, args.calls, 2),
+        ("dsr-l2 established flow", prog, args.calls, 3),
+        ("dsr-l2 new flow (SYN)", prog, new_calls, 3),
+        ("dsr-ipip established flow", prog, args.calls, 3),
+        ("dsr-ipip new flow (SYN)", prog, new_calls, 3),
         ("minimal forwarder (swap+TX)", swap, args.calls, 3),
         ("XDP_PASS floor", pass, args.calls, 2),
     ];
-    let (fwd, floor_case) = (4, 5);
+    let (fwd, floor_case) = (8, 9);
     let mut results: Vec<Vec<f64>> = vec![Vec::new(); cases.len()];
     eprintln!(
         "timing {} runs per case ({new_calls} for new flows), {} rounds, pinned to CPU {} ...",
@@ -214,6 +249,10 @@ fn measure(args: &BenchArgs) -> Result<()> {
                 1 => new_flow(round * new_calls + n),
                 2 => new_flow(full_base + HALF_OPEN_SLOTS * 2 + round * new_calls + n),
                 3 => other.clone(),
+                4 => dsr_established[0].clone(),
+                5 => new_flow_to(round * new_calls + n, L2_PORT),
+                6 => dsr_established[1].clone(),
+                7 => new_flow_to(round * new_calls + n, IPIP_PORT),
                 _ => established.clone(),
             };
             let ns = time_case(program, ifx, &mut frames, *calls, *want).with_context(|| {
@@ -226,9 +265,11 @@ fn measure(args: &BenchArgs) -> Result<()> {
             results[i].push(ns);
         }
     }
-    let st = env.dp.service_stats(0)?;
-    if st.drop_flow_table + st.drop_nat_ports != 0 {
-        bail!("the tables refused new flows: {st:?}");
+    for id in 0..3 {
+        let st = env.dp.service_stats(id)?;
+        if st.drop_flow_table + st.drop_nat_ports != 0 {
+            bail!("the tables refused new flows: {st:?}");
+        }
     }
     let med: Vec<f64> = results.into_iter().map(median).collect();
     let floor = med[floor_case];
