@@ -542,9 +542,12 @@ pub struct NextHop {
     /// Interface to send on, and the ingress interface the answer is for.
     pub ifindex: u32,
     pub ingress: u32,
+    /// The path's MTU toward the backend, as the FIB gives it.
+    pub mtu: u16,
     /// 1: the FIB reached the backend through a gateway (not on the
     /// balancer's own segment, so L2 DSR cannot reach it).
-    pub routed: u32,
+    pub routed: u8,
+    pub _pad: u8,
     /// `Config::hop_generation` when the FIB answered, plus one (0: never).
     pub generation: u64,
 }

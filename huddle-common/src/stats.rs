@@ -153,6 +153,14 @@ counters!(
         drop_not_onlink,
         /// Dropped, IP-in-IP: no headroom for the outer header.
         drop_encap,
+        /// Packets too big for IP-in-IP with DF set, answered with ICMP
+        /// "fragmentation needed" (the client's path MTU discovery).
+        icmp_too_big,
+        /// ICMP errors about a source-NATed flow, translated to its client.
+        icmp_translated,
+        /// IP-in-IP packets too big for the path, without DF: handed to
+        /// the kernel, which fragments and forwards them.
+        encap_fragmented,
     }
 );
 

@@ -9,6 +9,7 @@
 use crate::{
     csum,
     forward::{out, route, unsettled, ROUTED},
+    icmp,
     maps::global,
     parse::Packet,
 };
@@ -54,7 +55,7 @@ pub fn send(
             gen,
             true,
         ) {
-            Ok(ifindex) => out(ctx, ifindex),
+            Ok((ifindex, _)) => out(ctx, ifindex),
             // Not on this segment: no MAC of ours reaches it, and the
             // kernel would route the packet by its VIP.
             Err(ROUTED) => {
@@ -95,6 +96,9 @@ fn encap(ctx: &XdpContext, p: &Packet, cfg: &Config, id: u32, dst: [u8; 4]) -> u
     let src = ((base & !vary) | (h & vary)).to_ne_bytes();
     // SAFETY: the IP header was bounds-checked by `parse`.
     let (tos, ip_id, df) = unsafe { ((*p.ip).tos, (*p.ip).id, (*p.ip).frags[0] & 0x40) };
+    // Where the frame came from, for an ICMP answer: `route` overwrites it.
+    // SAFETY: the Ethernet header was bounds-checked by `parse`.
+    let macs: [u8; 12] = unsafe { *p.eth.cast::<[u8; 12]>() };
     // Asked before the packet changes (`p`'s pointers die with it): the
     // next hop's addresses go into the client's Ethernet header, which
     // then moves to the front.
@@ -109,6 +113,11 @@ fn encap(ctx: &XdpContext, p: &Packet, cfg: &Config, id: u32, dst: [u8; 4]) -> u
         cfg.hop_generation,
         false,
     );
+    let too_big = matches!(next, Ok((_, mtu)) if outer_len > mtu);
+    if let (true, Ok((_, mtu))) = (too_big && df != 0, next) {
+        // It would not fit: the client learns the size that does.
+        return icmp::too_big(ctx, mtu.saturating_sub(IP_LEN as u16), &macs);
+    }
     // SAFETY: plain helper call; every pointer is derived afresh below.
     if unsafe { bpf_xdp_adjust_head(ctx.ctx.cast(), -(IP_LEN as i32)) } != 0 {
         global(|s| s.drop_encap += 1);
@@ -144,8 +153,15 @@ fn encap(ctx: &XdpContext, p: &Packet, cfg: &Config, id: u32, dst: [u8; 4]) -> u
             .write_unaligned(csum::apply(0xffff, csum::words(&iph)));
     }
     global(|s| s.encap += 1);
+    if too_big {
+        // May be fragmented: the kernel does that, as addressed to it.
+        // Bounds checked above.
+        crate::maps::put(data as *mut [u8; 12], &macs);
+        global(|s| s.encap_fragmented += 1);
+        return xdp_action::XDP_PASS;
+    }
     match next {
-        Ok(ifindex) => out(ctx, ifindex),
+        Ok((ifindex, _)) => out(ctx, ifindex),
         // The kernel resolves the neighbour and forwards the outer packet.
         Err(rc) => {
             unsettled(rc);

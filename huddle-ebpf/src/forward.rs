@@ -11,7 +11,10 @@ use crate::{
     parse::Packet,
 };
 use aya_ebpf::{
-    bindings::{bpf_fib_lookup, xdp_action, BPF_FIB_LKUP_RET_NO_NEIGH, BPF_FIB_LKUP_RET_SUCCESS},
+    bindings::{
+        bpf_fib_lookup, xdp_action, BPF_FIB_LKUP_RET_FRAG_NEEDED, BPF_FIB_LKUP_RET_NO_NEIGH,
+        BPF_FIB_LKUP_RET_SUCCESS,
+    },
     helpers::generated::{bpf_fib_lookup as fib_lookup, bpf_redirect},
     programs::XdpContext,
 };
@@ -33,7 +36,7 @@ pub fn send(ctx: &XdpContext, p: &Packet, backend: Option<u32>, generation: u64)
     match route(
         ctx, p.eth, src, dst, p.proto, p.tot_len, backend, generation, false,
     ) {
-        Ok(ifindex) => out(ctx, ifindex),
+        Ok((ifindex, _)) => out(ctx, ifindex),
         Err(rc) => {
             unsettled(rc);
             xdp_action::XDP_PASS
@@ -47,10 +50,12 @@ pub const ROUTED: u32 = u32::MAX;
 
 /// Sets the MAC addresses of the frame whose Ethernet header is `eth` for
 /// a packet from `src` to `dst` (network order) and returns the interface
-/// to leave by: the next hop cached for `backend` while current, else the
-/// FIB's (cached again). `onlink`: the destination must be a neighbour,
-/// not behind a gateway. The error is the FIB's answer when it gave no
-/// next hop (`BPF_FIB_LKUP_RET_*`), or `ROUTED`; the frame is unchanged.
+/// to leave by and the path's MTU: the next hop cached for `backend` while
+/// current, else the FIB's (cached again; without a backend the MTU is
+/// not asked and given as 0xffff). `onlink`: the destination must be a
+/// neighbour, not behind a gateway. The error is the FIB's answer when it
+/// gave no next hop (`BPF_FIB_LKUP_RET_*`), or `ROUTED`; the frame is
+/// unchanged.
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
 pub fn route(
@@ -63,7 +68,7 @@ pub fn route(
     backend: Option<u32>,
     generation: u64,
     onlink: bool,
-) -> Result<u32, u32> {
+) -> Result<(u32, u16), u32> {
     let ingress = ctx.ingress_ifindex() as u32;
     let cache = backend.and_then(|id| NEXT_HOP.get_ptr_mut(id));
     // Stored plus one, so a never-filled entry (0) never matches.
@@ -78,27 +83,16 @@ pub fn route(
                 }
                 put(&mut (*eth).dst_addr, &hop.dmac);
                 put(&mut (*eth).src_addr, &hop.smac);
-                return Ok(hop.ifindex);
+                return Ok((hop.ifindex, hop.mtu));
             }
         }
     }
     // SAFETY: an all-zero bpf_fib_lookup is a valid request skeleton.
     let mut params: bpf_fib_lookup = unsafe { zeroed() };
-    params.family = AF_INET;
-    params.l4_protocol = proto;
-    params.__bindgen_anon_1.tot_len = tot_len;
-    params.ifindex = ingress;
-    params.__bindgen_anon_3.ipv4_src = u32::from_ne_bytes(src);
-    params.__bindgen_anon_4.ipv4_dst = u32::from_ne_bytes(dst);
-    // SAFETY: `params` is a valid, correctly sized request for the helper.
-    let rc = unsafe {
-        fib_lookup(
-            ctx.ctx.cast(),
-            &mut params,
-            size_of::<bpf_fib_lookup>() as i32,
-            0,
-        )
-    };
+    // A backend's hop is cached for packets of any size, its MTU apart
+    // (below): asked without a length, the FIB checks none.
+    let len = if cache.is_some() { 0 } else { tot_len };
+    let rc = ask(ctx, &mut params, (src, dst), proto, len);
     if rc as u32 != BPF_FIB_LKUP_RET_SUCCESS {
         return Err(rc as u32);
     }
@@ -106,24 +100,71 @@ pub fn route(
     // another address there means a gateway.
     // SAFETY: a union field the helper filled.
     let routed = unsafe { params.__bindgen_anon_4.ipv4_dst } != u32::from_ne_bytes(dst);
-    // SAFETY: the caller checked `eth`'s bounds; the cache element is
-    // this CPU's.
+    let ifindex = params.ifindex;
+    // SAFETY: the caller checked `eth`'s bounds.
     unsafe {
-        if let Some(c) = cache {
-            (*c).smac = params.smac;
-            (*c).dmac = params.dmac;
-            (*c).ifindex = params.ifindex;
-            (*c).ingress = ingress;
-            (*c).routed = u32::from(routed);
-            (*c).generation = current;
-        }
         if onlink && routed {
             return Err(ROUTED);
         }
         put(&mut (*eth).dst_addr, &params.dmac);
         put(&mut (*eth).src_addr, &params.smac);
     }
-    Ok(params.ifindex)
+    let Some(c) = cache else {
+        return Ok((ifindex, u16::MAX));
+    };
+    // SAFETY: this CPU's element.
+    unsafe {
+        (*c).smac = params.smac;
+        (*c).dmac = params.dmac;
+        (*c).ifindex = ifindex;
+        (*c).ingress = ingress;
+        (*c).routed = u8::from(routed);
+    }
+    // The path MTU, for what grows on the way (IP-in-IP): the FIB gives it
+    // for a packet too big for it. Asked only when the cache is filled, in
+    // the same request (no second one on the stack).
+    let rc = ask(ctx, &mut params, (src, dst), proto, u16::MAX);
+    let mtu = if rc as u32 == BPF_FIB_LKUP_RET_FRAG_NEEDED {
+        // SAFETY: the union field the helper filled for this answer.
+        unsafe { params.__bindgen_anon_1.mtu_result }
+    } else {
+        u16::MAX
+    };
+    // SAFETY: this CPU's element; the generation last, so the entry is
+    // used only once whole.
+    unsafe {
+        (*c).mtu = mtu;
+        (*c).generation = current;
+    }
+    Ok((ifindex, mtu))
+}
+
+/// Asks the FIB for the next hop of a packet of `tot_len` bytes from
+/// `addrs.0` to `addrs.1` coming in where this one did; `params` holds the
+/// answer. Returns the FIB's verdict (`BPF_FIB_LKUP_RET_*`).
+#[inline(always)]
+fn ask(
+    ctx: &XdpContext,
+    params: &mut bpf_fib_lookup,
+    addrs: ([u8; 4], [u8; 4]),
+    proto: u8,
+    tot_len: u16,
+) -> i64 {
+    params.family = AF_INET;
+    params.l4_protocol = proto;
+    params.__bindgen_anon_1.tot_len = tot_len;
+    params.ifindex = ctx.ingress_ifindex() as u32;
+    params.__bindgen_anon_3.ipv4_src = u32::from_ne_bytes(addrs.0);
+    params.__bindgen_anon_4.ipv4_dst = u32::from_ne_bytes(addrs.1);
+    // SAFETY: `params` is a valid, correctly sized request for the helper.
+    unsafe {
+        fib_lookup(
+            ctx.ctx.cast(),
+            params,
+            size_of::<bpf_fib_lookup>() as i32,
+            0,
+        )
+    }
 }
 
 /// Counts a packet `route` found no next hop for, which goes to the kernel.

@@ -14,6 +14,7 @@ mod csum;
 mod dsr;
 mod forward;
 mod halfopen;
+mod icmp;
 mod maps;
 mod nat;
 mod parse;
@@ -30,6 +31,7 @@ use parse::Skip;
 pub fn huddle(ctx: XdpContext) -> u32 {
     match parse::parse(&ctx) {
         Ok(p) => balance::balance(&ctx, &p),
+        Err(Skip::NotTcpUdp) if parse::is_icmp(&ctx) => icmp::inbound(&ctx),
         Err(skip) => {
             maps::global(|s| match skip {
                 Skip::NotIpv4 => s.pass_not_ipv4 += 1,

@@ -72,6 +72,15 @@ pub fn ptr_at<T>(ctx: &XdpContext, offset: usize) -> Option<*mut T> {
     Some((start + offset) as *mut T)
 }
 
+/// Whether the frame, already parsed as a whole IPv4 packet that is not
+/// TCP or UDP, is ICMP.
+#[inline(always)]
+pub fn is_icmp(ctx: &XdpContext) -> bool {
+    ptr_at::<Ipv4Hdr>(ctx, EthHdr::LEN)
+        // SAFETY: checked by `ptr_at`.
+        .is_some_and(|ip| unsafe { (*ip).proto } == 1)
+}
+
 #[inline(always)]
 pub fn parse(ctx: &XdpContext) -> Result<Packet, Skip> {
     let eth: *mut EthHdr = ptr_at(ctx, 0).ok_or(Skip::NotIpv4)?;

@@ -6,7 +6,7 @@ use huddle_common::{BackendStats, GlobalStats};
 use huddle_user::{
     config::{Mode, PortRange, Proto, Service},
     decap::Decap,
-    packet::{checksums_valid, ipip, Frame, ACK, PSH},
+    packet::{checksums_valid, icmp_checksums_valid, icmp_error, ipip, Frame, ACK, PSH},
     prog_run::{mac_of, test_run, ProgRun, BALANCER_MAC},
 };
 use std::net::{Ipv4Addr, SocketAddr};
@@ -237,4 +237,64 @@ fn the_agents_decap_gives_back_the_clients_packet() {
         (st.decapped, st.pass_not_local, st.pass_malformed),
         (1, 1, 1)
     );
+}
+
+#[test]
+fn a_df_packet_too_big_once_wrapped_gets_fragmentation_needed_from_the_vip() {
+    let mut env = env("dsr-mtu");
+    env.ns.ip(&["link", "set", "hb0", "mtu", "1400"]).unwrap();
+    for f in [client(45000, IPIP).syn(), client(45000, IPIP).flags(ACK)] {
+        assert_eq!(env.run(&f.build()).unwrap().0, XDP_TX);
+    }
+    // The next-hop cache expires (the control plane moves its generation
+    // on every second): the first packet after, a big one, still learns
+    // the MTU.
+    env.dp.refresh_next_hops().unwrap();
+    // 1,400 bytes of IP: fits the link, not once 20 more are put in front.
+    let big = client(45000, IPIP)
+        .flags(ACK | PSH)
+        .payload(&[0x61; 1360])
+        .build();
+    let (verdict, out) = env.run(&big).unwrap();
+    assert_eq!(verdict, XDP_TX, "answered back out");
+    let quote = &big[14..14 + 28];
+    let want = icmp_error(
+        (3, 4, [0, 0, 0x05, 0x64]),
+        VIP,
+        CLIENT,
+        quote,
+        (BALANCER_MAC, mac_of(CLIENT)),
+    );
+    assert_eq!(out, want, "ICMP fragmentation needed, MTU 1380");
+    assert!(icmp_checksums_valid(&out));
+    assert_eq!(global(&env).icmp_too_big, 1);
+    // Without DF: wrapped, and left to the kernel to fragment (still
+    // addressed to this host's MAC).
+    let mut no_df = big.clone();
+    no_df[20] = 0;
+    let sum = huddle_user::packet::checksum(
+        &{
+            let mut h = no_df[14..34].to_vec();
+            h[10] = 0;
+            h[11] = 0;
+            h
+        },
+        0,
+    );
+    no_df[24..26].copy_from_slice(&sum.to_be_bytes());
+    let (verdict, out) = env.run(&no_df).unwrap();
+    assert_eq!(verdict, XDP_PASS, "to the kernel, to fragment");
+    assert_eq!(out.len(), no_df.len() + 20);
+    assert_eq!(out[..12], no_df[..12], "still addressed to this host");
+    assert_eq!(out[34..], no_df[14..], "the client's packet inside");
+    assert_eq!(global(&env).encap_fragmented, 1);
+    // One that fits is wrapped as ever.
+    let fits = client(45000, IPIP)
+        .flags(ACK | PSH)
+        .payload(&[0x61; 1340])
+        .build();
+    let (verdict, out) = env.run(&fits).unwrap();
+    assert_eq!(verdict, XDP_TX);
+    assert_eq!(out.len(), fits.len() + 20);
+    assert_eq!(global(&env).icmp_too_big, 1);
 }

@@ -291,6 +291,47 @@ pub fn ipip(frame: &[u8], src: Ipv4Addr, dst: Ipv4Addr, macs: ([u8; 6], [u8; 6])
     f
 }
 
+/// An ICMP error frame (`kind`, `code`, the 4 bytes after the checksum
+/// `rest`) from `src` to `dst`, quoting `quoted` (an IP packet, cut as the
+/// sender likes), with valid checksums; Ethernet addresses `macs`
+/// (source, destination).
+#[must_use]
+pub fn icmp_error(
+    (kind, code, rest): (u8, u8, [u8; 4]),
+    src: Ipv4Addr,
+    dst: Ipv4Addr,
+    quoted: &[u8],
+    macs: ([u8; 6], [u8; 6]),
+) -> Vec<u8> {
+    let tot_len = (IP_LEN + 8 + quoted.len()) as u16;
+    let mut f = Vec::new();
+    f.extend_from_slice(&macs.1);
+    f.extend_from_slice(&macs.0);
+    f.extend_from_slice(&0x0800u16.to_be_bytes());
+    f.extend_from_slice(&[0x45, 0]);
+    f.extend_from_slice(&tot_len.to_be_bytes());
+    f.extend_from_slice(&[0, 0, 0, 0, 64, 1, 0, 0]);
+    f.extend_from_slice(&src.octets());
+    f.extend_from_slice(&dst.octets());
+    let sum = checksum(&f[ETH_LEN..ETH_LEN + IP_LEN], 0);
+    f[ETH_LEN + 10..ETH_LEN + 12].copy_from_slice(&sum.to_be_bytes());
+    let icmp = f.len();
+    f.extend_from_slice(&[kind, code, 0, 0]);
+    f.extend_from_slice(&rest);
+    f.extend_from_slice(quoted);
+    let sum = checksum(&f[icmp..], 0);
+    f[icmp + 2..icmp + 4].copy_from_slice(&sum.to_be_bytes());
+    f
+}
+
+/// Whether an ICMP frame's IP header and ICMP message both sum right.
+#[must_use]
+pub fn icmp_checksums_valid(frame: &[u8]) -> bool {
+    frame.len() >= ETH_LEN + IP_LEN + 8
+        && checksum(&frame[ETH_LEN..ETH_LEN + IP_LEN], 0) == 0
+        && checksum(&frame[ETH_LEN + IP_LEN..], 0) == 0
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
