@@ -10,15 +10,23 @@
 //! - a rewritten packet goes from the SNAT address to a backend of the
 //!   service's ring on its port (or, translated back, from the VIP to the
 //!   client), keeps its length and payload, and has valid IP and L4
-//!   checksums whenever the input had.
+//!   checksums whenever the input had;
+//! - a packet of a DSR service leaves with its IP packet untouched: in
+//!   dsr-l2 to a backend's MAC, in dsr-ipip inside an outer header from
+//!   the encapsulation prefix to a backend, with a valid checksum;
+//! - an ICMP error to the SNAT address about a translated flow reaches
+//!   that flow's client with valid checksums; any other ICMP passes.
 //!
 //! `HUDDLE_FUZZ_CASES` sets the count (default: the full 1,000,000, about
 //! 10 s), `HUDDLE_FUZZ_SEED` the seed. A failure prints the seed, the case and the
 //! packet in hex.
 
 use huddle_user::{
-    config::{Config, PortRange, Proto, Service},
-    packet::{checksum, checksums_valid, endpoints, l4_checksum, Frame, ACK, ETH_LEN, RST, SYN},
+    config::{Config, Mode, PortRange, Proto, Service},
+    packet::{
+        checksum, checksums_valid, endpoints, icmp_checksums_valid, icmp_error, l4_checksum, Frame,
+        ACK, ETH_LEN, RST, SYN,
+    },
     prog_run::{mac_of, ProgRun, BALANCER_IP, BALANCER_MAC},
 };
 use std::net::{Ipv4Addr, SocketAddr};
@@ -35,8 +43,12 @@ const NAT: PortRange = PortRange {
     min: 20000,
     max: 32767,
 };
-/// (VIP port, protocol number, backend port).
+/// (VIP port, protocol number, backend port): source NAT.
 const SERVICES: [(u16, u8, u16); 2] = [(80, 6, 8080), (53, 17, 5353)];
+/// DSR services (VIP port = backend port): L2, IP-in-IP (TCP and UDP).
+const DSR_L2: u16 = 8081;
+const DSR_IPIP: [(u16, u8); 2] = [(9091, 6), (9053, 17)];
+const ENCAP_PREFIX: &str = "10.213.64.0/20";
 
 fn backends() -> Vec<Ipv4Addr> {
     (0..3).map(|i| Ipv4Addr::new(10, 213, 0, 11 + i)).collect()
@@ -152,12 +164,47 @@ struct Gen {
 
 impl Gen {
     fn frame(&mut self, r: &mut Rng) -> Vec<u8> {
-        match r.below(20) {
+        match r.below(21) {
+            // An ICMP error to the SNAT address, mostly about a tuple the
+            // program opened, quoting 28 bytes or more.
+            20 => {
+                let (b, port, proto) = if !self.nat.is_empty() && r.chance(80) {
+                    self.nat[r.below(self.nat.len() as u64) as usize]
+                } else {
+                    (backends()[0], NAT.min + r.below(100) as u16, 6)
+                };
+                let sent = if proto == 6 {
+                    Frame::tcp((BALANCER_IP, port), (b, 8080)).syn().build()
+                } else {
+                    Frame::udp((BALANCER_IP, port), (b, 5353)).build()
+                };
+                let cut = (ETH_LEN + 28 + r.below(20) as usize).min(sent.len());
+                let kind = [(3, 4), (3, 1), (11, 0), (8, 0)][r.below(4) as usize];
+                let from = if r.chance(50) {
+                    b
+                } else {
+                    Ipv4Addr::new(10, 213, 0, 254)
+                };
+                icmp_error(
+                    (kind.0, kind.1, [0, 0, 0x05, 0x00]),
+                    from,
+                    BALANCER_IP,
+                    &sent[ETH_LEN..cut],
+                    (mac_of(b), BALANCER_MAC),
+                )
+            }
             // Client to a VIP, mostly to a service port.
             0..=10 => {
                 let client = CLIENTS[r.below(2) as usize];
                 let sport = 40000 + r.below(500) as u16;
-                let (vport, proto, _) = SERVICES[r.below(2) as usize];
+                let (vport, proto) = match r.below(5) {
+                    0 | 1 => {
+                        let (p, pr, _) = SERVICES[r.below(2) as usize];
+                        (p, pr)
+                    }
+                    2 => (DSR_L2, 6),
+                    _ => DSR_IPIP[r.below(2) as usize],
+                };
                 let vport = if r.chance(90) { vport } else { r.next() as u16 };
                 let pl = {
                     let n = r.below(80) as usize;
@@ -309,6 +356,92 @@ impl Gen {
     }
 }
 
+/// ICMP frames: `None` if `f` is not whole IPv4 ICMP (the other checks
+/// take it), else what happened or what is wrong. An error about a flow
+/// the program translated goes to a client that opened one, as ICMP with
+/// valid checksums (when they were), its length kept; anything else
+/// passes unchanged.
+fn icmp_checked(
+    f: &[u8],
+    verdict: u32,
+    out: &[u8],
+    clients: &std::collections::HashSet<Ipv4Addr>,
+) -> Option<Result<&'static str, &'static str>> {
+    let whole = f.len() >= ETH_LEN + 20
+        && u16::from_be_bytes([f[12], f[13]]) == 0x0800
+        && f[ETH_LEN] == 0x45
+        && f[ETH_LEN + 9] == 1
+        && u16::from_be_bytes([f[ETH_LEN + 6], f[ETH_LEN + 7]]) & 0x3fff == 0
+        && usize::from(u16::from_be_bytes([f[ETH_LEN + 2], f[ETH_LEN + 3]])) + ETH_LEN <= f.len()
+        && usize::from(u16::from_be_bytes([f[ETH_LEN + 2], f[ETH_LEN + 3]])) >= 20;
+    if !whole {
+        return None;
+    }
+    if verdict == XDP_PASS && out == f {
+        return Some(Ok("ICMP passed"));
+    }
+    let to = Ipv4Addr::new(out[30], out[31], out[32], out[33]);
+    Some(if !matches!(verdict, XDP_TX | XDP_REDIRECT | XDP_PASS) {
+        Err("ICMP dropped")
+    } else if out.len() != f.len() || out[ETH_LEN + 9] != 1 {
+        Err("ICMP translated into something else")
+    } else if !clients.contains(&to) {
+        Err("ICMP translated to somebody who opened no flow")
+    } else if icmp_checksums_valid(f) && !icmp_checksums_valid(out) {
+        Err("translated ICMP with a bad checksum")
+    } else if f[ETH_LEN + 16..ETH_LEN + 20] != BALANCER_IP.octets() {
+        Err("translated ICMP that was not to the SNAT address")
+    } else {
+        Ok("ICMP error translated to its client")
+    })
+}
+
+/// A parseable packet to a DSR service's VIP and port: dropped (no
+/// backend, no flow) or passed unchanged (a TCP segment of no flow), or
+/// sent with its IP packet untouched, by MAC (`l2`) or wrapped.
+fn dsr_checked(f: &[u8], verdict: u32, out: &[u8], l2: bool) -> Result<&'static str, &'static str> {
+    if verdict == XDP_DROP {
+        return Ok("DSR dropped");
+    }
+    if verdict == XDP_PASS && out == f {
+        return Ok("DSR passed");
+    }
+    if !matches!(verdict, XDP_TX | XDP_REDIRECT | XDP_PASS) {
+        return Err("DSR: unexpected verdict");
+    }
+    if l2 {
+        if out.len() != f.len() || out[12..] != f[12..] {
+            return Err("dsr-l2 changed more than the MAC addresses");
+        }
+        if !backends().iter().any(|b| out[..6] == mac_of(*b)) {
+            return Err("dsr-l2 frame not to a backend's MAC");
+        }
+        return Ok("dsr-l2 sent");
+    }
+    if out.len() != f.len() + 20 || out[ETH_LEN + 20..] != f[ETH_LEN..] {
+        return Err("dsr-ipip did not carry the packet unchanged after an outer header");
+    }
+    let o = &out[ETH_LEN..ETH_LEN + 20];
+    let inner_len = u16::from_be_bytes([f[ETH_LEN + 2], f[ETH_LEN + 3]]);
+    let prefix: huddle_user::config::Prefix = ENCAP_PREFIX.parse().unwrap();
+    if o[0] != 0x45 || o[9] != 4 || o[8] != 64 {
+        return Err("dsr-ipip outer header: version, protocol or TTL wrong");
+    }
+    if u16::from_be_bytes([o[2], o[3]]) != inner_len + 20 {
+        return Err("dsr-ipip outer length wrong");
+    }
+    if checksum(o, 0) != 0 {
+        return Err("dsr-ipip outer header checksum wrong");
+    }
+    if !prefix.contains(Ipv4Addr::new(o[12], o[13], o[14], o[15])) {
+        return Err("dsr-ipip outer source outside the prefix");
+    }
+    if !backends().contains(&Ipv4Addr::new(o[16], o[17], o[18], o[19])) {
+        return Err("dsr-ipip outer destination not a backend");
+    }
+    Ok("dsr-ipip sent")
+}
+
 /// Whether `out` is `f`, a backend's RST+ACK to a NAT tuple, turned into a
 /// SYN (the kernel's retry of a refused connection).
 fn is_retry(f: &[u8], out: &[u8]) -> bool {
@@ -332,12 +465,25 @@ fn config() -> Config {
             bs.iter().map(|b| SocketAddr::from((*b, port))).collect(),
         )
     };
-    huddle_user::prog_run::config(
-        vec![svc(80, Proto::Tcp, 8080), svc(53, Proto::Udp, 5353)],
+    let dsr = |port: u16, proto, mode| {
+        let mut s = svc(port, proto, port);
+        s.mode = mode;
+        s
+    };
+    let mut c = huddle_user::prog_run::config(
+        vec![
+            svc(80, Proto::Tcp, 8080),
+            svc(53, Proto::Udp, 5353),
+            dsr(DSR_L2, Proto::Tcp, Mode::DsrL2),
+            dsr(DSR_IPIP[0].0, Proto::Tcp, Mode::DsrIpip),
+            dsr(DSR_IPIP[1].0, Proto::Udp, Mode::DsrIpip),
+        ],
         NAT,
         4096,
         1024,
-    )
+    );
+    c.encap_prefix = Some(ENCAP_PREFIX.parse().unwrap());
+    c
 }
 
 fn env_u64(name: &str, default: u64) -> u64 {
@@ -387,6 +533,13 @@ fn a_fuzzed_packet_path_never_rewrites_wrongly() {
             )
         };
         tally[verdict.min(4) as usize] += 1;
+        if let Some(why) = icmp_checked(&f, verdict, &out, &clients) {
+            match why {
+                Ok(what) => *reasons.entry(what).or_default() += 1,
+                Err(e) => fail(e),
+            }
+            continue;
+        }
         if let Some(why) = refused(&f) {
             *reasons.entry(why).or_default() += 1;
             if verdict != XDP_PASS || out != f {
@@ -400,6 +553,13 @@ fn a_fuzzed_packet_path_never_rewrites_wrongly() {
             .iter()
             .find(|(p, pr, _)| dst == VIP && *p == dport && *pr == proto);
         let reply = dst == BALANCER_IP && (NAT.min..=NAT.max).contains(&dport);
+        if dst == VIP && (dport == DSR_L2 || DSR_IPIP.contains(&(dport, proto))) {
+            match dsr_checked(&f, verdict, &out, dport == DSR_L2 && proto == 6) {
+                Ok(what) => *reasons.entry(what).or_default() += 1,
+                Err(e) => fail(e),
+            }
+            continue;
+        }
         match verdict {
             XDP_PASS if out == f => {
                 *reasons.entry("passed").or_default() += 1;
