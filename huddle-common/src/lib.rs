@@ -113,6 +113,43 @@ pub mod decap {
     pub const STATS: &str = "DECAP_STATS";
     /// Addresses `LOCAL` holds at most.
     pub const MAX_LOCAL: u32 = 256;
+    /// The TC program on egress that sees each request's first answer
+    /// byte leave.
+    pub const TTFB_PROGRAM: &str = "ttfb_out";
+    /// `HashMap<Addr, u32>`: the VIPs this backend serves by DSR, each
+    /// with its index in `TTFB`.
+    pub const VIPS: &str = "AGENT_VIPS";
+    /// `LruHashMap<TurnKey, u64>`: when each connection's pending request
+    /// arrived (`bpf_ktime_get_ns`).
+    pub const TURNS: &str = "AGENT_TURNS";
+    /// `PerCpuArray<AgentTtfb>` indexed by VIP index.
+    pub const TTFB: &str = "AGENT_TTFB";
+    /// VIPs one agent times.
+    pub const MAX_VIPS: u32 = 16;
+    /// Connections with a pending request it tracks at once.
+    pub const MAX_TURNS: u32 = 65_536;
+}
+
+/// Key of the agent's `AGENT_TURNS`: a connection to a VIP as the client
+/// sends it (addresses and ports in network order).
+#[repr(C, align(8))]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct TurnKey {
+    pub client: [u8; 4],
+    pub vip: [u8; 4],
+    pub client_port_be: u16,
+    pub vip_port_be: u16,
+    pub _pad: u32,
+}
+
+/// The agent's time to first byte of one VIP, per CPU: the histogram, the
+/// summed time and the count of its samples.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct AgentTtfb {
+    pub sum_ns: u64,
+    pub count: u64,
+    pub hist: Latency,
 }
 
 /// Services (VIP:port/proto) one balancer can serve.
@@ -593,6 +630,8 @@ assert_size!(SynCopy, 48);
 assert_size!(Tuning, 24);
 assert_size!(HalfOpenNat, 96);
 assert_size!(NatCursor, 24);
+assert_size!(TurnKey, 16);
+assert_size!(AgentTtfb, 16 + 8 * LATENCY_BUCKETS);
 
 #[cfg(feature = "user")]
 mod pod {
@@ -612,6 +651,8 @@ mod pod {
     unsafe impl aya::Pod for ServiceStats {}
     unsafe impl aya::Pod for GlobalStats {}
     unsafe impl aya::Pod for DecapStats {}
+    unsafe impl aya::Pod for TurnKey {}
+    unsafe impl aya::Pod for AgentTtfb {}
     unsafe impl aya::Pod for Latency {}
     unsafe impl aya::Pod for Pulse {}
     unsafe impl aya::Pod for GenConfig {}

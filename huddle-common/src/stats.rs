@@ -175,5 +175,9 @@ counters!(
         /// IP-in-IP packets with outer options, fragmented, or with an
         /// inner packet that is not a whole IPv4 header: left alone.
         pass_malformed,
+        /// Requests to a VIP whose arrival was recorded, and answers timed
+        /// (first response byte leaving on egress).
+        turns,
+        answered,
     }
 );

@@ -1,19 +1,25 @@
-//! The backend agent's decap (`huddle agent --decap`): unwraps the
-//! balancer's IP-in-IP packets on the backend's interface and hands the
-//! inner packet, the client's own, to the stack, with no tunnel device or
-//! kernel module. Only packets to one of this host's addresses are
-//! unwrapped; everything else passes untouched.
+//! The backend agent's programs (`huddle agent --decap`). On ingress (XDP)
+//! it unwraps the balancer's IP-in-IP packets and hands the inner packet,
+//! the client's own, to the stack, with no tunnel device or kernel module
+//! (only packets to one of this host's addresses; everything else passes
+//! untouched), and notes when a request to a DSR VIP arrives; on egress
+//! (TC) it sees the answer's first byte leave: the backend's exact time
+//! to first byte, per VIP, which the balancer cannot see in DSR.
 #![no_std]
 #![no_main]
 
 use aya_ebpf::{
-    bindings::xdp_action,
-    helpers::generated::bpf_xdp_adjust_head,
-    macros::{map, xdp},
-    maps::{HashMap, PerCpuArray},
-    programs::XdpContext,
+    bindings::{xdp_action, BPF_NOEXIST, TC_ACT_OK},
+    helpers::{bpf_ktime_get_ns, generated::bpf_xdp_adjust_head},
+    macros::{classifier, map, xdp},
+    maps::{HashMap, LruHashMap, PerCpuArray},
+    programs::{TcContext, XdpContext},
 };
-use huddle_common::{addr_v4, decap::MAX_LOCAL, Addr, DecapStats};
+use huddle_common::{
+    addr_v4,
+    decap::{MAX_LOCAL, MAX_TURNS, MAX_VIPS},
+    latency_bucket, Addr, AgentTtfb, DecapStats, TurnKey, LATENCY_BUCKETS,
+};
 
 const ETH_LEN: usize = 14;
 const IP_LEN: usize = 20;
@@ -27,6 +33,20 @@ static DECAP_LOCAL: HashMap<Addr, u32> = HashMap::with_max_entries(MAX_LOCAL, 0)
 #[map]
 static DECAP_STATS: PerCpuArray<DecapStats> = PerCpuArray::with_max_entries(1, 0);
 
+/// VIP -> its index in `AGENT_TTFB` (written by the agent).
+#[map]
+static AGENT_VIPS: HashMap<Addr, u32> = HashMap::with_max_entries(MAX_VIPS, 0);
+
+/// Connection -> when its pending request arrived.
+#[map]
+static AGENT_TURNS: LruHashMap<TurnKey, u64> = LruHashMap::with_max_entries(MAX_TURNS, 0);
+
+/// VIP index -> this CPU's time-to-first-byte samples.
+#[map]
+static AGENT_TTFB: PerCpuArray<AgentTtfb> = PerCpuArray::with_max_entries(MAX_VIPS, 0);
+
+const PROTO_TCP: u8 = 6;
+
 #[inline(always)]
 fn count(f: impl FnOnce(&mut DecapStats)) {
     if let Some(s) = DECAP_STATS.get_ptr_mut(0) {
@@ -37,6 +57,128 @@ fn count(f: impl FnOnce(&mut DecapStats)) {
 
 #[xdp]
 pub fn decap(ctx: XdpContext) -> u32 {
+    let verdict = unwrap(&ctx);
+    if verdict == xdp_action::XDP_PASS {
+        arrived(&ctx);
+    }
+    verdict
+}
+
+/// A TCP segment with request data to a VIP (the frame as the stack will
+/// see it): the connection's pending request starts now, unless one is.
+#[inline(always)]
+fn arrived(ctx: &XdpContext) {
+    let (data, end) = (ctx.data(), ctx.data_end());
+    if data + ETH_LEN + IP_LEN + 20 > end {
+        return;
+    }
+    // SAFETY: the 54 bytes read were bounds-checked just above.
+    let (ethertype, ip, tcp) = unsafe {
+        (
+            *((data + 12) as *const [u8; 2]),
+            *((data + ETH_LEN) as *const [u8; IP_LEN]),
+            *((data + ETH_LEN + IP_LEN) as *const [u8; 20]),
+        )
+    };
+    let Some(key) = request_key(ethertype, &ip, &tcp, false) else {
+        return;
+    };
+    // SAFETY: plain helper call.
+    let now = unsafe { bpf_ktime_get_ns() };
+    if AGENT_TURNS.insert(key, now, u64::from(BPF_NOEXIST)).is_ok() {
+        count(|s| s.turns += 1);
+    }
+}
+
+/// The connection key of a TCP segment carrying data (IPv4, 20-byte
+/// header) to a VIP (`outbound`: from a VIP, keyed as its client sends).
+#[inline(always)]
+fn request_key(
+    ethertype: [u8; 2],
+    ip: &[u8; IP_LEN],
+    tcp: &[u8; 20],
+    outbound: bool,
+) -> Option<TurnKey> {
+    if ethertype != ETH_P_IP || ip[0] != 0x45 || ip[9] != PROTO_TCP {
+        return None;
+    }
+    let tot = usize::from(u16::from_be_bytes([ip[2], ip[3]]));
+    let doff = usize::from(tcp[12] >> 4) * 4;
+    if tot <= IP_LEN + doff {
+        return None;
+    }
+    let (src, dst) = (
+        [ip[12], ip[13], ip[14], ip[15]],
+        [ip[16], ip[17], ip[18], ip[19]],
+    );
+    let (sport, dport) = (
+        u16::from_ne_bytes([tcp[0], tcp[1]]),
+        u16::from_ne_bytes([tcp[2], tcp[3]]),
+    );
+    let (client, vip, client_port_be, vip_port_be) = if outbound {
+        (dst, src, dport, sport)
+    } else {
+        (src, dst, sport, dport)
+    };
+    // SAFETY: only tested for presence.
+    unsafe { AGENT_VIPS.get(addr_v4(vip)) }?;
+    Some(TurnKey {
+        client,
+        vip,
+        client_port_be,
+        vip_port_be,
+        _pad: 0,
+    })
+}
+
+/// Egress: the first answer byte of a pending request leaves: one sample
+/// for its VIP.
+#[classifier]
+pub fn ttfb_out(ctx: TcContext) -> i32 {
+    answered(&ctx);
+    TC_ACT_OK
+}
+
+#[inline(always)]
+fn answered(ctx: &TcContext) {
+    let (Ok(ethertype), Ok(ip), Ok(tcp)) = (
+        ctx.load::<[u8; 2]>(12),
+        ctx.load::<[u8; IP_LEN]>(ETH_LEN),
+        ctx.load::<[u8; 20]>(ETH_LEN + IP_LEN),
+    ) else {
+        return;
+    };
+    let Some(key) = request_key(ethertype, &ip, &tcp, true) else {
+        return;
+    };
+    // SAFETY: copied out at once.
+    let Some(start) = (unsafe { AGENT_TURNS.get(key) }).copied() else {
+        return;
+    };
+    let _ = AGENT_TURNS.remove(key);
+    // SAFETY: as above.
+    let Some(idx) = (unsafe { AGENT_VIPS.get(addr_v4(key.vip)) }).copied() else {
+        return;
+    };
+    // SAFETY: plain helper call.
+    let waited = unsafe { bpf_ktime_get_ns() }.wrapping_sub(start);
+    let b = latency_bucket(waited);
+    if let Some(t) = AGENT_TTFB.get_ptr_mut(idx) {
+        // SAFETY: this CPU's element.
+        unsafe {
+            (*t).sum_ns += waited;
+            (*t).count += 1;
+            if b < LATENCY_BUCKETS {
+                (*t).hist.buckets[b] += 1;
+            }
+        }
+    }
+    count(|s| s.answered += 1);
+}
+
+/// Unwraps an IP-in-IP packet to this host; the verdict.
+#[inline(always)]
+fn unwrap(ctx: &XdpContext) -> u32 {
     let (data, end) = (ctx.data(), ctx.data_end());
     // Ethernet, outer IPv4 and the inner IPv4 header's fixed part.
     if data + ETH_LEN + IP_LEN + IP_LEN > end {

@@ -361,9 +361,10 @@ impl Testbed {
     }
 
     /// Sets every backend up for direct server return of `VIP`: the VIP on
-    /// its loopback and, with `decap`, `huddle agent --decap eth0` (binary
-    /// `huddle`, metrics on 127.0.0.1:9100 in its namespace) to unwrap
-    /// dsr-ipip packets. Returns when each agent's decap is attached.
+    /// its loopback and, with `decap`, `huddle agent --decap eth0 --vip
+    /// VIP` (binary `huddle`, metrics on port 9100) to unwrap dsr-ipip
+    /// packets and time each request to its first answer byte. Returns
+    /// when each agent is up.
     pub fn dsr_backends(&mut self, huddle: &Path, decap: bool) -> Result<()> {
         let vip = VIP.to_string();
         for (i, ns) in self.backends.iter().enumerate() {
@@ -375,7 +376,7 @@ impl Testbed {
                     "--decap",
                     "eth0",
                     "--listen",
-                    "127.0.0.1:9100",
+                    "0.0.0.0:9100",
                     "--vip",
                     &vip,
                 ];

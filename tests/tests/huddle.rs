@@ -56,22 +56,26 @@ fn vip(mode: &str) -> std::net::SocketAddr {
     }
 }
 
-/// As `bed`, with the service in `mode` (DSR backends set up for it: the
-/// VIP on their loopback, the agent's decap for dsr-ipip).
+/// As `bed`, with the service in `mode`. DSR backends are set up for it
+/// (the VIP on their loopback, the agent's decap for dsr-ipip); with
+/// `metrics` in DSR, every backend runs the agent with its request timing
+/// and the balancer scrapes it.
 fn bed_in(tag: &str, extra_huddle: &str, metrics: bool, mode: &str) -> Testbed {
     require_root();
     let mut bed = Testbed::new(tag, N).expect("build testbed");
     bed.start_backends_with(Path::new(BACKEND), &["--delay-ms", &BASE_MS.to_string()])
         .expect("start backends");
-    if mode != "snat" {
-        bed.dsr_backends(Path::new(HUDDLE), mode == "dsr-ipip")
+    let dsr = mode != "snat";
+    if dsr {
+        bed.dsr_backends(Path::new(HUDDLE), mode == "dsr-ipip" || metrics)
             .expect("DSR set-up");
     }
     let backends: Vec<String> = (0..N)
         .map(|i| {
             if metrics {
-                // The last backend's host metrics come from `huddle agent`.
-                let url = if i == N - 1 {
+                // The last backend's host metrics come from `huddle agent`
+                // (in DSR, every backend's).
+                let url = if i == N - 1 || dsr {
                     format!("{}:{AGENT_PORT}", backend_ip(i))
                 } else {
                     addr(i)
@@ -321,12 +325,12 @@ struct Fault {
 /// leaves the inner ring; `then`, if given, is sent before the load stops
 /// (SIGCONT for a stopped backend).
 fn fault(tag: &str, i: usize, sig: i32, then: Option<i32>) -> Fault {
-    fault_in(tag, i, sig, then, "snat")
+    fault_in(tag, i, sig, then, "snat", false)
 }
 
-fn fault_in(tag: &str, i: usize, sig: i32, then: Option<i32>, mode: &str) -> Fault {
+fn fault_in(tag: &str, i: usize, sig: i32, then: Option<i32>, mode: &str, agent: bool) -> Fault {
     let _turn = serial();
-    let bed = bed_in(tag, "", false, mode);
+    let bed = bed_in(tag, "", agent, mode);
     let load = OpenLoop::start(&bed.client, vip(mode), RATE, Duration::from_secs(2));
     thread::sleep(Duration::from_secs(2));
     let t0 = Instant::now();
@@ -377,13 +381,13 @@ fn a_killed_backend_leaves_within_the_bound() {
 
 #[test]
 fn a_hung_backend_leaves_within_the_bound() {
-    hung_leaves("hhung", "snat");
+    hung_leaves("hhung", "snat", false);
 }
 
 /// Backend b3 stops (SIGSTOP: its kernel still completes handshakes,
 /// nothing answers) under load; it must leave within the bound.
-fn hung_leaves(tag: &str, mode: &str) {
-    let f = fault_in(tag, 3, libc::SIGSTOP, Some(libc::SIGCONT), mode);
+fn hung_leaves(tag: &str, mode: &str, agent: bool) {
+    let f = fault_in(tag, 3, libc::SIGSTOP, Some(libc::SIGCONT), mode, agent);
     println!(
         "{mode}: hung backend b3 (SIGSTOP) left the inner ring {} ms after it stopped; {} of {} requests failed (stuck on it before it left): {:?}",
         f.out.as_millis(),
@@ -406,18 +410,44 @@ fn hung_leaves(tag: &str, mode: &str) {
     assert!(f.failed.len() <= 40, "too many failures: {:?}", f.failed);
 }
 
+/// DSR: the balancer never sees a reply; the client's ACKs alone must
+/// show the slow backend (no agent: the backends run only the decap).
 #[test]
 fn dsr_a_backend_made_5x_slower_rests_within_the_bound_by_the_ack_clock() {
+    dsr_slow("hdslow", false);
+}
+
+/// The same with every backend's agent timing requests exactly: its
+/// figure calibrates the ACK clock, which still decides every tick.
+#[test]
+fn dsr_a_backend_made_5x_slower_rests_within_the_bound_with_the_agent() {
+    dsr_slow("hdslowa", true);
+}
+
+fn dsr_slow(tag: &str, agent: bool) {
     let _turn = serial();
     let mode = "dsr-ipip";
-    let bed = bed_in("hdslow", "", false, mode);
+    let bed = bed_in(tag, "", agent, mode);
     let load = OpenLoop::start(&bed.client, vip(mode), RATE, Duration::from_secs(3));
-    thread::sleep(Duration::from_secs(2));
+    thread::sleep(Duration::from_secs(3));
     let st = bed.status().unwrap();
     assert_eq!(st.services[0].ring.len(), N, "{}", st.render());
-    let b0 = backend(&st, 0);
-    assert_eq!(b0.latency_source, "ack-clock", "{b0:?}");
+    let b0 = backend(&st, 0).clone();
+    let want = if agent {
+        "ack-clock, agent-calibrated"
+    } else {
+        "ack-clock"
+    };
+    assert_eq!(b0.latency_source, want, "{b0:?}");
     let fast = b0.p50_ms.expect("ACK-clock samples");
+    println!(
+        "{mode}, agent {agent}: b0 before the fault: ACK clock raw mean {:?} ms, agent's exact mean {:?} ms, taken off {:?} ms, p50 {fast:.2} ms",
+        b0.ack_clock_ms, b0.agent_ttfb_ms, b0.rtt_ms
+    );
+    if agent {
+        let exact = b0.agent_ttfb_ms.expect("the agent's figure");
+        assert!((9.0..13.0).contains(&exact), "agent TTFB {exact} ms");
+    }
     let t0 = Instant::now();
     bed.backend_admin(2, &format!("delay_ms={}", BASE_MS * 5))
         .unwrap();
@@ -428,10 +458,9 @@ fn dsr_a_backend_made_5x_slower_rests_within_the_bound_by_the_ack_clock() {
     print!("{}", st.render());
     let b2 = backend(&st, 2);
     println!(
-        "{mode}: 5x slow backend b2 left the inner ring {} ms after it became slow, by the ACK clock: others' p50 {fast:.1} ms, b2's p50 {:?} ms, round trip taken off {:?} ms",
+        "{mode}, agent {agent}: 5x slow backend b2 left the inner ring {} ms after it became slow: b2's p50 {:?} ms",
         out.as_millis(),
         b2.p50_ms,
-        b2.rtt_ms
     );
     let outcomes = load.stop();
     let (all, failed) = tally(&outcomes, Duration::ZERO, Duration::MAX);
@@ -440,7 +469,7 @@ fn dsr_a_backend_made_5x_slower_rests_within_the_bound_by_the_ack_clock() {
         outcomes.len(),
         failed.len()
     );
-    // Service time 10 ms: the ACK clock, less the round trip, near it.
+    // Service time 10 ms: the ACK clock, corrected, near it.
     assert!((8.0..16.0).contains(&fast), "p50 {fast} ms");
     assert!(failed.is_empty(), "failed requests: {failed:?}");
     assert!(
@@ -451,7 +480,12 @@ fn dsr_a_backend_made_5x_slower_rests_within_the_bound_by_the_ack_clock() {
 
 #[test]
 fn dsr_a_hung_backend_leaves_within_the_bound() {
-    hung_leaves("hdhung", "dsr-l2");
+    hung_leaves("hdhung", "dsr-l2", false);
+}
+
+#[test]
+fn dsr_a_hung_backend_leaves_within_the_bound_with_the_agent() {
+    hung_leaves("hdhunga", "dsr-ipip", true);
 }
 
 #[test]

@@ -77,6 +77,26 @@ pub struct Tracker {
     /// its ACK of the answer, a client round trip more than the time to
     /// first byte; this estimates that round trip (`observe_connect`).
     pub rtt: Option<Rtt>,
+    /// DSR with the backend's agent timing requests: its exact figures,
+    /// which calibrate the ACK clock (`agent_scraped`).
+    pub agent: Option<AgentCal>,
+}
+
+/// The backend agent's exact time to first byte against the ACK clock's
+/// reading of the same scrape interval. The ACK clock stays the source
+/// (it comes every tick, the agent once a scrape); the agent's figure
+/// says by how much it reads high (the clients' round trip and delayed
+/// ACKs), and that is what is taken off.
+#[derive(Default)]
+pub struct AgentCal {
+    /// At the last scrape: the agent's cumulative samples and the
+    /// kernel's cumulative ACK-clock counters (answered, summed ns).
+    last: Option<(crate::scrape::AgentSample, u64, u64)>,
+    /// Means over the last scrape interval with samples from both.
+    pub ttfb_ms: Option<f64>,
+    pub ack_ms: Option<f64>,
+    /// How much the ACK clock reads above the agent, smoothed.
+    pub bias_ms: Option<f64>,
 }
 
 /// The clients' round trip to a DSR backend: the median of its connect
@@ -117,7 +137,39 @@ impl Tracker {
             latency_source: "none",
             clear_pulse: false,
             rtt: None,
+            agent: None,
         }
+    }
+
+    /// DSR: the agent's cumulative samples at a scrape (`None`: its page
+    /// has none for this VIP). With `min_samples` from both it and the ACK
+    /// clock since the last scrape, the ACK clock's bias is updated.
+    pub fn agent_scraped(&mut self, sample: Option<crate::scrape::AgentSample>, min_samples: u64) {
+        let Some(now) = sample else {
+            self.agent = None;
+            return;
+        };
+        let (answered, ack_ns) = self
+            .prev
+            .as_ref()
+            .map_or((0, 0), |(st, _)| (st.answered, st.ttfb_ns));
+        let cal = self.agent.get_or_insert_with(AgentCal::default);
+        if let Some((then, a0, n0)) = cal.last {
+            let (dc, ds) = (
+                now.count.wrapping_sub(then.count),
+                now.sum_ns.wrapping_sub(then.sum_ns),
+            );
+            let (da, dn) = (answered.wrapping_sub(a0), ack_ns.wrapping_sub(n0));
+            if dc >= min_samples && da >= min_samples && dc < u64::MAX / 2 && da < u64::MAX / 2 {
+                let agent = ds as f64 / dc as f64 / 1e6;
+                let ack = dn as f64 / da as f64 / 1e6;
+                let bias = (ack - agent).max(0.0);
+                cal.ttfb_ms = Some(agent);
+                cal.ack_ms = Some(ack);
+                cal.bias_ms = Some(cal.bias_ms.map_or(bias, |b| 0.5 * b + 0.5 * bias));
+            }
+        }
+        cal.last = Some((now, answered, ack_ns));
     }
 
     /// DSR: takes this tick's connect histogram (before `observe`), whose
@@ -185,7 +237,11 @@ impl Tracker {
         self.ticks.push_front(tick);
         self.ticks.truncate(WINDOW_TICKS);
         self.window = window(&self.ticks, s.min_samples);
-        if let Some(rtt) = self.rtt.as_ref().and_then(|r| r.p50_ms) {
+        let correction = match self.agent.as_ref().and_then(|a| a.bias_ms) {
+            Some(b) => Some(b),
+            None => self.rtt.as_ref().and_then(|r| r.p50_ms),
+        };
+        if let Some(rtt) = correction {
             let less = |v: Option<f64>| v.map(|v| (v - rtt).max(0.0));
             self.window.mean_ms = less(self.window.mean_ms);
             self.window.p50_ms = less(self.window.p50_ms);
@@ -454,10 +510,10 @@ impl ServiceHuddle {
         for (i, t) in self.trackers.iter_mut().enumerate() {
             let mut r = t.reading();
             let median = if use_requests[i] {
-                t.latency_source = if t.rtt.is_some() {
-                    "ack-clock"
-                } else {
-                    "request"
+                t.latency_source = match (&t.rtt, t.agent.as_ref().and_then(|a| a.bias_ms)) {
+                    (_, Some(_)) => "ack-clock, agent-calibrated",
+                    (Some(_), None) => "ack-clock",
+                    (None, None) => "request",
                 };
                 r.latency_ms = t.window.mean_ms;
                 req_median

@@ -1,15 +1,16 @@
-//! The backend agent's decap program (`huddle agent --decap`): loaded from
-//! the embedded object, told this host's addresses, attached to the
-//! backend's interface for as long as the agent runs.
+//! The backend agent's programs (`huddle agent --decap`): loaded from the
+//! embedded object, told this host's addresses and its DSR VIPs, attached
+//! to the backend's interface (XDP on ingress: decap and request arrival;
+//! TC on egress: first answer byte) for as long as the agent runs.
 
 use crate::{config::XdpMode, object};
 use anyhow::{Context, Result};
 use aya::{
     maps::{HashMap, MapData, PerCpuArray},
-    programs::{xdp::XdpLinkId, Xdp},
+    programs::{tc, xdp::XdpLinkId, SchedClassifier, TcAttachType, Xdp},
     Ebpf,
 };
-use huddle_common::{addr_v4, decap, Addr, Counters, DecapStats};
+use huddle_common::{addr_v4, decap, Addr, AgentTtfb, Counters, DecapStats};
 use std::{collections::HashSet, net::Ipv4Addr};
 use tracing::warn;
 
@@ -17,6 +18,10 @@ pub struct Decap {
     ebpf: Ebpf,
     local: HashMap<MapData, Addr, u32>,
     stats: PerCpuArray<MapData, DecapStats>,
+    vips_map: HashMap<MapData, Addr, u32>,
+    ttfb: PerCpuArray<MapData, AgentTtfb>,
+    /// The VIPs timed, in `AGENT_TTFB` index order.
+    pub vips: Vec<Ipv4Addr>,
     link: Option<XdpLinkId>,
     /// The mode it was attached in: "native" or "generic".
     pub mode: &'static str,
@@ -32,12 +37,23 @@ impl Decap {
             .try_into()?;
         prog.load()
             .context("the kernel verifier refused the decap program")?;
+        let tc: &mut SchedClassifier = ebpf
+            .program_mut(decap::TTFB_PROGRAM)
+            .context("ttfb program missing from the decap object")?
+            .try_into()?;
+        tc.load()
+            .context("the kernel verifier refused the ttfb program")?;
         let local = HashMap::try_from(ebpf.take_map(decap::LOCAL).context("DECAP_LOCAL")?)?;
         let stats = PerCpuArray::try_from(ebpf.take_map(decap::STATS).context("DECAP_STATS")?)?;
+        let vips_map = HashMap::try_from(ebpf.take_map(decap::VIPS).context("AGENT_VIPS")?)?;
+        let ttfb = PerCpuArray::try_from(ebpf.take_map(decap::TTFB).context("AGENT_TTFB")?)?;
         Ok(Decap {
             ebpf,
             local,
             stats,
+            vips_map,
+            ttfb,
+            vips: Vec::new(),
             link: None,
             mode: "",
         })
@@ -91,6 +107,44 @@ impl Decap {
         self.link = Some(link);
         self.mode = name;
         Ok(name)
+    }
+
+    /// Times requests to `vips` (at most `MAX_VIPS`) from their arrival to
+    /// their first answer byte leaving `iface`: the egress program goes on
+    /// it (a clsact qdisc is added if there is none).
+    pub fn time_vips(&mut self, iface: &str, vips: &[Ipv4Addr]) -> Result<()> {
+        if vips.len() > decap::MAX_VIPS as usize {
+            anyhow::bail!("--vip: at most {} VIPs", decap::MAX_VIPS);
+        }
+        for (i, v) in vips.iter().enumerate() {
+            self.vips_map
+                .insert(addr_v4(v.octets()), i as u32, 0)
+                .context("writing AGENT_VIPS")?;
+        }
+        self.vips = vips.to_vec();
+        // Already there (another program's, or an earlier agent's): fine.
+        let _ = tc::qdisc_add_clsact(iface);
+        let prog: &mut SchedClassifier = self
+            .ebpf
+            .program_mut(decap::TTFB_PROGRAM)
+            .context("ttfb program missing")?
+            .try_into()?;
+        prog.attach(iface, TcAttachType::Egress)
+            .with_context(|| format!("attaching the ttfb program to {iface} egress"))?;
+        Ok(())
+    }
+
+    /// Time-to-first-byte samples of VIP index `i`, summed over CPUs.
+    pub fn ttfb(&self, i: u32) -> Result<AgentTtfb> {
+        let mut total = AgentTtfb::default();
+        for v in self.ttfb.get(&i, 0)?.iter() {
+            total.sum_ns = total.sum_ns.wrapping_add(v.sum_ns);
+            total.count = total.count.wrapping_add(v.count);
+            for (t, x) in total.hist.buckets.iter_mut().zip(v.hist.buckets.iter()) {
+                *t = t.wrapping_add(*x);
+            }
+        }
+        Ok(total)
     }
 
     /// Counters summed over CPUs.

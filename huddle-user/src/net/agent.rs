@@ -6,7 +6,7 @@
 
 use crate::{config::XdpMode, decap::Decap, http};
 use anyhow::{Context, Result};
-use huddle_common::{Counters, DecapStats};
+use huddle_common::{latency::bucket_bounds, AgentTtfb, Counters, DecapStats, LATENCY_BUCKETS};
 use std::{
     fmt::Write as _,
     net::{Ipv4Addr, SocketAddr},
@@ -101,6 +101,17 @@ pub async fn run(args: AgentArgs) -> Result<()> {
             d.set_local(&local_ipv4()?)?;
             let mode = d.attach(ifindex, args.xdp_mode)?;
             info!("huddle agent: unwrapping IP-in-IP to this host on {iface} ({mode} mode)");
+            if !args.vips.is_empty() {
+                d.time_vips(iface, &args.vips)?;
+                info!(
+                    "huddle agent: timing requests to {} from arrival to first answer byte on {iface} (huddle_agent_ttfb_seconds)",
+                    args.vips
+                        .iter()
+                        .map(ToString::to_string)
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                );
+            }
             Some(Arc::new(Mutex::new(d)))
         }
         None => None,
@@ -138,10 +149,18 @@ pub async fn run(args: AgentArgs) -> Result<()> {
                 "/metrics" => match current() {
                     Ok(mut text) => {
                         if let Some(d) = decap {
-                            let stats = lock(&d).stats();
-                            match stats {
-                                Ok(st) => text.push_str(&render_decap(&st)),
-                                Err(e) => return (500, "text/plain", format!("{e:#}\n")),
+                            let d = lock(&d);
+                            let ttfb: Result<Vec<_>> = (0..d.vips.len() as u32)
+                                .map(|i| Ok((d.vips[i as usize], d.ttfb(i)?)))
+                                .collect();
+                            match (d.stats(), ttfb) {
+                                (Ok(st), Ok(t)) => {
+                                    text.push_str(&render_decap(&st));
+                                    text.push_str(&render_ttfb(&t));
+                                }
+                                (Err(e), _) | (_, Err(e)) => {
+                                    return (500, "text/plain", format!("{e:#}\n"))
+                                }
                             }
                         }
                         (200, "text/plain; version=0.0.4", text)
@@ -169,6 +188,34 @@ pub fn render_decap(st: &DecapStats) -> String {
     st.for_each(|name, v| {
         let _ = writeln!(out, "huddle_decap_packets_total{{result=\"{name}\"}} {v}");
     });
+    out
+}
+
+/// The time to first byte of each VIP's requests as a Prometheus
+/// histogram, on the kernel's own bucket bounds.
+#[must_use]
+pub fn render_ttfb(per_vip: &[(Ipv4Addr, AgentTtfb)]) -> String {
+    let mut out = String::from(
+        "# HELP huddle_agent_ttfb_seconds Time from a request's arrival at this backend to the first byte of its answer leaving, per DSR VIP.\n# TYPE huddle_agent_ttfb_seconds histogram\n",
+    );
+    for (vip, t) in per_vip {
+        let mut cumulative = 0;
+        for (b, n) in t.hist.buckets.iter().enumerate().take(LATENCY_BUCKETS - 1) {
+            cumulative += n;
+            let le = bucket_bounds(b).1 as f64 / 1e9;
+            let _ = writeln!(
+                out,
+                "huddle_agent_ttfb_seconds_bucket{{vip=\"{vip}\",le=\"{le}\"}} {cumulative}"
+            );
+        }
+        let _ = writeln!(
+            out,
+            "huddle_agent_ttfb_seconds_bucket{{vip=\"{vip}\",le=\"+Inf\"}} {}\nhuddle_agent_ttfb_seconds_sum{{vip=\"{vip}\"}} {}\nhuddle_agent_ttfb_seconds_count{{vip=\"{vip}\"}} {}",
+            t.count,
+            t.sum_ns as f64 / 1e9,
+            t.count
+        );
+    }
     out
 }
 

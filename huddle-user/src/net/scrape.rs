@@ -58,6 +58,39 @@ pub fn parse(text: &str) -> HostSample {
     s
 }
 
+/// The agent's time-to-first-byte samples of one VIP, as of one scrape
+/// (cumulative).
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct AgentSample {
+    pub count: u64,
+    pub sum_ns: u64,
+}
+
+/// `huddle_agent_ttfb_seconds` of VIP `vip` (its address) in `text`, as
+/// `huddle agent` exports it; `None` when the page has none (a plain
+/// node_exporter) or only nonsense.
+#[must_use]
+pub fn agent_ttfb(text: &str, vip: &str) -> Option<AgentSample> {
+    let (mut count, mut sum) = (None, None);
+    for line in text.lines() {
+        let Some((name, labels, value)) = split(line.trim()) else {
+            continue;
+        };
+        if label(labels, "vip") != Some(vip) {
+            continue;
+        }
+        match name {
+            "huddle_agent_ttfb_seconds_count" => count = sane(value),
+            "huddle_agent_ttfb_seconds_sum" => sum = sane(value),
+            _ => {}
+        }
+    }
+    Some(AgentSample {
+        count: count? as u64,
+        sum_ns: (sum? * 1e9) as u64,
+    })
+}
+
 /// A non-negative finite value below 2^60 (no host has more bytes).
 fn sane(v: f64) -> Option<f64> {
     (v.is_finite() && v >= 0.0 && v < (1u64 << 60) as f64).then_some(v)
@@ -154,6 +187,31 @@ mod tests {
         t.update(parse(&exporter(101.0, 104.0)));
         let cpu = t.cpu.unwrap();
         assert!((cpu - 0.8).abs() < 1e-9, "{cpu}");
+    }
+
+    #[test]
+    fn the_agents_ttfb_is_read_for_its_vip_only() {
+        let page = "huddle_agent_ttfb_seconds_bucket{vip=\"10.0.0.1\",le=\"+Inf\"} 4\n\
+                    huddle_agent_ttfb_seconds_sum{vip=\"10.0.0.1\"} 0.04\n\
+                    huddle_agent_ttfb_seconds_count{vip=\"10.0.0.1\"} 4\n\
+                    huddle_agent_ttfb_seconds_sum{vip=\"10.0.0.2\"} 9\n\
+                    huddle_agent_ttfb_seconds_count{vip=\"10.0.0.2\"} 1\n";
+        assert_eq!(
+            agent_ttfb(page, "10.0.0.1"),
+            Some(AgentSample {
+                count: 4,
+                sum_ns: 40_000_000
+            })
+        );
+        assert_eq!(agent_ttfb(page, "10.0.0.9"), None);
+        assert_eq!(agent_ttfb(&exporter(1.0, 1.0), "10.0.0.1"), None);
+        assert_eq!(
+            agent_ttfb(
+                "huddle_agent_ttfb_seconds_count{vip=\"10.0.0.1\"} NaN\n",
+                "10.0.0.1"
+            ),
+            None
+        );
     }
 
     #[test]

@@ -595,7 +595,13 @@ impl Balancer {
                     temperature: t.temperature,
                     components: t.components,
                     latency_source: t.latency_source.into(),
-                    rtt_ms: t.rtt.as_ref().and_then(|r| r.p50_ms),
+                    rtt_ms: t
+                        .agent
+                        .as_ref()
+                        .and_then(|a| a.bias_ms)
+                        .or_else(|| t.rtt.as_ref().and_then(|r| r.p50_ms)),
+                    agent_ttfb_ms: t.agent.as_ref().and_then(|a| a.ttfb_ms),
+                    ack_clock_ms: t.agent.as_ref().and_then(|a| a.ack_ms),
                     samples: t.window.samples,
                     mean_ms: t.window.mean_ms,
                     p50_ms: t.window.p50_ms,
@@ -1189,8 +1195,9 @@ async fn scraper(shared: Arc<Mutex<Balancer>>, every: Duration, timeout: Duratio
             continue;
         }
         let mut set = tokio::task::JoinSet::new();
-        for (i, (_, _, url)) in targets.iter().enumerate() {
+        for (i, (si, _, url)) in targets.iter().enumerate() {
             let url = url.clone();
+            let vip = lock(&shared).cfg.services[*si].vip.ip().to_string();
             set.spawn(async move {
                 let r = async {
                     let u = crate::http::Url::parse(&url)?;
@@ -1202,11 +1209,12 @@ async fn scraper(shared: Arc<Mutex<Balancer>>, every: Duration, timeout: Duratio
                     if resp.status != 200 {
                         bail!("HTTP status {}", resp.status);
                     }
-                    let sample = crate::scrape::parse(&String::from_utf8_lossy(&resp.body));
+                    let text = String::from_utf8_lossy(&resp.body);
+                    let sample = crate::scrape::parse(&text);
                     if sample.cpu_total_s.is_none() && sample.mem_total.is_none() {
                         bail!("no usable node_cpu_seconds_total or node_memory_* values in the answer");
                     }
-                    Ok(sample)
+                    Ok((sample, crate::scrape::agent_ttfb(&text, &vip)))
                 }
                 .await;
                 (
@@ -1224,11 +1232,16 @@ async fn scraper(shared: Arc<Mutex<Balancer>>, every: Duration, timeout: Duratio
         let mut b = lock(&shared);
         for (i, r) in results {
             let (si, bi, _) = &targets[i];
+            let dsr = b.cfg.services[*si].mode.is_dsr();
+            let min_samples = b.cfg.huddle.min_samples;
             let t = &mut b.huddles[*si].trackers[*bi];
             match r {
-                Ok(sample) => {
+                Ok((sample, agent)) => {
                     t.host.update(sample);
                     t.host_error = None;
+                    if dsr {
+                        t.agent_scraped(agent, min_samples);
+                    }
                 }
                 Err(e) => {
                     if t.host_error.is_none() {

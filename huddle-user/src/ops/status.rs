@@ -92,10 +92,17 @@ pub struct BackendStatus {
     /// pass), "ack-clock" (DSR: the client's ACKs, less `rtt_ms`), "probe"
     /// or "none".
     pub latency_source: String,
-    /// DSR: the clients' round trip taken off the ACK-clock samples (the
-    /// median connect sample).
+    /// DSR: what is taken off the ACK-clock samples: how much they read
+    /// above the agent's exact figure, or without one the clients' round
+    /// trip (the median connect sample).
     #[serde(default)]
     pub rtt_ms: Option<f64>,
+    /// DSR with the backend's agent: its exact mean time to first byte,
+    /// and the ACK clock's raw mean, over the last scrape interval.
+    #[serde(default)]
+    pub agent_ttfb_ms: Option<f64>,
+    #[serde(default)]
+    pub ack_clock_ms: Option<f64>,
     /// Request latency (time to first byte) over the newest ticks.
     pub samples: u64,
     pub mean_ms: Option<f64>,
@@ -203,19 +210,22 @@ impl Status {
                 let _ = writeln!(out, "  note ({}): {n}", addrs.join(", "));
             }
             if s.mode.starts_with("dsr") {
-                let rtts: Vec<String> = s
-                    .backends
-                    .iter()
-                    .map(|b| {
-                        let rtt = b.rtt_ms.map_or("-".into(), |v| format!("{v:.2}"));
-                        format!("{} {rtt}", b.addr)
-                    })
-                    .collect();
+                let f = |v: Option<f64>| v.map_or("-".into(), |v| format!("{v:.2}"));
                 let _ = writeln!(
                     out,
-                    "  latency from the clients' ACKs, less their round trip (ms): {}",
-                    rtts.join(", ")
+                    "  latency from the clients' ACKs (ms): backend, ACK clock raw mean, agent's exact mean, taken off (agent's bias, else round trip)"
                 );
+                for b in &s.backends {
+                    let _ = writeln!(
+                        out,
+                        "    {:<20} {:>8} {:>8} {:>8}  {}",
+                        b.addr,
+                        f(b.ack_clock_ms),
+                        f(b.agent_ttfb_ms),
+                        f(b.rtt_ms),
+                        b.latency_source
+                    );
+                }
             }
             // UDP backends need not answer: neither applies to them.
             if !s.name.ends_with("/udp") {
