@@ -30,6 +30,7 @@ fn quick_comparison_produces_every_cell() {
     let balancers = [
         "huddle",
         "xdp-rr",
+        "huddle-dsr",
         "nginx-rr",
         "nginx-lc",
         "haproxy-rr",

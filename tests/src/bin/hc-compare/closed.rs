@@ -10,7 +10,6 @@ use crate::{
 use anyhow::{Context, Result};
 use serde::Serialize;
 use std::{
-    net::SocketAddr,
     path::Path,
     sync::{
         atomic::{AtomicBool, Ordering},
@@ -19,7 +18,7 @@ use std::{
     thread,
     time::{Duration, Instant},
 };
-use testbed::{http_get, KeepAlive, Testbed, VIP};
+use testbed::{http_get, KeepAlive, Testbed};
 
 #[derive(Clone, Debug, Serialize)]
 pub struct Throughput {
@@ -91,7 +90,7 @@ pub fn run(
 ) -> Result<Throughput> {
     let running = peers::start(b, bed, huddle, 4, &[])?;
     thread::sleep(Duration::from_millis(500));
-    let vip = SocketAddr::from((VIP, 80));
+    let vip = b.vip();
     let _stats = aya::sys::enable_stats(aya::sys::Stats::RunTime)
         .context("enabling BPF run-time statistics")?;
     let prog = if b.is_xdp() {

@@ -20,12 +20,11 @@ use scenario::{Scenario, DEGRADED};
 use serde::Serialize;
 use std::{
     fmt::Write as _,
-    net::SocketAddr,
     path::{Path, PathBuf},
     thread,
     time::{Duration, Instant},
 };
-use testbed::{backend_ip, sibling, OpenLoop, Testbed, HTTP_PORT, VIP};
+use testbed::{backend_ip, sibling, OpenLoop, Testbed, HTTP_PORT};
 
 const BACKENDS: usize = 4;
 
@@ -155,13 +154,7 @@ fn one(
     } else {
         0.0
     };
-    let load = OpenLoop::sessions(
-        &bed.client,
-        SocketAddr::from((VIP, 80)),
-        o.rate,
-        o.timeout,
-        o.per_conn,
-    );
+    let load = OpenLoop::sessions(&bed.client, b.vip(), o.rate, o.timeout, o.per_conn);
     let total = Duration::from_secs_f64(o.secs);
     let mut done = false;
     while load.start.elapsed() < total {

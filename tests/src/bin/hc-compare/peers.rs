@@ -11,15 +11,19 @@ pub enum Balancer {
     Huddle,
     /// The same XDP path, rotation off: plain round robin.
     XdpRoundRobin,
+    /// HuddleCluster in direct server return (`dsr-l2`): the balancer
+    /// never sees a reply and times backends by the clients' ACKs.
+    HuddleDsr,
     NginxRoundRobin,
     NginxLeastConn,
     HaproxyRoundRobin,
     HaproxyLeastConn,
 }
 
-pub const ALL: [Balancer; 6] = [
+pub const ALL: [Balancer; 7] = [
     Balancer::Huddle,
     Balancer::XdpRoundRobin,
+    Balancer::HuddleDsr,
     Balancer::NginxRoundRobin,
     Balancer::NginxLeastConn,
     Balancer::HaproxyRoundRobin,
@@ -31,6 +35,7 @@ impl Balancer {
         match self {
             Balancer::Huddle => "huddle (XDP, rotation on)",
             Balancer::XdpRoundRobin => "XDP round robin (rotation off)",
+            Balancer::HuddleDsr => "huddle DSR (dsr-l2, ACK clock)",
             Balancer::NginxRoundRobin => "NGINX stream round robin",
             Balancer::NginxLeastConn => "NGINX stream least_conn",
             Balancer::HaproxyRoundRobin => "HAProxy roundrobin + checks",
@@ -42,6 +47,7 @@ impl Balancer {
         match self {
             Balancer::Huddle => "huddle",
             Balancer::XdpRoundRobin => "xdp-rr",
+            Balancer::HuddleDsr => "huddle-dsr",
             Balancer::NginxRoundRobin => "nginx-rr",
             Balancer::NginxLeastConn => "nginx-lc",
             Balancer::HaproxyRoundRobin => "haproxy-rr",
@@ -50,7 +56,21 @@ impl Balancer {
     }
 
     pub fn is_xdp(self) -> bool {
-        matches!(self, Balancer::Huddle | Balancer::XdpRoundRobin)
+        matches!(
+            self,
+            Balancer::Huddle | Balancer::XdpRoundRobin | Balancer::HuddleDsr
+        )
+    }
+
+    /// Where clients connect: DSR cannot change the port, so its VIP is
+    /// on the backends' port.
+    pub fn vip(self) -> std::net::SocketAddr {
+        let port = if self == Balancer::HuddleDsr {
+            HTTP_PORT
+        } else {
+            80
+        };
+        (VIP, port).into()
     }
 }
 
@@ -113,9 +133,15 @@ pub fn start(
 ) -> Result<Running> {
     let dir: PathBuf = bed.dir.clone();
     match b {
-        Balancer::Huddle | Balancer::XdpRoundRobin => {
+        Balancer::Huddle | Balancer::XdpRoundRobin | Balancer::HuddleDsr => {
             bed.vip_local(false)?;
-            let mut args = vec!["--vip".to_string(), format!("{VIP}:80")];
+            let mut args = vec!["--vip".to_string(), b.vip().to_string()];
+            if b == Balancer::HuddleDsr {
+                for ns in &bed.backends {
+                    ns.ip(&["addr", "replace", &format!("{VIP}/32"), "dev", "lo"])?;
+                }
+                args.extend(["--mode".into(), "dsr-l2".into()]);
+            }
             for a in backends(n) {
                 args.push("--backend".into());
                 args.push(a);
@@ -161,7 +187,7 @@ pub fn start(
 
 /// Waits until the proxy answers on the VIP.
 fn ready(bed: &Testbed, mut p: Proc, what: &str) -> Result<Running> {
-    let vip = std::net::SocketAddr::from((VIP, 80));
+    let vip = Balancer::Huddle.vip();
     let up = wait_until(std::time::Duration::from_secs(10), || {
         testbed::in_ns(&bed.client, move || {
             testbed::http_get(vip, std::time::Duration::from_millis(500)).is_ok()
@@ -178,7 +204,12 @@ fn ready(bed: &Testbed, mut p: Proc, what: &str) -> Result<Running> {
 /// Stops a running balancer and cleans up after it.
 pub fn stop(r: Running, bed: &mut Testbed) -> Result<()> {
     match r {
-        Running::Xdp => bed.stop_huddle(),
+        Running::Xdp => {
+            bed.stop_huddle();
+            for ns in &bed.backends {
+                let _ = ns.ip(&["addr", "del", &format!("{VIP}/32"), "dev", "lo"]);
+            }
+        }
         Running::Proxy(mut p) => {
             p.terminate(std::time::Duration::from_secs(5))
                 .context("stopping the proxy")?;
