@@ -21,9 +21,16 @@ pub use stats::{BackendStats, Counters, DecapStats, GlobalStats, ServiceStats};
 
 /// Map names, as the XDP program declares them (the static's identifier).
 pub mod maps {
-    /// `HashMap<ServiceKey, ServiceValue>`: the addresses the program
-    /// answers for: each VIP:port/proto balanced, and each SNAT address.
+    /// `HashMap<ServiceKey, ServiceValue>`: the IPv4 addresses the
+    /// program answers for: each VIP:port/proto balanced, and each SNAT
+    /// address.
     pub const SERVICES: &str = "SERVICES";
+    /// `HashMap<ServiceKey6, ServiceValue>`: the same for IPv6.
+    pub const SERVICES6: &str = "SERVICES6";
+    /// `ProgramArray` of one entry: the IPv6 program (`huddle6`), which
+    /// the main program hands IPv6 frames to (a tail call: its own
+    /// verification and its own 512 bytes of stack).
+    pub const TAILS: &str = "TAILS";
     /// `Array<Backend>` indexed by backend id.
     pub const BACKENDS: &str = "BACKENDS";
     /// `Array<Ring>` of two slots per service (double buffer).
@@ -75,8 +82,10 @@ pub mod maps {
     pub const SWEPT: &str = "SWEPT";
 
     /// Every map the control plane opens, for checks against the object.
-    pub const ALL: [&str; 20] = [
+    pub const ALL: [&str; 22] = [
         SERVICES,
+        SERVICES6,
+        TAILS,
         BACKENDS,
         RINGS,
         RING_GEN,
@@ -101,6 +110,8 @@ pub mod maps {
 
 /// Name of the XDP program in the object.
 pub const PROGRAM_NAME: &str = "huddle";
+/// Name of the IPv6 program the main one tail-calls.
+pub const PROGRAM6_NAME: &str = "huddle6";
 
 /// The backend agent's decap object (`decap`): its program and maps.
 pub mod decap {
@@ -252,6 +263,18 @@ pub struct ServiceKey {
     pub kind: u8,
 }
 
+/// Key of `SERVICES6`: an IPv6 address the program answers for, as
+/// `ServiceKey`.
+#[repr(C, align(8))]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct ServiceKey6 {
+    pub addr: [u8; 16],
+    pub port_be: u16,
+    pub proto: u8,
+    pub kind: u8,
+    pub _pad: u32,
+}
+
 /// `ServiceKey::kind` of a balanced VIP:port/proto.
 pub const SERVICE_KIND_VIP: u8 = 0;
 /// `ServiceKey::kind` of a SNAT address (replies from backends come to it).
@@ -391,7 +414,8 @@ pub struct NatValue {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Config {
     /// Source addresses of translated packets toward backends (the pool
-    /// NAT tuples are drawn from), `snat_count` of them.
+    /// NAT tuples are drawn from): `snat_count` IPv4 ones, then
+    /// `snat6_count` IPv6 ones.
     pub snat_addrs: [Addr; MAX_SNAT],
     pub snat_count: u16,
     pub family: u8,
@@ -404,7 +428,8 @@ pub struct Config {
     /// and no two CPUs ever hand out the same tuple.
     pub slice_ports: u16,
     pub slices: u16,
-    pub flags: u32,
+    pub snat6_count: u16,
+    pub _pad2: u16,
     /// Bumped by the control plane every second: a cached next hop from
     /// an older generation is asked of the FIB again (no clock read per
     /// packet).
@@ -613,6 +638,7 @@ macro_rules! assert_size {
 }
 
 assert_size!(ServiceKey, 8);
+assert_size!(ServiceKey6, 24);
 assert_size!(ServiceValue, 8);
 assert_size!(Backend, 24);
 assert_size!(Ring, 8 + 4 * RING_CAPACITY + 8 * MEMBER_WORDS);
@@ -639,6 +665,7 @@ mod pod {
     // SAFETY: all are repr(C) structs of integers and byte arrays with
     // explicit padding fields, so every bit pattern is valid.
     unsafe impl aya::Pod for ServiceKey {}
+    unsafe impl aya::Pod for ServiceKey6 {}
     unsafe impl aya::Pod for ServiceValue {}
     unsafe impl aya::Pod for Backend {}
     unsafe impl aya::Pod for Ring {}

@@ -118,7 +118,8 @@ counters!(
 counters!(
     /// Whole program, one element.
     GlobalStats {
-        /// Passed: not IPv4 (ARP, IPv6, VLAN-tagged, ...).
+        /// Passed: neither IPv4 nor IPv6 (ARP, VLAN-tagged, ...), or IPv6
+        /// while no IPv6 program is set.
         pass_not_ipv4,
         /// Passed: IPv4 not addressed to a service nor a NAT reply.
         pass_not_service,
@@ -153,6 +154,9 @@ counters!(
         drop_not_onlink,
         /// Dropped, IP-in-IP: no headroom for the outer header.
         drop_encap,
+        /// Passed: IPv6 with extension headers (fragments among them),
+        /// or not TCP/UDP (ICMPv6, neighbour discovery).
+        pass_v6_ext,
         /// Packets too big for IP-in-IP with DF set, answered with ICMP
         /// "fragmentation needed" (the client's path MTU discovery).
         icmp_too_big,

@@ -11,6 +11,7 @@
 //! in SNAT mode, so a hung backend shows in `PULSE` the same way.
 
 use crate::{
+    family::Family,
     maps::{bump, BACKEND_STATS},
     parse::{Packet, TCP_ACK, TCP_RST},
     timing,
@@ -34,7 +35,7 @@ pub fn handshake(flow: &mut FlowValue, backend: u32, now: u64) {
 /// `FlowValue::synack_seq` holds, during a turn, the client's ACK number
 /// when the turn started.
 #[inline(always)]
-pub fn request(f: *mut FlowValue, p: &Packet, backend: u32) {
+pub fn request<F: Family>(f: *mut FlowValue, p: &Packet<F>, backend: u32) {
     // SAFETY: a map value pointer from a lookup in this run; racing CPUs
     // at worst lose one sample.
     unsafe {

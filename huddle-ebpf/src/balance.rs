@@ -7,17 +7,17 @@
 //! traffic that is not ours leaves right there.
 
 use crate::{
-    ackclock, dsr,
-    forward::send,
+    ackclock,
+    family::Family,
     halfopen,
     maps::{
-        bump, global, put, Scratch, BACKENDS, BACKEND_STATS, CONFIG, FLOWS, NAT, SCRATCH, SERVICES,
+        bump, global, put, Scratch, BACKENDS, BACKEND_STATS, CONFIG, FLOWS, NAT, SCRATCH,
         SERVICE_STATS,
     },
     nat,
     parse::{Packet, TCP_ACK, TCP_FIN, TCP_RST, TCP_SYN},
     pick, retry,
-    rewrite::{rewrite, Tuple},
+    rewrite::Tuple,
     timing,
 };
 use aya_ebpf::{
@@ -27,9 +27,8 @@ use aya_ebpf::{
 };
 use aya_log_ebpf::warn;
 use huddle_common::{
-    addr_v4, backend_flags, flow_flags, service_mode, slot_tag, Config, FlowKey, FlowValue,
-    HalfOpen, ServiceKey, FAMILY_V4, MAX_SYN_RETRIES, NAT_PORT_TRIES, SERVICE_KIND_SNAT,
-    SERVICE_KIND_VIP,
+    backend_flags, flow_flags, service_mode, slot_tag, Backend, Config, FlowKey, FlowValue,
+    HalfOpen, MAX_SYN_RETRIES, NAT_PORT_TRIES,
 };
 
 /// `reply`'s answer for a refused SYN that may be retried: the packet is
@@ -37,44 +36,27 @@ use huddle_common::{
 const RETRY: u32 = u32::MAX;
 
 #[inline(always)]
-pub fn balance(ctx: &XdpContext, p: &Packet) -> u32 {
+pub fn balance<F: Family>(ctx: &XdpContext, p: &Packet<F>) -> u32 {
     let Some(cfg) = CONFIG.get(0) else {
         return xdp_action::XDP_PASS;
     };
     let port = u16::from_be_bytes(p.dport);
-    if port >= cfg.nat_port_min && port <= cfg.nat_port_max {
-        let snat = ServiceKey {
-            addr: p.dst,
-            port_be: 0,
-            proto: 0,
-            kind: SERVICE_KIND_SNAT,
-        };
-        // SAFETY: only tested for presence.
-        if unsafe { SERVICES.get(&snat) }.is_some() {
-            let verdict = reply(ctx, p, cfg);
-            if verdict != RETRY {
-                return verdict;
-            }
-            // Called from here, not from `reply`: the call chain's stack
-            // (512 bytes) has no room for them under `reply`.
-            let slot = retry::plan(cfg);
-            if slot.is_null() {
-                return back(ctx, p, cfg);
-            }
-            return retry::resend(ctx, cfg, slot);
+    if port >= cfg.nat_port_min && port <= cfg.nat_port_max && F::to_snat(p) {
+        let verdict = reply(ctx, p, cfg);
+        if verdict != RETRY || !F::RETRY {
+            return verdict;
         }
+        // Called from here, not from `reply`: the call chain's stack
+        // (512 bytes) has no room for them under `reply`.
+        let slot = retry::plan::<F>(cfg);
+        if slot.is_null() {
+            return back(ctx, p, cfg);
+        }
+        return retry::resend(ctx, cfg, slot);
     }
-    let vip = ServiceKey {
-        addr: p.dst,
-        port_be: u16::from_ne_bytes(p.dport),
-        proto: p.proto,
-        kind: SERVICE_KIND_VIP,
-    };
-    // SAFETY: the value is copied out at once; the control plane replaces
-    // hash values whole, so the copy is never torn.
-    match unsafe { SERVICES.get(&vip) } {
-        Some(s) if s.flags == service_mode::SNAT => request::<false>(ctx, p, cfg, s.id, s.flags),
-        Some(s) => request::<true>(ctx, p, cfg, s.id, s.flags),
+    match F::vip(p) {
+        Some(s) if s.flags == service_mode::SNAT => request::<F, false>(ctx, p, cfg, s.id, s.flags),
+        Some(s) => request::<F, true>(ctx, p, cfg, s.id, s.flags),
         None => {
             global(|s| s.pass_not_service += 1);
             xdp_action::XDP_PASS
@@ -88,9 +70,9 @@ pub fn balance(ctx: &XdpContext, p: &Packet) -> u32 {
 /// multiply the verifier's states (inlined together they passed its
 /// 1M-instruction limit and the 512-byte stack).
 #[inline(never)]
-fn request<const DSR: bool>(
+fn request<F: Family, const DSR: bool>(
     ctx: &XdpContext,
-    p: &Packet,
+    p: &Packet<F>,
     cfg: &Config,
     service: u32,
     mode: u32,
@@ -102,12 +84,12 @@ fn request<const DSR: bool>(
     // SAFETY: this CPU's element, used by this run only.
     let sc = unsafe { &mut *sc };
     sc.nval.flow = FlowKey {
-        client: addr_v4(p.src),
-        vip: addr_v4(p.dst),
+        client: F::wide(&p.src),
+        vip: F::wide(&p.dst),
         client_port_be: u16::from_ne_bytes(p.sport),
         vip_port_be: u16::from_ne_bytes(p.dport),
         proto: p.proto,
-        family: FAMILY_V4,
+        family: F::FAMILY,
         _pad: [0; 2],
     };
     // A SYN always starts a connection: it never looks in the flow table
@@ -146,7 +128,7 @@ fn request<const DSR: bool>(
             // gets a RST from the new backend at once instead of waiting
             // on a dead one; a UDP flow simply carries on there.
             if !dsr {
-                sc.nkey = nat::flow_key(cfg, &flow, &backend.addr, backend.port_be, p.proto);
+                sc.nkey = nat::flow_key(cfg, &flow, backend, p.proto);
                 nat::forget(&sc.nkey);
             }
             nat::close(f, flow.backend);
@@ -185,24 +167,33 @@ fn request<const DSR: bool>(
         s.bytes_to += bytes;
     });
     if dsr {
-        return dsr::send(ctx, p, cfg, flow.backend, backend, mode);
+        return F::dsr(ctx, p, cfg, flow.backend, backend, mode);
     }
-    let src = nat::snat_addr(cfg, flow.snat);
-    rewrite(
+    to_backend(ctx, p, cfg, &flow, backend)
+}
+
+/// Translates a client packet of `flow` to its NAT tuple toward `backend`
+/// and sends it. A BPF function of its own: the rewrite and the FIB
+/// request then take no room in `request`'s frame (an IPv6 one did not
+/// fit there).
+#[inline(never)]
+fn to_backend<F: Family>(
+    ctx: &XdpContext,
+    p: &Packet<F>,
+    cfg: &Config,
+    flow: &FlowValue,
+    backend: &Backend,
+) -> u32 {
+    F::rewrite(
         p,
         &Tuple {
-            src: [src[0], src[1], src[2], src[3]],
-            dst: [
-                backend.addr[0],
-                backend.addr[1],
-                backend.addr[2],
-                backend.addr[3],
-            ],
+            src: F::narrow(nat::snat_addr(cfg, flow.snat)),
+            dst: F::narrow(&backend.addr),
             sport: flow.nat_port_be.to_ne_bytes(),
             dport: backend.port_be.to_ne_bytes(),
         },
     );
-    send(ctx, p, Some(flow.backend), cfg.hop_generation)
+    F::send(ctx, p, Some(flow.backend), cfg.hop_generation)
 }
 
 /// A packet of no established flow (its key in `sc.nval.flow`). A TCP SYN,
@@ -218,12 +209,12 @@ fn request<const DSR: bool>(
 /// flow is promoted by the client's first ACK (a spoofed SYN flood still
 /// only takes half-open slots), and UDP flows go to the flow table at once.
 #[inline(always)]
-fn handshake(
+fn handshake<F: Family>(
     ctx: &XdpContext,
     cfg: &Config,
     service: u32,
     sc: &mut Scratch,
-    p: &Packet,
+    p: &Packet<F>,
     dsr: bool,
 ) -> Result<(FlowValue, Option<*mut FlowValue>), u32> {
     let tcp = p.is_tcp();
@@ -275,7 +266,7 @@ fn promote(
         // SAFETY: plain helper call.
         ackclock::handshake(&mut flow, half.backend, unsafe { bpf_ktime_get_ns() });
     } else {
-        sc.nkey = nat::flow_key(cfg, half, &backend.addr, backend.port_be, proto);
+        sc.nkey = nat::flow_key(cfg, half, backend, proto);
         sc.nval.backend = half.backend;
         sc.nval._pad = 0;
         if NAT.insert(&sc.nkey, &sc.nval, 0).is_err() {
@@ -299,7 +290,7 @@ fn promote(
                     || o.backend != flow.backend)
             {
                 if let Some(b) = BACKENDS.get(o.backend) {
-                    sc.nkey = nat::flow_key(cfg, &o, &b.addr, b.port_be, proto);
+                    sc.nkey = nat::flow_key(cfg, &o, b, proto);
                     nat::forget(&sc.nkey);
                 }
             }
@@ -332,12 +323,12 @@ fn promote(
 /// the packet.
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
-fn new_flow(
+fn new_flow<F: Family>(
     ctx: &XdpContext,
     cfg: &Config,
     service: u32,
     sc: &mut Scratch,
-    p: &Packet,
+    p: &Packet<F>,
     time: bool,
     half: bool,
     dsr: bool,
@@ -368,7 +359,7 @@ fn new_flow(
         let Some(backend) = BACKENDS.get(flow.backend) else {
             return Err(xdp_action::XDP_DROP);
         };
-        sc.nkey = nat::flow_key(cfg, &flow, &backend.addr, backend.port_be, p.proto);
+        sc.nkey = nat::flow_key(cfg, &flow, backend, p.proto);
         let silent = flow.flags & flow_flags::SYN_WAIT != 0
             && cfg.syn_timeout_ns != 0
             && now.wrapping_sub(flow.turn_ns) >= cfg.syn_timeout_ns
@@ -407,7 +398,7 @@ fn new_flow(
     let (nat_port_be, snat) = if dsr {
         (0, 0)
     } else {
-        let Some(tuple) = nat::allocate(cfg, backend_id, backend, proto, sc, half, now) else {
+        let Some(tuple) = nat::allocate::<F>(cfg, backend_id, backend, proto, sc, half, now) else {
             // Rare (every tuple tried is held by a live flow): worth a record.
             warn!(
                 ctx,
@@ -471,18 +462,19 @@ fn new_flow(
 /// Backend to client: translate a reply back, or leave the balancer host's
 /// own traffic alone.
 #[inline(never)]
-fn reply(ctx: &XdpContext, p: &Packet, cfg: &Config) -> u32 {
+fn reply<F: Family>(ctx: &XdpContext, p: &Packet<F>, cfg: &Config) -> u32 {
     let Some(sc) = SCRATCH.get_ptr_mut(0) else {
         return xdp_action::XDP_PASS;
     };
     // SAFETY: this CPU's element, used by this run only.
     let sc = unsafe { &mut *sc };
     sc.nkey = nat::key(
-        addr_v4(p.dst),
-        addr_v4(p.src),
+        F::wide(&p.dst),
+        F::wide(&p.src),
         u16::from_ne_bytes(p.sport),
         u16::from_ne_bytes(p.dport),
         p.proto,
+        F::FAMILY,
     );
     // SAFETY: copied out at once.
     let half = match unsafe { NAT.get(&sc.nkey) } {
@@ -567,7 +559,8 @@ fn reply(ctx: &XdpContext, p: &Packet, cfg: &Config) -> u32 {
         // A real refusal is a RST+ACK acknowledging the client's SYN
         // exactly: anything else (an off-path guess at the tuple, a SYN
         // with RST set) moves nothing and goes on as it is.
-        let refused = ours
+        let refused = F::RETRY
+            && ours
             && half
             && p.tcp_flags & (TCP_RST | TCP_ACK | TCP_SYN) == TCP_RST | TCP_ACK
             && unsafe {
@@ -589,7 +582,7 @@ fn reply(ctx: &XdpContext, p: &Packet, cfg: &Config) -> u32 {
 /// A refused SYN that was not retried after all: its RST goes to the
 /// client like any reply.
 #[inline(never)]
-fn back(ctx: &XdpContext, p: &Packet, cfg: &Config) -> u32 {
+fn back<F: Family>(ctx: &XdpContext, p: &Packet<F>, cfg: &Config) -> u32 {
     let Some(sc) = SCRATCH.get_ptr_mut(0) else {
         return xdp_action::XDP_PASS;
     };
@@ -600,16 +593,15 @@ fn back(ctx: &XdpContext, p: &Packet, cfg: &Config) -> u32 {
 /// Translates a reply of the flow in `sc.nval` back to VIP -> client and
 /// sends it.
 #[inline(always)]
-fn to_client(ctx: &XdpContext, p: &Packet, cfg: &Config, sc: &Scratch) -> u32 {
-    let (vip, client) = (&sc.nval.flow.vip, &sc.nval.flow.client);
-    rewrite(
+fn to_client<F: Family>(ctx: &XdpContext, p: &Packet<F>, cfg: &Config, sc: &Scratch) -> u32 {
+    F::rewrite(
         p,
         &Tuple {
-            src: [vip[0], vip[1], vip[2], vip[3]],
-            dst: [client[0], client[1], client[2], client[3]],
+            src: F::narrow(&sc.nval.flow.vip),
+            dst: F::narrow(&sc.nval.flow.client),
             sport: sc.nval.flow.vip_port_be.to_ne_bytes(),
             dport: sc.nval.flow.client_port_be.to_ne_bytes(),
         },
     );
-    send(ctx, p, None, cfg.hop_generation)
+    F::send(ctx, p, None, cfg.hop_generation)
 }

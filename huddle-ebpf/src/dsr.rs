@@ -8,6 +8,7 @@
 
 use crate::{
     csum,
+    family::{Family, V4},
     forward::{out, route, unsettled, ROUTED},
     icmp,
     maps::global,
@@ -36,41 +37,48 @@ pub fn send(
     backend: &Backend,
     mode: u32,
 ) -> u32 {
-    let dst = [
-        backend.addr[0],
-        backend.addr[1],
-        backend.addr[2],
-        backend.addr[3],
-    ];
     if mode == service_mode::DSR_L2 {
-        let gen = cfg.hop_generation;
-        return match route(
-            ctx,
-            p.eth,
-            p.src,
-            dst,
-            p.proto,
-            p.tot_len,
-            Some(id),
-            gen,
-            true,
-        ) {
-            Ok((ifindex, _)) => out(ctx, ifindex),
-            // Not on this segment: no MAC of ours reaches it, and the
-            // kernel would route the packet by its VIP.
-            Err(ROUTED) => {
-                global(|s| s.drop_not_onlink += 1);
-                xdp_action::XDP_DROP
-            }
-            // The control plane resolves its backends' neighbours; the
-            // client resends.
-            Err(_) => {
-                global(|s| s.drop_no_neigh += 1);
-                xdp_action::XDP_DROP
-            }
-        };
+        return l2(ctx, p, cfg, id, backend);
     }
-    encap(ctx, p, cfg, id, dst)
+    encap(ctx, p, cfg, id, *V4::narrow(&backend.addr))
+}
+
+/// L2: the frame goes to the backend's MAC address, the packet untouched.
+#[inline(always)]
+pub fn l2<F: Family>(
+    ctx: &XdpContext,
+    p: &Packet<F>,
+    cfg: &Config,
+    id: u32,
+    backend: &Backend,
+) -> u32 {
+    let dst = F::narrow(&backend.addr);
+    let gen = cfg.hop_generation;
+    match route::<F>(
+        ctx,
+        p.eth,
+        &p.src,
+        dst,
+        p.proto,
+        p.tot_len,
+        Some(id),
+        gen,
+        true,
+    ) {
+        Ok((ifindex, _)) => out(ctx, ifindex),
+        // Not on this segment: no MAC of ours reaches it, and the kernel
+        // would route the packet by its VIP.
+        Err(ROUTED) => {
+            global(|s| s.drop_not_onlink += 1);
+            xdp_action::XDP_DROP
+        }
+        // The control plane resolves its backends' neighbours; the client
+        // resends.
+        Err(_) => {
+            global(|s| s.drop_no_neigh += 1);
+            xdp_action::XDP_DROP
+        }
+    }
 }
 
 /// IP-in-IP: the outer header's source comes from the configured prefix,
@@ -102,11 +110,11 @@ fn encap(ctx: &XdpContext, p: &Packet, cfg: &Config, id: u32, dst: [u8; 4]) -> u
     // Asked before the packet changes (`p`'s pointers die with it): the
     // next hop's addresses go into the client's Ethernet header, which
     // then moves to the front.
-    let next = route(
+    let next = route::<V4>(
         ctx,
         p.eth,
-        src,
-        dst,
+        &src,
+        &dst,
         PROTO_IPIP,
         outer_len,
         Some(id),

@@ -7,6 +7,7 @@
 //! rarely changes, and comparing a generation costs no clock read.
 
 use crate::{
+    family::Family,
     maps::{global, put, NEXT_HOP},
     parse::Packet,
 };
@@ -21,8 +22,6 @@ use aya_ebpf::{
 use core::mem::{size_of, zeroed};
 use network_types::eth::EthHdr;
 
-const AF_INET: u8 = 2;
-
 /// Forwards the already rewritten packet `p` toward its new destination;
 /// `generation` is the control plane's current next-hop generation.
 ///
@@ -30,10 +29,14 @@ const AF_INET: u8 = 2;
 /// which resolves it and forwards (the control plane enables forwarding
 /// and `accept_local` on the interface for this); it is never dropped here.
 #[inline(always)]
-pub fn send(ctx: &XdpContext, p: &Packet, backend: Option<u32>, generation: u64) -> u32 {
-    // SAFETY: the IP header was bounds-checked by `parse`.
-    let (src, dst) = unsafe { ((*p.ip).src_addr, (*p.ip).dst_addr) };
-    match route(
+pub fn send<F: Family>(
+    ctx: &XdpContext,
+    p: &Packet<F>,
+    backend: Option<u32>,
+    generation: u64,
+) -> u32 {
+    let (src, dst) = F::addrs(p);
+    match route::<F>(
         ctx, p.eth, src, dst, p.proto, p.tot_len, backend, generation, false,
     ) {
         Ok((ifindex, _)) => out(ctx, ifindex),
@@ -58,11 +61,11 @@ pub const ROUTED: u32 = u32::MAX;
 /// unchanged.
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
-pub fn route(
+pub fn route<F: Family>(
     ctx: &XdpContext,
     eth: *mut EthHdr,
-    src: [u8; 4],
-    dst: [u8; 4],
+    src: &F::Addr,
+    dst: &F::Addr,
     proto: u8,
     tot_len: u16,
     backend: Option<u32>,
@@ -92,14 +95,14 @@ pub fn route(
     // A backend's hop is cached for packets of any size, its MTU apart
     // (below): asked without a length, the FIB checks none.
     let len = if cache.is_some() { 0 } else { tot_len };
-    let rc = ask(ctx, &mut params, (src, dst), proto, len);
+    let rc = ask::<F>(ctx, &mut params, (src, dst), proto, len);
     if rc as u32 != BPF_FIB_LKUP_RET_SUCCESS {
         return Err(rc as u32);
     }
     // The FIB leaves the next hop's address where the destination was:
     // another address there means a gateway.
     // SAFETY: a union field the helper filled.
-    let routed = unsafe { params.__bindgen_anon_4.ipv4_dst } != u32::from_ne_bytes(dst);
+    let routed = !F::fib_dst_is(&params, dst);
     let ifindex = params.ifindex;
     // SAFETY: the caller checked `eth`'s bounds.
     unsafe {
@@ -123,7 +126,7 @@ pub fn route(
     // The path MTU, for what grows on the way (IP-in-IP): the FIB gives it
     // for a packet too big for it. Asked only when the cache is filled, in
     // the same request (no second one on the stack).
-    let rc = ask(ctx, &mut params, (src, dst), proto, u16::MAX);
+    let rc = ask::<F>(ctx, &mut params, (src, dst), proto, u16::MAX);
     let mtu = if rc as u32 == BPF_FIB_LKUP_RET_FRAG_NEEDED {
         // SAFETY: the union field the helper filled for this answer.
         unsafe { params.__bindgen_anon_1.mtu_result }
@@ -143,19 +146,18 @@ pub fn route(
 /// `addrs.0` to `addrs.1` coming in where this one did; `params` holds the
 /// answer. Returns the FIB's verdict (`BPF_FIB_LKUP_RET_*`).
 #[inline(always)]
-fn ask(
+fn ask<F: Family>(
     ctx: &XdpContext,
     params: &mut bpf_fib_lookup,
-    addrs: ([u8; 4], [u8; 4]),
+    addrs: (&F::Addr, &F::Addr),
     proto: u8,
     tot_len: u16,
 ) -> i64 {
-    params.family = AF_INET;
+    params.family = F::FAMILY;
     params.l4_protocol = proto;
     params.__bindgen_anon_1.tot_len = tot_len;
     params.ifindex = ctx.ingress_ifindex() as u32;
-    params.__bindgen_anon_3.ipv4_src = u32::from_ne_bytes(addrs.0);
-    params.__bindgen_anon_4.ipv4_dst = u32::from_ne_bytes(addrs.1);
+    F::fib_addrs(params, addrs.0, addrs.1);
     // SAFETY: `params` is a valid, correctly sized request for the helper.
     unsafe {
         fib_lookup(

@@ -8,6 +8,7 @@
 
 use crate::{
     csum::{apply, diff16, diff32, words},
+    family::V4,
     forward::{out, route, unsettled},
     halfopen,
     maps::{global, put, CONFIG, NAT, SERVICES},
@@ -18,7 +19,7 @@ use aya_ebpf::{
     helpers::generated::{bpf_xdp_adjust_head, bpf_xdp_adjust_tail},
     programs::XdpContext,
 };
-use huddle_common::{addr_v4, ServiceKey, PROTO_TCP, PROTO_UDP, SERVICE_KIND_SNAT};
+use huddle_common::{addr_v4, ServiceKey, FAMILY_V4, PROTO_TCP, PROTO_UDP, SERVICE_KIND_SNAT};
 
 const ETH_LEN: usize = 14;
 const IP_LEN: usize = 20;
@@ -139,7 +140,14 @@ pub fn inbound(ctx: &XdpContext) -> u32 {
         let Some(cfg) = CONFIG.get(0) else {
             return xdp_action::XDP_PASS;
         };
-        let nkey = nat::key(addr_v4(snat), addr_v4(q_dst), q_dport, q_sport, proto);
+        let nkey = nat::key(
+            addr_v4(snat),
+            addr_v4(q_dst),
+            q_dport,
+            q_sport,
+            proto,
+            FAMILY_V4,
+        );
         let flow = match NAT.get(&nkey) {
             Some(n) => n.flow,
             None => match halfopen::find_nat(cfg, &nkey) {
@@ -199,11 +207,11 @@ pub fn inbound(ctx: &XdpContext) -> u32 {
         o_check.write_unaligned(apply(o_check.read_unaligned(), outer));
         let tot_len = u16::from_be_bytes(*(ip.add(2) as *const [u8; 2]));
         global(|s| s.icmp_translated += 1);
-        match route(
+        match route::<V4>(
             ctx,
             data as *mut _,
-            from,
-            client,
+            &from,
+            &client,
             PROTO_ICMP,
             tot_len,
             None,

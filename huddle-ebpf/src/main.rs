@@ -12,6 +12,7 @@ mod ackclock;
 mod balance;
 mod csum;
 mod dsr;
+mod family;
 mod forward;
 mod halfopen;
 mod icmp;
@@ -25,12 +26,21 @@ mod ring;
 mod timing;
 
 use aya_ebpf::{bindings::xdp_action, macros::xdp, programs::XdpContext};
+use family::{V4, V6};
 use parse::Skip;
 
 #[xdp]
 pub fn huddle(ctx: XdpContext) -> u32 {
+    if parse::is_ipv6(&ctx) {
+        // The IPv6 program: its own verification and its own stack. If
+        // none is set, the frame goes to the kernel.
+        // SAFETY: a tail call with this program's own context.
+        let _ = unsafe { maps::TAILS.tail_call(&ctx, 0) };
+        maps::global(|s| s.pass_not_ipv4 += 1);
+        return xdp_action::XDP_PASS;
+    }
     match parse::parse(&ctx) {
-        Ok(p) => balance::balance(&ctx, &p),
+        Ok(p) => balance::balance::<V4>(&ctx, &p),
         Err(Skip::NotTcpUdp) if parse::is_icmp(&ctx) => icmp::inbound(&ctx),
         Err(skip) => {
             maps::global(|s| match skip {
@@ -39,6 +49,22 @@ pub fn huddle(ctx: XdpContext) -> u32 {
                 Skip::Fragment => s.pass_fragment += 1,
                 Skip::Malformed => s.pass_malformed += 1,
                 Skip::NotTcpUdp => s.pass_not_service += 1,
+                Skip::V6Extension => s.pass_v6_ext += 1,
+            });
+            xdp_action::XDP_PASS
+        }
+    }
+}
+
+/// IPv6 frames, handed over by `huddle`.
+#[xdp]
+pub fn huddle6(ctx: XdpContext) -> u32 {
+    match parse::parse6(&ctx) {
+        Ok(p) => balance::balance::<V6>(&ctx, &p),
+        Err(skip) => {
+            maps::global(|s| match skip {
+                Skip::V6Extension | Skip::NotTcpUdp => s.pass_v6_ext += 1,
+                _ => s.pass_malformed += 1,
             });
             xdp_action::XDP_PASS
         }

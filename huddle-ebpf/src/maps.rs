@@ -3,18 +3,28 @@
 
 use aya_ebpf::{
     macros::map,
-    maps::{Array, HashMap, LruHashMap, PerCpuArray},
+    maps::{Array, HashMap, LruHashMap, PerCpuArray, ProgramArray},
 };
 use huddle_common::{
     Backend, BackendStats, Config, FlowKey, FlowValue, GlobalStats, HalfOpen, HalfOpenNat, Latency,
-    NatCursor, NatKey, NatValue, NextHop, Pulse, Ring, ServiceKey, ServiceStats, ServiceValue,
-    Tuning, DEFAULT_FLOW_TABLE_SIZE, DEFAULT_HALF_OPEN_SIZE, MAX_BACKENDS, MAX_SERVICES,
+    NatCursor, NatKey, NatValue, NextHop, Pulse, Ring, ServiceKey, ServiceKey6, ServiceStats,
+    ServiceValue, Tuning, DEFAULT_FLOW_TABLE_SIZE, DEFAULT_HALF_OPEN_SIZE, MAX_BACKENDS,
+    MAX_SERVICES, MAX_SNAT,
 };
 
 /// VIP:port/proto -> service id, and SNAT address -> its index. Written
 /// only by the control plane; every packet is looked up here first.
 #[map]
 pub static SERVICES: HashMap<ServiceKey, ServiceValue> = HashMap::with_max_entries(MAX_SERVICES, 0);
+
+/// IPv6 VIP:port/proto -> service id, and IPv6 SNAT address -> its index.
+#[map]
+pub static SERVICES6: HashMap<ServiceKey6, ServiceValue> =
+    HashMap::with_max_entries(MAX_SERVICES + MAX_SNAT as u32, 0);
+
+/// Slot 0: the IPv6 program, which the main one hands IPv6 frames to.
+#[map]
+pub static TAILS: ProgramArray = ProgramArray::with_max_entries(1, 0);
 
 /// Backend id -> address and port.
 #[map]

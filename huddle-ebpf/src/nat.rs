@@ -12,14 +12,17 @@
 //! in order gives every tuple the longest rest the port space allows, and
 //! no two CPUs ever share a cursor or a tuple.
 
-use crate::maps::{bump, Scratch, BACKEND_STATS, FLOWS, NAT, NAT_CURSOR};
+use crate::{
+    family::Family,
+    maps::{bump, Scratch, BACKEND_STATS, FLOWS, NAT, NAT_CURSOR},
+};
 use aya_ebpf::{
     bindings::BPF_NOEXIST,
     helpers::{bpf_get_smp_processor_id, bpf_ktime_get_ns},
 };
 use huddle_common::{
-    flow_flags, Addr, Backend, Config, FlowValue, NatKey, FAMILY_V4, MAX_SNAT, NAT_LINGER_NS,
-    NAT_PORT_TRIES, TIME_WAIT_NS,
+    flow_flags, Addr, Backend, Config, FlowValue, NatKey, MAX_SNAT, NAT_LINGER_NS, NAT_PORT_TRIES,
+    TIME_WAIT_NS,
 };
 
 /// The tuple a new flow got: SNAT address index and port (network order).
@@ -35,6 +38,7 @@ pub fn key(
     backend_port_be: u16,
     nat_port_be: u16,
     proto: u8,
+    family: u8,
 ) -> NatKey {
     NatKey {
         backend,
@@ -42,7 +46,7 @@ pub fn key(
         backend_port_be,
         nat_port_be,
         proto,
-        family: FAMILY_V4,
+        family,
         _pad: [0; 2],
     }
 }
@@ -61,7 +65,7 @@ pub fn snat_addr(cfg: &Config, i: u8) -> &Addr {
 /// NAT table; a half-open flow's goes to its half-open slot. `now` is the
 /// clock. `None`: every tuple tried is held by a live flow.
 #[inline(always)]
-pub fn allocate(
+pub fn allocate<F: Family>(
     cfg: &Config,
     id: u32,
     backend: &Backend,
@@ -74,7 +78,9 @@ pub fn allocate(
     // SAFETY: plain helper call.
     let cpu = unsafe { bpf_get_smp_processor_id() };
     let ports = u32::from(cfg.slice_ports).max(1);
-    let addrs = u32::from(cfg.snat_count).clamp(1, MAX_SNAT as u32);
+    // This family's SNAT addresses: `first..first + addrs`.
+    let (first, addrs) = F::snat_range(cfg);
+    let addrs = addrs.clamp(1, MAX_SNAT as u32);
     // One slice per possible CPU; `checked_rem` only guards the divisor
     // for the compiler (a panic path would not pass the verifier).
     let slice = if cpu < u32::from(cfg.slices) {
@@ -90,7 +96,14 @@ pub fn allocate(
         c.round_ns = now;
     }
     let (nval, nkey) = (&sc.nval, &mut sc.nkey);
-    *nkey = key(cfg.snat_addrs[0], backend.addr, backend.port_be, 0, proto);
+    *nkey = key(
+        *snat_addr(cfg, first as u8),
+        backend.addr,
+        backend.port_be,
+        0,
+        proto,
+        F::FAMILY,
+    );
     for _ in 0..NAT_PORT_TRIES {
         // Whether this tuple's last use was less than TIME_WAIT ago: the
         // round it was last handed out in was that short.
@@ -111,7 +124,7 @@ pub fn allocate(
             c.early = u32::from(now.wrapping_sub(c.round_ns) < TIME_WAIT_NS);
             c.round_ns = now;
         }
-        nkey.local = *snat_addr(cfg, a as u8);
+        nkey.local = *snat_addr(cfg, (first + a) as u8);
         nkey.nat_port_be = ((base + off) as u16).to_be();
         // Never a tuple an established flow still holds (`reclaim` looks
         // it up once and frees it if its flow is over).
@@ -125,7 +138,7 @@ pub fn allocate(
             bump(&BACKEND_STATS, id, |s| s.nat_reuse_early += 1);
         }
         return Some(Tuple {
-            snat: a as u8,
+            snat: (first + a) as u8,
             port_be: nkey.nat_port_be,
         });
     }
@@ -168,13 +181,14 @@ fn reclaim(key: &NatKey) -> bool {
 
 /// The NAT key of an existing flow toward backend `addr`:`port_be`.
 #[inline(always)]
-pub fn flow_key(cfg: &Config, flow: &FlowValue, addr: &Addr, port_be: u16, proto: u8) -> NatKey {
+pub fn flow_key(cfg: &Config, flow: &FlowValue, backend: &Backend, proto: u8) -> NatKey {
     key(
         *snat_addr(cfg, flow.snat),
-        *addr,
-        port_be,
+        backend.addr,
+        backend.port_be,
         flow.nat_port_be,
         proto,
+        backend.family,
     )
 }
 

@@ -1,10 +1,17 @@
-//! Bounds-checked header parsing. A packet is either a well-formed IPv4
-//! TCP/UDP packet we may rewrite, or a reason to leave it to the kernel.
+//! Bounds-checked header parsing. A packet is either a well-formed IPv4 or
+//! IPv6 TCP/UDP packet we may rewrite, or a reason to leave it to the
+//! kernel.
 
+use crate::family::{Family, V4, V6};
 use aya_ebpf::programs::XdpContext;
 use core::mem::size_of;
 use huddle_common::{PROTO_TCP, PROTO_UDP};
-use network_types::{eth::EthHdr, ip::Ipv4Hdr, tcp::TcpHdr, udp::UdpHdr};
+use network_types::{
+    eth::EthHdr,
+    ip::{Ipv4Hdr, Ipv6Hdr},
+    tcp::TcpHdr,
+    udp::UdpHdr,
+};
 
 /// TCP flag bits (byte 13 of the header).
 pub const TCP_FIN: u8 = 0x01;
@@ -13,6 +20,7 @@ pub const TCP_RST: u8 = 0x04;
 pub const TCP_ACK: u8 = 0x10;
 
 const ETH_P_IP: u16 = 0x0800;
+const ETH_P_IPV6: u16 = 0x86dd;
 const IP_MF: u16 = 0x2000;
 const IP_OFFSET: u16 = 0x1fff;
 
@@ -24,23 +32,26 @@ pub enum Skip {
     Fragment,
     Malformed,
     NotTcpUdp,
+    /// IPv6 with extension headers, or not TCP/UDP.
+    V6Extension,
 }
 
-/// A parsed IPv4 TCP or UDP packet with a 20-byte IP header.
-pub struct Packet {
+/// A parsed TCP or UDP packet of address family `F` (IPv4 with a 20-byte
+/// header, or IPv6 without extension headers).
+pub struct Packet<F: Family = V4> {
     pub eth: *mut EthHdr,
-    pub ip: *mut Ipv4Hdr,
+    pub ip: *mut F::Hdr,
     /// Start of the TCP or UDP header.
     pub l4: *mut u8,
     pub proto: u8,
     /// Addresses and ports exactly as in the packet (network order bytes).
-    pub src: [u8; 4],
-    pub dst: [u8; 4],
+    pub src: F::Addr,
+    pub dst: F::Addr,
     pub sport: [u8; 2],
     pub dport: [u8; 2],
     /// TCP flags, 0 for UDP.
     pub tcp_flags: u8,
-    /// IPv4 total length.
+    /// Length of the IP packet, header included.
     pub tot_len: u16,
     /// Bytes of TCP or UDP payload.
     pub payload_len: u16,
@@ -49,7 +60,7 @@ pub struct Packet {
     pub ack: u32,
 }
 
-impl Packet {
+impl<F: Family> Packet<F> {
     #[inline(always)]
     pub fn is_tcp(&self) -> bool {
         self.proto == PROTO_TCP
@@ -70,6 +81,14 @@ pub fn ptr_at<T>(ctx: &XdpContext, offset: usize) -> Option<*mut T> {
         return None;
     }
     Some((start + offset) as *mut T)
+}
+
+/// Whether the frame is IPv6 (by its EtherType).
+#[inline(always)]
+pub fn is_ipv6(ctx: &XdpContext) -> bool {
+    ptr_at::<EthHdr>(ctx, 0)
+        // SAFETY: checked by `ptr_at`.
+        .is_some_and(|e| u16::from_be(unsafe { (*e).ether_type }) == ETH_P_IPV6)
 }
 
 /// Whether the frame, already parsed as a whole IPv4 packet that is not
@@ -110,9 +129,80 @@ pub fn parse(ctx: &XdpContext) -> Result<Packet, Skip> {
         return Err(Skip::Fragment);
     }
     let l4_len = usize::from(tot_len) - Ipv4Hdr::LEN;
-    let l4_off = EthHdr::LEN + Ipv4Hdr::LEN;
     let proto = iph.proto;
-    let (sport, dport, tcp_flags, l4, payload_len, seq, ack) = match proto {
+    let t = transport(ctx, EthHdr::LEN + Ipv4Hdr::LEN, l4_len, proto)?;
+    Ok(Packet {
+        eth,
+        ip,
+        l4: t.l4,
+        proto,
+        src: iph.src_addr,
+        dst: iph.dst_addr,
+        sport: t.sport,
+        dport: t.dport,
+        tcp_flags: t.tcp_flags,
+        tot_len,
+        payload_len: t.payload_len,
+        seq: t.seq,
+        ack: t.ack,
+    })
+}
+
+/// An IPv6 TCP or UDP packet whose next header is the transport one.
+/// Extension headers (fragments included) are left to the kernel: the
+/// program never rewrites what it did not parse.
+#[inline(always)]
+pub fn parse6(ctx: &XdpContext) -> Result<Packet<V6>, Skip> {
+    let eth: *mut EthHdr = ptr_at(ctx, 0).ok_or(Skip::NotIpv4)?;
+    let ip: *mut Ipv6Hdr = ptr_at(ctx, EthHdr::LEN).ok_or(Skip::Malformed)?;
+    // SAFETY: `ptr_at` checked the header lies within the packet.
+    let iph = unsafe { &*ip };
+    if iph.vcf[0] >> 4 != 6 {
+        return Err(Skip::Malformed);
+    }
+    let l4_len = usize::from(u16::from_be_bytes(iph.payload_len));
+    let l3_avail = ctx.data_end() - ctx.data() - EthHdr::LEN;
+    // A jumbogram (payload length 0) or a packet longer than the frame.
+    if l4_len == 0 || Ipv6Hdr::LEN + l4_len > l3_avail || Ipv6Hdr::LEN + l4_len > 0xffff {
+        return Err(Skip::Malformed);
+    }
+    let proto = iph.next_hdr;
+    if proto != PROTO_TCP && proto != PROTO_UDP {
+        return Err(Skip::V6Extension);
+    }
+    let t = transport(ctx, EthHdr::LEN + Ipv6Hdr::LEN, l4_len, proto)?;
+    Ok(Packet {
+        eth,
+        ip,
+        l4: t.l4,
+        proto,
+        src: iph.src_addr,
+        dst: iph.dst_addr,
+        sport: t.sport,
+        dport: t.dport,
+        tcp_flags: t.tcp_flags,
+        tot_len: (Ipv6Hdr::LEN + l4_len) as u16,
+        payload_len: t.payload_len,
+        seq: t.seq,
+        ack: t.ack,
+    })
+}
+
+/// The transport fields of a packet.
+struct Transport {
+    l4: *mut u8,
+    sport: [u8; 2],
+    dport: [u8; 2],
+    tcp_flags: u8,
+    payload_len: u16,
+    seq: u32,
+    ack: u32,
+}
+
+/// The TCP or UDP header at `l4_off`, `l4_len` bytes of transport in all.
+#[inline(always)]
+fn transport(ctx: &XdpContext, l4_off: usize, l4_len: usize, proto: u8) -> Result<Transport, Skip> {
+    match proto {
         PROTO_TCP => {
             let tcp: *mut TcpHdr = ptr_at(ctx, l4_off).ok_or(Skip::Malformed)?;
             // SAFETY: checked by `ptr_at`; the header is plain bytes.
@@ -121,15 +211,15 @@ pub fn parse(ctx: &XdpContext) -> Result<Packet, Skip> {
             if doff < TcpHdr::LEN || doff > l4_len {
                 return Err(Skip::Malformed);
             }
-            (
-                [raw[0], raw[1]],
-                [raw[2], raw[3]],
-                raw[13],
-                tcp.cast::<u8>(),
-                (l4_len - doff) as u16,
-                u32::from_be_bytes([raw[4], raw[5], raw[6], raw[7]]),
-                u32::from_be_bytes([raw[8], raw[9], raw[10], raw[11]]),
-            )
+            Ok(Transport {
+                l4: tcp.cast::<u8>(),
+                sport: [raw[0], raw[1]],
+                dport: [raw[2], raw[3]],
+                tcp_flags: raw[13],
+                payload_len: (l4_len - doff) as u16,
+                seq: u32::from_be_bytes([raw[4], raw[5], raw[6], raw[7]]),
+                ack: u32::from_be_bytes([raw[8], raw[9], raw[10], raw[11]]),
+            })
         }
         PROTO_UDP => {
             let udp: *mut UdpHdr = ptr_at(ctx, l4_off).ok_or(Skip::Malformed)?;
@@ -139,31 +229,16 @@ pub fn parse(ctx: &XdpContext) -> Result<Packet, Skip> {
             if ulen < UdpHdr::LEN || ulen > l4_len {
                 return Err(Skip::Malformed);
             }
-            (
-                u.src,
-                u.dst,
-                0,
-                udp.cast::<u8>(),
-                (ulen - UdpHdr::LEN) as u16,
-                0,
-                0,
-            )
+            Ok(Transport {
+                l4: udp.cast::<u8>(),
+                sport: u.src,
+                dport: u.dst,
+                tcp_flags: 0,
+                payload_len: (ulen - UdpHdr::LEN) as u16,
+                seq: 0,
+                ack: 0,
+            })
         }
-        _ => return Err(Skip::NotTcpUdp),
-    };
-    Ok(Packet {
-        eth,
-        ip,
-        l4,
-        proto,
-        src: iph.src_addr,
-        dst: iph.dst_addr,
-        sport,
-        dport,
-        tcp_flags,
-        tot_len,
-        payload_len,
-        seq,
-        ack,
-    })
+        _ => Err(Skip::NotTcpUdp),
+    }
 }

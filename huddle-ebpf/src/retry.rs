@@ -10,6 +10,7 @@
 
 use crate::{
     csum,
+    family::{Family, V4},
     forward::send,
     halfopen,
     maps::{bump, put, BACKENDS, BACKEND_STATS, SCRATCH},
@@ -40,7 +41,7 @@ const OPTS_AT: usize = ETH_LEN + IP_LEN + TCP_LEN;
 /// Keeps what a retry needs of the client's SYN `p` in `syn`; `retries`
 /// is how many backends this connection has tried after its first.
 #[inline(always)]
-pub fn keep_syn(ctx: &XdpContext, p: &Packet, syn: *mut SynCopy, retries: u8) {
+pub fn keep_syn<F: Family>(ctx: &XdpContext, p: &Packet<F>, syn: *mut SynCopy, retries: u8) {
     // SAFETY: `parse` checked that the 20-byte TCP header lies inside the
     // packet; `syn` is a map value pointer, valid for this run.
     unsafe {
@@ -55,7 +56,7 @@ pub fn keep_syn(ctx: &XdpContext, p: &Packet, syn: *mut SynCopy, retries: u8) {
             && len <= SYN_OPTS
             && bpf_xdp_load_bytes(
                 ctx.ctx.cast(),
-                OPTS_AT as u32,
+                F::OPTS_AT as u32,
                 (*syn).opts.as_mut_ptr().cast(),
                 len as u32,
             ) == 0
@@ -74,7 +75,7 @@ pub fn keep_syn(ctx: &XdpContext, p: &Packet, syn: *mut SynCopy, retries: u8) {
 /// packet pointers stay valid (a BPF function that changes packet data
 /// invalidates them all in its caller, on every path).
 #[inline(never)]
-pub fn plan(cfg: &Config) -> *mut HalfOpen {
+pub fn plan<F: Family>(cfg: &Config) -> *mut HalfOpen {
     let none = core::ptr::null_mut();
     let Some(sc) = SCRATCH.get_ptr_mut(0) else {
         return none;
@@ -101,7 +102,7 @@ pub fn plan(cfg: &Config) -> *mut HalfOpen {
     halfopen::forget_nat(cfg, &sc.nkey);
     sc.nval.backend = id;
     sc.nval._pad = 0;
-    let Some(tuple) = nat::allocate(cfg, id, backend, PROTO_TCP, sc, true, now) else {
+    let Some(tuple) = nat::allocate::<F>(cfg, id, backend, PROTO_TCP, sc, true, now) else {
         return none;
     };
     s.flow.backend = id;
@@ -238,7 +239,7 @@ pub fn resend(ctx: &XdpContext, cfg: &Config, slot: *mut HalfOpen) -> u32 {
     if data + OPTS_AT > end {
         return xdp_action::XDP_DROP;
     }
-    let p = Packet {
+    let p: Packet<V4> = Packet {
         eth: data as *mut _,
         ip: (data + ETH_LEN) as *mut _,
         l4: (data + ETH_LEN + IP_LEN) as *mut u8,

@@ -2,6 +2,8 @@
 
 use crate::{
     csum::{apply, diff16, diff32},
+    family::{Family, V6},
+    maps::put,
     parse::Packet,
 };
 
@@ -9,10 +11,11 @@ use crate::{
 const TCP_CHECK: usize = 16;
 const UDP_CHECK: usize = 6;
 
-/// The four fields a translation sets, as bytes in network order.
-pub struct Tuple {
-    pub src: [u8; 4],
-    pub dst: [u8; 4],
+/// The four fields a translation sets, as bytes in network order (the
+/// addresses where they lie, in a map value: no copies on the stack).
+pub struct Tuple<'a, A = [u8; 4]> {
+    pub src: &'a A,
+    pub dst: &'a A,
     pub sport: [u8; 2],
     pub dport: [u8; 2],
 }
@@ -21,20 +24,56 @@ pub struct Tuple {
 /// A UDP checksum of 0 (none) stays 0; a computed 0 is sent as 0xffff.
 #[inline(always)]
 pub fn rewrite(p: &Packet, to: &Tuple) {
-    let addr_diff = diff32(u32::from_ne_bytes(p.src), u32::from_ne_bytes(to.src))
-        + diff32(u32::from_ne_bytes(p.dst), u32::from_ne_bytes(to.dst));
+    let addr_diff = diff32(u32::from_ne_bytes(p.src), u32::from_ne_bytes(*to.src))
+        + diff32(u32::from_ne_bytes(p.dst), u32::from_ne_bytes(*to.dst));
+    // SAFETY: `parse` checked that the IP header lies inside the packet.
+    unsafe {
+        let ip = &mut *p.ip;
+        ip.src_addr = *to.src;
+        ip.dst_addr = *to.dst;
+        ip.check = apply(u16::from_ne_bytes(ip.check), addr_diff).to_ne_bytes();
+    }
+    ports(p, to, addr_diff);
+}
+
+/// IPv6: no header checksum; the addresses count in the L4 one.
+#[inline(always)]
+pub fn rewrite6(p: &Packet<V6>, to: &Tuple<'_, [u8; 16]>) {
+    let addr_diff = diff128(&p.src, to.src) + diff128(&p.dst, to.dst);
+    // SAFETY: `parse6` checked that the IP header lies inside the packet.
+    unsafe {
+        let ip = p.ip;
+        put(&mut (*ip).src_addr, to.src);
+        put(&mut (*ip).dst_addr, to.dst);
+    }
+    ports(p, to, addr_diff);
+}
+
+/// Sum of the changes from `old` to `new` for one 16-byte address, read
+/// in place as four words.
+#[inline(always)]
+fn diff128(old: &[u8; 16], new: &[u8; 16]) -> u64 {
+    let (o, n) = (old.as_ptr().cast::<u32>(), new.as_ptr().cast::<u32>());
+    let mut d = 0;
+    let mut i = 0;
+    while i < 4 {
+        // SAFETY: word `i` of 4 lies inside both arrays.
+        d += unsafe { diff32(o.add(i).read_unaligned(), n.add(i).read_unaligned()) };
+        i += 1;
+    }
+    d
+}
+
+/// Sets the ports and updates the L4 checksum by `addr_diff` (the
+/// pseudo-header's addresses) and the ports' change.
+#[inline(always)]
+fn ports<F: Family>(p: &Packet<F>, to: &Tuple<'_, F::Addr>, addr_diff: u64) {
     let l4_diff = addr_diff
         + diff16(u16::from_ne_bytes(p.sport), u16::from_ne_bytes(to.sport))
         + diff16(u16::from_ne_bytes(p.dport), u16::from_ne_bytes(to.dport));
-    // SAFETY: `parse` checked that the IP header and the whole fixed L4
-    // header (20 bytes TCP, 8 bytes UDP) lie inside the packet; every write
-    // below is inside those headers.
+    // SAFETY: the parser checked that the whole fixed L4 header (20 bytes
+    // TCP, 8 bytes UDP) lies inside the packet; every write is inside it.
     unsafe {
-        let ip = &mut *p.ip;
-        ip.src_addr = to.src;
-        ip.dst_addr = to.dst;
-        ip.check = apply(u16::from_ne_bytes(ip.check), addr_diff).to_ne_bytes();
-
         let l4 = p.l4;
         *l4.cast::<[u8; 2]>() = to.sport;
         *l4.add(2).cast::<[u8; 2]>() = to.dport;

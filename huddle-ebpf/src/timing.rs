@@ -8,6 +8,7 @@
 //! accepts work and never answers before any reply could tell it.
 
 use crate::{
+    family::Family,
     maps::{bump, BACKEND_STATS, CONNECT, LATENCY, PULSE},
     parse::{Packet, TCP_ACK, TCP_RST, TCP_SYN},
 };
@@ -18,7 +19,7 @@ use huddle_common::{flow_flags, latency_bucket, FlowValue, LATENCY_BUCKETS};
 /// datagram for its answer. Returns the flow's initial wait flags; the
 /// wait itself starts with `start_first` once the flow is recorded.
 #[inline(always)]
-pub fn first_flags(p: &Packet) -> u8 {
+pub fn first_flags<F: Family>(p: &Packet<F>) -> u8 {
     if p.is_tcp() {
         if p.has_flag(TCP_SYN) {
             return flow_flags::SYN_WAIT;
@@ -44,7 +45,7 @@ pub fn start_first(flags: u8, backend: u32, now: u64) {
 /// Client to backend on an existing flow: data starts a turn unless one is
 /// pending; a client RST gives up the pending one (not the backend's fault).
 #[inline(always)]
-pub fn request(f: *mut FlowValue, p: &Packet, backend: u32) {
+pub fn request<F: Family>(f: *mut FlowValue, p: &Packet<F>, backend: u32) {
     // SAFETY: a map value pointer from a lookup in this run; racing CPUs
     // at worst lose one sample.
     unsafe {
@@ -96,7 +97,7 @@ fn owe(backend: u32, now: u64, syn: bool) {
 /// answer to this flow's pending wait is a latency sample. `f` is null
 /// when the flow is gone or no longer this backend's.
 #[inline(always)]
-pub fn reply(f: *mut FlowValue, p: &Packet, backend: u32) {
+pub fn reply<F: Family>(f: *mut FlowValue, p: &Packet<F>, backend: u32) {
     let syn_answer = p.has_flag(TCP_SYN | TCP_RST);
     let data = p.payload_len > 0;
     if !syn_answer && !data {

@@ -1,0 +1,259 @@
+//! The address families: what differs between IPv4 and IPv6 packets
+//! (address width, the service lookup, the rewrite, the next hop, DSR),
+//! so the request and reply paths in `balance` are written once and built
+//! once per family (no family test on the packet path).
+
+use crate::{
+    dsr, forward,
+    maps::{global, SERVICES, SERVICES6},
+    parse::Packet,
+    rewrite::{self, Tuple},
+};
+use aya_ebpf::{
+    bindings::{bpf_fib_lookup, xdp_action},
+    programs::XdpContext,
+};
+use huddle_common::{
+    addr_v4, service_mode, Addr, Backend, Config, ServiceKey, ServiceKey6, ServiceValue, FAMILY_V4,
+    FAMILY_V6, SERVICE_KIND_SNAT, SERVICE_KIND_VIP,
+};
+use network_types::ip::{Ipv4Hdr, Ipv6Hdr};
+
+pub trait Family: Sized {
+    /// An address as the packet holds it.
+    type Addr: Copy + PartialEq;
+    /// The fixed IP header.
+    type Hdr;
+    /// `FAMILY_V4` or `FAMILY_V6`.
+    const FAMILY: u8;
+    /// Where TCP options start in a frame with this family's fixed header.
+    const OPTS_AT: usize;
+    /// Whether a refused SYN can be rebuilt toward another backend.
+    const RETRY: bool;
+    /// The 16-byte form of an address, as map keys hold it.
+    fn wide(a: &Self::Addr) -> Addr;
+    /// The packet form of a 16-byte address (its first bytes).
+    fn narrow(a: &Addr) -> &Self::Addr;
+    /// The service (VIP:port/proto) `p` is addressed to, if any.
+    fn vip(p: &Packet<Self>) -> Option<ServiceValue>;
+    /// Whether `p` is addressed to one of the balancer's SNAT addresses.
+    fn to_snat(p: &Packet<Self>) -> bool;
+    /// This family's SNAT addresses in `Config::snat_addrs`: first index
+    /// and count.
+    fn snat_range(cfg: &Config) -> (u32, u32);
+    /// The addresses the IP header holds now (after a rewrite).
+    fn addrs(p: &Packet<Self>) -> (&Self::Addr, &Self::Addr);
+    /// Puts the addresses into a FIB request.
+    fn fib_addrs(params: &mut bpf_fib_lookup, src: &Self::Addr, dst: &Self::Addr);
+    /// Whether the FIB's answer names `dst` itself as the next hop (no
+    /// gateway).
+    fn fib_dst_is(params: &bpf_fib_lookup, dst: &Self::Addr) -> bool;
+    /// Rewrites addresses and ports, keeping checksums valid.
+    fn rewrite(p: &Packet<Self>, to: &Tuple<'_, Self::Addr>);
+    /// Forwards the rewritten packet (see `forward::send`).
+    fn send(ctx: &XdpContext, p: &Packet<Self>, backend: Option<u32>, generation: u64) -> u32;
+    /// Sends a client packet of a DSR flow to its backend (see `dsr`).
+    fn dsr(
+        ctx: &XdpContext,
+        p: &Packet<Self>,
+        cfg: &Config,
+        id: u32,
+        backend: &Backend,
+        mode: u32,
+    ) -> u32;
+}
+
+pub enum V4 {}
+
+impl Family for V4 {
+    type Addr = [u8; 4];
+    type Hdr = Ipv4Hdr;
+    const FAMILY: u8 = FAMILY_V4;
+    const OPTS_AT: usize = 14 + 20 + 20;
+    const RETRY: bool = true;
+
+    #[inline(always)]
+    fn wide(a: &[u8; 4]) -> Addr {
+        addr_v4(*a)
+    }
+
+    #[inline(always)]
+    fn narrow(a: &Addr) -> &[u8; 4] {
+        // SAFETY: the first 4 of 16 bytes, alignment 1.
+        unsafe { &*a.as_ptr().cast::<[u8; 4]>() }
+    }
+
+    #[inline(always)]
+    fn vip(p: &Packet<V4>) -> Option<ServiceValue> {
+        let key = ServiceKey {
+            addr: p.dst,
+            port_be: u16::from_ne_bytes(p.dport),
+            proto: p.proto,
+            kind: SERVICE_KIND_VIP,
+        };
+        // SAFETY: the value is copied out at once; the control plane
+        // replaces hash values whole, so the copy is never torn.
+        unsafe { SERVICES.get(&key) }.copied()
+    }
+
+    #[inline(always)]
+    fn to_snat(p: &Packet<V4>) -> bool {
+        let key = ServiceKey {
+            addr: p.dst,
+            port_be: 0,
+            proto: 0,
+            kind: SERVICE_KIND_SNAT,
+        };
+        // SAFETY: only tested for presence.
+        unsafe { SERVICES.get(&key) }.is_some()
+    }
+
+    #[inline(always)]
+    fn snat_range(cfg: &Config) -> (u32, u32) {
+        (0, u32::from(cfg.snat_count))
+    }
+
+    #[inline(always)]
+    fn addrs(p: &Packet<V4>) -> (&[u8; 4], &[u8; 4]) {
+        // SAFETY: the IP header was bounds-checked by `parse`.
+        unsafe { (&(*p.ip).src_addr, &(*p.ip).dst_addr) }
+    }
+
+    #[inline(always)]
+    fn fib_addrs(params: &mut bpf_fib_lookup, src: &[u8; 4], dst: &[u8; 4]) {
+        params.__bindgen_anon_3.ipv4_src = u32::from_ne_bytes(*src);
+        params.__bindgen_anon_4.ipv4_dst = u32::from_ne_bytes(*dst);
+    }
+
+    #[inline(always)]
+    fn fib_dst_is(params: &bpf_fib_lookup, dst: &[u8; 4]) -> bool {
+        // SAFETY: a union field the helper filled.
+        unsafe { params.__bindgen_anon_4.ipv4_dst == u32::from_ne_bytes(*dst) }
+    }
+
+    #[inline(always)]
+    fn rewrite(p: &Packet<V4>, to: &Tuple<'_, [u8; 4]>) {
+        rewrite::rewrite(p, to);
+    }
+
+    #[inline(always)]
+    fn send(ctx: &XdpContext, p: &Packet<V4>, backend: Option<u32>, generation: u64) -> u32 {
+        forward::send(ctx, p, backend, generation)
+    }
+
+    #[inline(always)]
+    fn dsr(
+        ctx: &XdpContext,
+        p: &Packet<V4>,
+        cfg: &Config,
+        id: u32,
+        backend: &Backend,
+        mode: u32,
+    ) -> u32 {
+        dsr::send(ctx, p, cfg, id, backend, mode)
+    }
+}
+
+pub enum V6 {}
+
+impl V6 {
+    #[inline(always)]
+    fn lookup(addr: &[u8; 16], port_be: u16, proto: u8, kind: u8) -> Option<ServiceValue> {
+        let key = ServiceKey6 {
+            addr: *addr,
+            port_be,
+            proto,
+            kind,
+            _pad: 0,
+        };
+        // SAFETY: copied out at once (values are replaced whole).
+        unsafe { SERVICES6.get(&key) }.copied()
+    }
+}
+
+impl Family for V6 {
+    type Addr = [u8; 16];
+    type Hdr = Ipv6Hdr;
+    const FAMILY: u8 = FAMILY_V6;
+    const OPTS_AT: usize = 14 + 40 + 20;
+    /// Not yet: a refusal reaches the client, as from a backend alone.
+    const RETRY: bool = false;
+
+    #[inline(always)]
+    fn wide(a: &[u8; 16]) -> Addr {
+        *a
+    }
+
+    #[inline(always)]
+    fn narrow(a: &Addr) -> &[u8; 16] {
+        a
+    }
+
+    #[inline(always)]
+    fn vip(p: &Packet<V6>) -> Option<ServiceValue> {
+        V6::lookup(
+            &p.dst,
+            u16::from_ne_bytes(p.dport),
+            p.proto,
+            SERVICE_KIND_VIP,
+        )
+    }
+
+    #[inline(always)]
+    fn to_snat(p: &Packet<V6>) -> bool {
+        V6::lookup(&p.dst, 0, 0, SERVICE_KIND_SNAT).is_some()
+    }
+
+    #[inline(always)]
+    fn snat_range(cfg: &Config) -> (u32, u32) {
+        (u32::from(cfg.snat_count), u32::from(cfg.snat6_count))
+    }
+
+    #[inline(always)]
+    fn addrs(p: &Packet<V6>) -> (&[u8; 16], &[u8; 16]) {
+        // SAFETY: the IP header was bounds-checked by `parse6`.
+        unsafe { (&(*p.ip).src_addr, &(*p.ip).dst_addr) }
+    }
+
+    #[inline(always)]
+    fn fib_addrs(params: &mut bpf_fib_lookup, src: &[u8; 16], dst: &[u8; 16]) {
+        let w = |a: &[u8; 16], i: usize| u32::from_ne_bytes([a[i], a[i + 1], a[i + 2], a[i + 3]]);
+        params.__bindgen_anon_3.ipv6_src = [w(src, 0), w(src, 4), w(src, 8), w(src, 12)];
+        params.__bindgen_anon_4.ipv6_dst = [w(dst, 0), w(dst, 4), w(dst, 8), w(dst, 12)];
+    }
+
+    #[inline(always)]
+    fn fib_dst_is(params: &bpf_fib_lookup, dst: &[u8; 16]) -> bool {
+        let w = |i: usize| u32::from_ne_bytes([dst[i], dst[i + 1], dst[i + 2], dst[i + 3]]);
+        // SAFETY: a union field the helper filled.
+        let got = unsafe { params.__bindgen_anon_4.ipv6_dst };
+        got == [w(0), w(4), w(8), w(12)]
+    }
+
+    #[inline(always)]
+    fn rewrite(p: &Packet<V6>, to: &Tuple<'_, [u8; 16]>) {
+        rewrite::rewrite6(p, to);
+    }
+
+    #[inline(always)]
+    fn send(ctx: &XdpContext, p: &Packet<V6>, backend: Option<u32>, generation: u64) -> u32 {
+        forward::send(ctx, p, backend, generation)
+    }
+
+    #[inline(always)]
+    fn dsr(
+        ctx: &XdpContext,
+        p: &Packet<V6>,
+        cfg: &Config,
+        id: u32,
+        backend: &Backend,
+        mode: u32,
+    ) -> u32 {
+        if mode == service_mode::DSR_L2 {
+            return dsr::l2(ctx, p, cfg, id, backend);
+        }
+        // IPv6 in IPv6 is not built yet (the control plane refuses it).
+        global(|s| s.drop_encap += 1);
+        xdp_action::XDP_DROP
+    }
+}
