@@ -27,13 +27,16 @@ use aya_ebpf::{
 };
 use aya_log_ebpf::warn;
 use huddle_common::{
-    backend_flags, flow_flags, service_mode, slot_tag, Backend, Config, FlowKey, FlowValue,
-    HalfOpen, MAX_SYN_RETRIES, NAT_PORT_TRIES,
+    backend_flags, flow_flags, service_mode, slot_tag, Config, FlowKey, FlowValue, HalfOpen,
+    MAX_SYN_RETRIES, NAT_PORT_TRIES,
 };
 
 /// `reply`'s answer for a refused SYN that may be retried: the packet is
 /// untouched and the scratch map holds its keys.
 const RETRY: u32 = u32::MAX;
+/// `request`'s answer for a packet to translate and send toward its
+/// backend: untouched, its flow in the scratch map (`fwd`).
+const FORWARD: u32 = u32::MAX - 1;
 
 #[inline(always)]
 pub fn balance<F: Family>(ctx: &XdpContext, p: &Packet<F>) -> u32 {
@@ -55,7 +58,14 @@ pub fn balance<F: Family>(ctx: &XdpContext, p: &Packet<F>) -> u32 {
         return retry::resend(ctx, cfg, slot);
     }
     match F::vip(p) {
-        Some(s) if s.flags == service_mode::SNAT => request::<F, false>(ctx, p, cfg, s.id, s.flags),
+        // Translated and sent from here: the rewrite and the FIB request
+        // then take no room under `request`'s frame.
+        Some(s) if s.flags == service_mode::SNAT => {
+            match request::<F, false>(ctx, p, cfg, s.id, s.flags) {
+                FORWARD => to_backend(ctx, p, cfg),
+                verdict => verdict,
+            }
+        }
         Some(s) => request::<F, true>(ctx, p, cfg, s.id, s.flags),
         None => {
             global(|s| s.pass_not_service += 1);
@@ -84,8 +94,8 @@ fn request<F: Family, const DSR: bool>(
     // SAFETY: this CPU's element, used by this run only.
     let sc = unsafe { &mut *sc };
     sc.nval.flow = FlowKey {
-        client: F::wide(&p.src),
-        vip: F::wide(&p.dst),
+        client: F::wide(p.src()),
+        vip: F::wide(p.dst()),
         client_port_be: u16::from_ne_bytes(p.sport),
         vip_port_be: u16::from_ne_bytes(p.dport),
         proto: p.proto,
@@ -169,26 +179,33 @@ fn request<F: Family, const DSR: bool>(
     if dsr {
         return F::dsr(ctx, p, cfg, flow.backend, backend, mode);
     }
-    to_backend(ctx, p, cfg, &flow, backend)
+    sc.fwd = flow;
+    FORWARD
 }
 
-/// Translates a client packet of `flow` to its NAT tuple toward `backend`
-/// and sends it. A BPF function of its own: the rewrite and the FIB
-/// request then take no room in `request`'s frame (an IPv6 one did not
-/// fit there).
+/// Translates a client packet of the flow `request` left in the scratch
+/// map (`fwd`, its key in `nval.flow`) to its NAT tuple and sends it. A
+/// BPF function of its own, called after `request` returned: its frame
+/// and `request`'s are never on the stack together (an IPv6 packet's did
+/// not fit).
 #[inline(never)]
-fn to_backend<F: Family>(
-    ctx: &XdpContext,
-    p: &Packet<F>,
-    cfg: &Config,
-    flow: &FlowValue,
-    backend: &Backend,
-) -> u32 {
+fn to_backend<F: Family>(ctx: &XdpContext, p: &Packet<F>, cfg: &Config) -> u32 {
+    let Some(sc) = SCRATCH.get_ptr(0) else {
+        return xdp_action::XDP_PASS;
+    };
+    // SAFETY: this CPU's element, used by this run only.
+    let sc = unsafe { &*sc };
+    let flow = &sc.fwd;
+    let Some(backend) = BACKENDS.get(flow.backend) else {
+        return xdp_action::XDP_DROP;
+    };
     F::rewrite(
         p,
         &Tuple {
             src: F::narrow(nat::snat_addr(cfg, flow.snat)),
             dst: F::narrow(&backend.addr),
+            was_src: &sc.nval.flow.client,
+            was_dst: &sc.nval.flow.vip,
             sport: flow.nat_port_be.to_ne_bytes(),
             dport: backend.port_be.to_ne_bytes(),
         },
@@ -469,8 +486,8 @@ fn reply<F: Family>(ctx: &XdpContext, p: &Packet<F>, cfg: &Config) -> u32 {
     // SAFETY: this CPU's element, used by this run only.
     let sc = unsafe { &mut *sc };
     sc.nkey = nat::key(
-        F::wide(&p.dst),
-        F::wide(&p.src),
+        F::wide(p.dst()),
+        F::wide(p.src()),
         u16::from_ne_bytes(p.sport),
         u16::from_ne_bytes(p.dport),
         p.proto,
@@ -599,6 +616,8 @@ fn to_client<F: Family>(ctx: &XdpContext, p: &Packet<F>, cfg: &Config, sc: &Scra
         &Tuple {
             src: F::narrow(&sc.nval.flow.vip),
             dst: F::narrow(&sc.nval.flow.client),
+            was_src: &sc.nkey.backend,
+            was_dst: &sc.nkey.local,
             sport: sc.nval.flow.vip_port_be.to_ne_bytes(),
             dport: sc.nval.flow.client_port_be.to_ne_bytes(),
         },

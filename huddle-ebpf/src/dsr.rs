@@ -57,7 +57,7 @@ pub fn l2<F: Family>(
     match route::<F>(
         ctx,
         p.eth,
-        &p.src,
+        p.src(),
         dst,
         p.proto,
         p.tot_len,
@@ -98,7 +98,7 @@ fn encap(ctx: &XdpContext, p: &Packet, cfg: &Config, id: u32, dst: [u8; 4]) -> u
         cfg.encap_src[2],
         cfg.encap_src[3],
     ]);
-    let mut h = (u32::from_ne_bytes(p.src) ^ u32::from(u16::from_ne_bytes(p.sport)))
+    let mut h = (u32::from_ne_bytes(*p.src()) ^ u32::from(u16::from_ne_bytes(p.sport)))
         .wrapping_mul(0x9e37_79b1);
     h ^= h >> 16;
     let src = ((base & !vary) | (h & vary)).to_ne_bytes();

@@ -86,7 +86,7 @@ impl Family for V4 {
     #[inline(always)]
     fn vip(p: &Packet<V4>) -> Option<ServiceValue> {
         let key = ServiceKey {
-            addr: p.dst,
+            addr: *p.dst(),
             port_be: u16::from_ne_bytes(p.dport),
             proto: p.proto,
             kind: SERVICE_KIND_VIP,
@@ -99,7 +99,7 @@ impl Family for V4 {
     #[inline(always)]
     fn to_snat(p: &Packet<V4>) -> bool {
         let key = ServiceKey {
-            addr: p.dst,
+            addr: *p.dst(),
             port_be: 0,
             proto: 0,
             kind: SERVICE_KIND_SNAT,
@@ -192,7 +192,7 @@ impl Family for V6 {
     #[inline(always)]
     fn vip(p: &Packet<V6>) -> Option<ServiceValue> {
         V6::lookup(
-            &p.dst,
+            p.dst(),
             u16::from_ne_bytes(p.dport),
             p.proto,
             SERVICE_KIND_VIP,
@@ -201,7 +201,7 @@ impl Family for V6 {
 
     #[inline(always)]
     fn to_snat(p: &Packet<V6>) -> bool {
-        V6::lookup(&p.dst, 0, 0, SERVICE_KIND_SNAT).is_some()
+        V6::lookup(p.dst(), 0, 0, SERVICE_KIND_SNAT).is_some()
     }
 
     #[inline(always)]

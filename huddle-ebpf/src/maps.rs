@@ -74,6 +74,8 @@ pub struct Scratch {
     /// The NAT entry of the packet's flow; `nval.flow` is the flow's key.
     pub nval: NatValue,
     pub nkey: NatKey,
+    /// The flow `request` handed to `to_backend` to translate and send.
+    pub fwd: FlowValue,
 }
 
 /// Backend id -> this CPU's cached next hop toward it.

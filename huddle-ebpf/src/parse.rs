@@ -44,9 +44,8 @@ pub struct Packet<F: Family = V4> {
     /// Start of the TCP or UDP header.
     pub l4: *mut u8,
     pub proto: u8,
-    /// Addresses and ports exactly as in the packet (network order bytes).
-    pub src: F::Addr,
-    pub dst: F::Addr,
+    /// Ports exactly as in the packet (network order bytes); the
+    /// addresses are read where they lie (`src`, `dst`).
     pub sport: [u8; 2],
     pub dport: [u8; 2],
     /// TCP flags, 0 for UDP.
@@ -61,6 +60,17 @@ pub struct Packet<F: Family = V4> {
 }
 
 impl<F: Family> Packet<F> {
+    /// The source address in the IP header (as rewritten, if it was).
+    #[inline(always)]
+    pub fn src(&self) -> &F::Addr {
+        F::addrs(self).0
+    }
+
+    #[inline(always)]
+    pub fn dst(&self) -> &F::Addr {
+        F::addrs(self).1
+    }
+
     #[inline(always)]
     pub fn is_tcp(&self) -> bool {
         self.proto == PROTO_TCP
@@ -136,8 +146,6 @@ pub fn parse(ctx: &XdpContext) -> Result<Packet, Skip> {
         ip,
         l4: t.l4,
         proto,
-        src: iph.src_addr,
-        dst: iph.dst_addr,
         sport: t.sport,
         dport: t.dport,
         tcp_flags: t.tcp_flags,
@@ -176,8 +184,6 @@ pub fn parse6(ctx: &XdpContext) -> Result<Packet<V6>, Skip> {
         ip,
         l4: t.l4,
         proto,
-        src: iph.src_addr,
-        dst: iph.dst_addr,
         sport: t.sport,
         dport: t.dport,
         tcp_flags: t.tcp_flags,

@@ -244,8 +244,6 @@ pub fn resend(ctx: &XdpContext, cfg: &Config, slot: *mut HalfOpen) -> u32 {
         ip: (data + ETH_LEN) as *mut _,
         l4: (data + ETH_LEN + IP_LEN) as *mut u8,
         proto: PROTO_TCP,
-        src: [src[0], src[1], src[2], src[3]],
-        dst: [dst[0], dst[1], dst[2], dst[3]],
         sport,
         dport,
         tcp_flags: TCP_SYN,

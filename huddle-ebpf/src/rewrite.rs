@@ -1,11 +1,12 @@
 //! Address and port translation with incremental checksum updates.
 
+use crate::parse::Packet;
 use crate::{
     csum::{apply, diff16, diff32},
     family::{Family, V6},
     maps::put,
-    parse::Packet,
 };
+use huddle_common::Addr;
 
 /// Byte offsets of the checksum inside the L4 headers.
 const TCP_CHECK: usize = 16;
@@ -13,9 +14,15 @@ const UDP_CHECK: usize = 6;
 
 /// The four fields a translation sets, as bytes in network order (the
 /// addresses where they lie, in a map value: no copies on the stack).
+/// `was_src` and `was_dst` are the addresses the packet holds now, in
+/// their 16-byte form in a map value (IPv6 sums its checksum change from
+/// those: aligned words, where the packet's bytes would be read one by
+/// one).
 pub struct Tuple<'a, A = [u8; 4]> {
     pub src: &'a A,
     pub dst: &'a A,
+    pub was_src: &'a Addr,
+    pub was_dst: &'a Addr,
     pub sport: [u8; 2],
     pub dport: [u8; 2],
 }
@@ -24,8 +31,8 @@ pub struct Tuple<'a, A = [u8; 4]> {
 /// A UDP checksum of 0 (none) stays 0; a computed 0 is sent as 0xffff.
 #[inline(always)]
 pub fn rewrite(p: &Packet, to: &Tuple) {
-    let addr_diff = diff32(u32::from_ne_bytes(p.src), u32::from_ne_bytes(*to.src))
-        + diff32(u32::from_ne_bytes(p.dst), u32::from_ne_bytes(*to.dst));
+    let addr_diff = diff32(u32::from_ne_bytes(*p.src()), u32::from_ne_bytes(*to.src))
+        + diff32(u32::from_ne_bytes(*p.dst()), u32::from_ne_bytes(*to.dst));
     // SAFETY: `parse` checked that the IP header lies inside the packet.
     unsafe {
         let ip = &mut *p.ip;
@@ -39,7 +46,7 @@ pub fn rewrite(p: &Packet, to: &Tuple) {
 /// IPv6: no header checksum; the addresses count in the L4 one.
 #[inline(always)]
 pub fn rewrite6(p: &Packet<V6>, to: &Tuple<'_, [u8; 16]>) {
-    let addr_diff = diff128(&p.src, to.src) + diff128(&p.dst, to.dst);
+    let addr_diff = diff128(to.was_src, to.src) + diff128(to.was_dst, to.dst);
     // SAFETY: `parse6` checked that the IP header lies inside the packet.
     unsafe {
         let ip = p.ip;
@@ -49,16 +56,17 @@ pub fn rewrite6(p: &Packet<V6>, to: &Tuple<'_, [u8; 16]>) {
     ports(p, to, addr_diff);
 }
 
-/// Sum of the changes from `old` to `new` for one 16-byte address, read
-/// in place as four words.
+/// Sum of the changes from `old` to `new` for one 16-byte address; both
+/// lie in map values (8-byte aligned), read as four words.
 #[inline(always)]
-fn diff128(old: &[u8; 16], new: &[u8; 16]) -> u64 {
+fn diff128(old: &Addr, new: &Addr) -> u64 {
     let (o, n) = (old.as_ptr().cast::<u32>(), new.as_ptr().cast::<u32>());
     let mut d = 0;
     let mut i = 0;
     while i < 4 {
-        // SAFETY: word `i` of 4 lies inside both arrays.
-        d += unsafe { diff32(o.add(i).read_unaligned(), n.add(i).read_unaligned()) };
+        // SAFETY: word `i` of 4 lies inside both arrays; map values are
+        // 8-byte aligned, and so are these addresses in them.
+        d += unsafe { diff32(o.add(i).read(), n.add(i).read()) };
         i += 1;
     }
     d

@@ -19,8 +19,8 @@ use aya::{
 use huddle_common::{
     addr_v4, maps, ring_slot, Backend, BackendStats, Config as KernelConfig, Counters, FlowKey,
     FlowValue, GlobalStats, Latency, NatCursor, NatKey, NatValue, Pulse, Ring, ServiceKey,
-    ServiceStats, ServiceValue, Tuning, FAMILY_V4, MAX_SNAT, PROGRAM_NAME, PROTO_UDP,
-    RING_CAPACITY, SERVICE_KIND_SNAT, SERVICE_KIND_VIP,
+    ServiceStats, ServiceValue, Tuning, FAMILY_V4, MAX_SNAT, PROGRAM6_NAME, PROGRAM_NAME,
+    PROTO_UDP, RING_CAPACITY, SERVICE_KIND_SNAT, SERVICE_KIND_VIP,
 };
 use huddle_common::{MAX_BACKENDS, MAX_SERVICES};
 use std::{
@@ -275,23 +275,20 @@ impl Dataplane {
         let mut ebpf = loader
             .load(object::HUDDLE)
             .context("loading the XDP object into the kernel")?;
-        let prog: &mut Xdp = ebpf
-            .program_mut(PROGRAM_NAME)
-            .context("program missing from the XDP object")?
-            .try_into()?;
-        // The verifier gives up with EAGAIN when a signal reaches the
-        // loading thread (a child's SIGCHLD, say) during its second or so
-        // of work: that is not a refusal, so try again.
-        let mut tries = 0;
-        loop {
-            match prog.load() {
-                Err(aya::programs::ProgramError::LoadError { io_error, .. })
-                    if io_error.raw_os_error() == Some(libc::EAGAIN) && tries < 5 =>
-                {
-                    tries += 1;
-                }
-                r => break r.context("the kernel verifier refused the XDP program")?,
-            }
+        load_program(&mut ebpf, PROGRAM_NAME)?;
+        // The IPv6 program, which the main one tail-calls for IPv6 frames.
+        load_program(&mut ebpf, PROGRAM6_NAME)?;
+        {
+            let fd = ebpf
+                .program(PROGRAM6_NAME)
+                .context("IPv6 program missing")?
+                .fd()?
+                .try_clone()?;
+            let mut tails: aya::maps::ProgramArray<&mut MapData> = ebpf
+                .map_mut(maps::TAILS)
+                .context("TAILS missing")?
+                .try_into()?;
+            tails.set(0, &fd, 0).context("setting the IPv6 program")?;
         }
         // After the program holds its maps: the logger owns the log map's fd.
         match aya_log::EbpfLogger::init(&mut ebpf) {
@@ -343,7 +340,8 @@ impl Dataplane {
             nat_port_max: cfg.nat_ports.max,
             slice_ports,
             slices,
-            flags: 0,
+            snat6_count: 0,
+            _pad2: 0,
             hop_generation,
             half_open_mask: half_open - 1,
             encap_vary: 0,
@@ -873,8 +871,9 @@ impl Dataplane {
 /// them out differently: settings, caches, counters and handshakes in
 /// flight (their clients resend the SYN). Flows, NAT entries, services,
 /// backends and rings must carry over, or a restart would misroute.
-const RECREATABLE: [&str; 12] = [
+const RECREATABLE: [&str; 13] = [
     maps::CONFIG,
+    maps::TAILS,
     maps::HALF_OPEN,
     maps::HALF_OPEN_NAT,
     maps::NEXT_HOP,
@@ -944,6 +943,30 @@ fn cursor_at(now_ns: u64, ports: u64, addrs: u64) -> NatCursor {
         round_ns: now_ns.saturating_sub(huddle_common::TIME_WAIT_NS).max(1),
         early: 0,
         _pad: 0,
+    }
+}
+
+/// Loads program `name` of the object. The verifier gives up with EAGAIN
+/// when a signal reaches the loading thread (a child's SIGCHLD, say)
+/// during its second or so of work: that is not a refusal, so try again.
+fn load_program(ebpf: &mut Ebpf, name: &str) -> Result<()> {
+    let prog: &mut Xdp = ebpf
+        .program_mut(name)
+        .with_context(|| format!("program {name} missing from the XDP object"))?
+        .try_into()?;
+    let mut tries = 0;
+    loop {
+        match prog.load() {
+            Err(aya::programs::ProgramError::LoadError { io_error, .. })
+                if io_error.raw_os_error() == Some(libc::EAGAIN) && tries < 5 =>
+            {
+                tries += 1;
+            }
+            r => {
+                return r
+                    .with_context(|| format!("the kernel verifier refused the XDP program {name}"))
+            }
+        }
     }
 }
 
