@@ -35,7 +35,7 @@ pub fn huddle(ctx: XdpContext) -> u32 {
         // The IPv6 program: its own verification and its own stack. If
         // none is set, the frame goes to the kernel.
         // SAFETY: a tail call with this program's own context.
-        let _ = unsafe { maps::TAILS.tail_call(&ctx, 0) };
+        unsafe { maps::TAILS.tail_call(&ctx, 0) };
         maps::global(|s| s.pass_not_ipv4 += 1);
         return xdp_action::XDP_PASS;
     }

@@ -14,7 +14,7 @@ use huddle_user::{
 };
 use std::{
     io::{BufRead, BufReader, Read, Write},
-    net::{Ipv4Addr, SocketAddr, TcpStream, UdpSocket},
+    net::{Ipv4Addr, Ipv6Addr, SocketAddr, TcpStream, UdpSocket},
     path::{Path, PathBuf},
     process::{Child, Command, Stdio},
     sync::atomic::{AtomicU32, Ordering},
@@ -23,6 +23,11 @@ use std::{
 };
 
 pub const LB_IP: Ipv4Addr = Ipv4Addr::new(10, 213, 0, 1);
+/// The same hosts on IPv6: fd00:213::/64 (balancer ::1, client ::2,
+/// backends ::11 and up), VIPs in fd00:213:100::/64.
+pub const LB_IP6: Ipv6Addr = Ipv6Addr::new(0xfd00, 0x213, 0, 0, 0, 0, 0, 1);
+pub const CLIENT_IP6: Ipv6Addr = Ipv6Addr::new(0xfd00, 0x213, 0, 0, 0, 0, 0, 2);
+pub const VIP6: Ipv6Addr = Ipv6Addr::new(0xfd00, 0x213, 0x100, 0, 0, 0, 0, 1);
 pub const CLIENT_IP: Ipv4Addr = Ipv4Addr::new(10, 213, 0, 2);
 pub const VIP: Ipv4Addr = Ipv4Addr::new(10, 213, 100, 1);
 pub const HTTP_PORT: u16 = 8080;
@@ -35,6 +40,12 @@ const PIN_ROOT: &str = "/sys/fs/bpf/huddle-tests";
 #[must_use]
 pub fn backend_ip(i: usize) -> Ipv4Addr {
     Ipv4Addr::new(10, 213, 0, 11 + i as u8)
+}
+
+/// IPv6 address of backend `i`.
+#[must_use]
+pub fn backend_ip6(i: usize) -> Ipv6Addr {
+    Ipv6Addr::new(0xfd00, 0x213, 0, 0, 0, 0, 0, 0x11 + i as u16)
 }
 
 /// A name unique to this process and call.
@@ -247,16 +258,29 @@ impl Testbed {
             default_socket: false,
             switch,
         };
-        bed.attach("pl", &bed.lb, LB_IP, tuned)?;
+        bed.attach("pl", &bed.lb, (LB_IP, LB_IP6), tuned)?;
         if tuned {
             bed.peer_xdp()?;
         }
-        bed.attach("pc", &bed.client, CLIENT_IP, tuned)?;
+        bed.attach("pc", &bed.client, (CLIENT_IP, CLIENT_IP6), tuned)?;
         bed.client
             .ip(&["route", "add", "10.213.100.0/24", "via", &LB_IP.to_string()])?;
+        bed.client.ip(&[
+            "-6",
+            "route",
+            "add",
+            "fd00:213:100::/64",
+            "via",
+            &LB_IP6.to_string(),
+        ])?;
         for i in 0..n_backends {
             let ns = Netns::create(&format!("{prefix}-b{i}"))?;
-            bed.attach(&format!("pb{i}"), &ns, backend_ip(i), tuned)?;
+            bed.attach(
+                &format!("pb{i}"),
+                &ns,
+                (backend_ip(i), backend_ip6(i)),
+                tuned,
+            )?;
             bed.backends.push(ns);
         }
         Ok(bed)
@@ -281,13 +305,24 @@ impl Testbed {
         ])
     }
 
-    fn attach(&self, port: &str, ns: &Netns, ip: Ipv4Addr, tuned: bool) -> Result<()> {
+    fn attach(&self, port: &str, ns: &Netns, ip: (Ipv4Addr, Ipv6Addr), tuned: bool) -> Result<()> {
+        let (ip, ip6) = ip;
         self.switch.ip(&[
             "link", "add", port, "type", "veth", "peer", "name", "eth0", "netns", &ns.name,
         ])?;
         self.switch
             .ip(&["link", "set", port, "master", "br0", "up"])?;
         ns.ip(&["addr", "add", &format!("{ip}/24"), "dev", "eth0"])?;
+        // No duplicate address detection: usable at once.
+        ns.ip(&[
+            "-6",
+            "addr",
+            "add",
+            &format!("{ip6}/64"),
+            "dev",
+            "eth0",
+            "nodad",
+        ])?;
         ns.ip(&["link", "set", "eth0", "up"])?;
         // A veth sends TCP/UDP with the checksum left to offload (only the
         // pseudo-header sum filled in). An XDP-rewritten frame loses that

@@ -19,8 +19,8 @@ use aya::{
 use huddle_common::{
     addr_v4, maps, ring_slot, Backend, BackendStats, Config as KernelConfig, Counters, FlowKey,
     FlowValue, GlobalStats, Latency, NatCursor, NatKey, NatValue, Pulse, Ring, ServiceKey,
-    ServiceStats, ServiceValue, Tuning, FAMILY_V4, MAX_SNAT, PROGRAM6_NAME, PROGRAM_NAME,
-    PROTO_UDP, RING_CAPACITY, SERVICE_KIND_SNAT, SERVICE_KIND_VIP,
+    ServiceKey6, ServiceStats, ServiceValue, Tuning, FAMILY_V4, FAMILY_V6, MAX_SNAT, PROGRAM6_NAME,
+    PROGRAM_NAME, PROTO_UDP, RING_CAPACITY, SERVICE_KIND_SNAT, SERVICE_KIND_VIP,
 };
 use huddle_common::{MAX_BACKENDS, MAX_SERVICES};
 use std::{
@@ -102,13 +102,15 @@ pub struct Dataplane {
     pub mode: Option<AttachedMode>,
     /// Why `auto` chose the mode it did, when that needs saying.
     pub mode_note: Option<String>,
-    /// SNAT addresses, in `Config::snat_addrs` order.
+    /// SNAT addresses, in `Config::snat_addrs` order: IPv4, then IPv6.
     pub snat: Vec<Ipv4Addr>,
+    pub snat6: Vec<std::net::Ipv6Addr>,
     pub nat_ports: PortRange,
     config: Array<MapData, KernelConfig>,
     /// The kernel settings as last written (the next-hop generation moves).
     kernel_config: KernelConfig,
     services_map: HashMap<MapData, ServiceKey, ServiceValue>,
+    services_map6: HashMap<MapData, ServiceKey6, ServiceValue>,
     backends_map: Array<MapData, Backend>,
     rings: Array<MapData, Ring>,
     ring_gen: Array<MapData, u64>,
@@ -195,7 +197,7 @@ impl Sweeper {
                     backend_port_be: b.port_be,
                     nat_port_be: v.nat_port_be,
                     proto: PROTO_UDP,
-                    family: FAMILY_V4,
+                    family: b.family,
                     _pad: [0; 2],
                 };
                 // Only if it still names this flow (the tuple may have been
@@ -235,11 +237,18 @@ impl Dataplane {
     /// their ids, and the configuration is reconciled into them. Without
     /// `pins` (tests, benchmarks) nothing outlives the process, and a
     /// failure leaves nothing behind.
-    pub fn load(cfg: &Config, snat: &[Ipv4Addr], pins: Option<&Path>) -> Result<Dataplane> {
-        if snat.is_empty() || snat.len() > MAX_SNAT {
+    /// `snat` and `snat6`: the SNAT addresses of each family (at most
+    /// `MAX_SNAT` in all).
+    pub fn load(
+        cfg: &Config,
+        snat: &[Ipv4Addr],
+        snat6: &[std::net::Ipv6Addr],
+        pins: Option<&Path>,
+    ) -> Result<Dataplane> {
+        if snat.len() + snat6.len() > MAX_SNAT {
             bail!(
-                "1 to {MAX_SNAT} SNAT addresses are needed, not {}",
-                snat.len()
+                "at most {MAX_SNAT} SNAT addresses in all, not {}",
+                snat.len() + snat6.len()
             );
         }
         let mut loader = EbpfLoader::new();
@@ -319,8 +328,12 @@ impl Dataplane {
             u16::try_from(cpus).unwrap_or(u16::MAX),
         );
         let mut snat_addrs = [[0u8; 16]; MAX_SNAT];
-        for (slot, ip) in snat_addrs.iter_mut().zip(snat) {
-            *slot = addr_v4(ip.octets());
+        let wide = snat
+            .iter()
+            .map(|ip| addr_v4(ip.octets()))
+            .chain(snat6.iter().map(|ip| ip.octets()));
+        for (slot, a) in snat_addrs.iter_mut().zip(wide) {
+            *slot = a;
         }
         // An adopted data plane keeps its next-hop generation moving on,
         // and its hash seed (half-open slots in use stay findable).
@@ -340,7 +353,7 @@ impl Dataplane {
             nat_port_max: cfg.nat_ports.max,
             slice_ports,
             slices,
-            snat6_count: 0,
+            snat6_count: snat6.len() as u16,
             _pad2: 0,
             hop_generation,
             half_open_mask: half_open - 1,
@@ -361,6 +374,7 @@ impl Dataplane {
         };
         let mut dp = Dataplane {
             services_map: take(&mut ebpf, maps::SERVICES)?,
+            services_map6: take(&mut ebpf, maps::SERVICES6)?,
             backends_map: take(&mut ebpf, maps::BACKENDS)?,
             rings: take(&mut ebpf, maps::RINGS)?,
             ring_gen: take(&mut ebpf, maps::RING_GEN)?,
@@ -384,6 +398,7 @@ impl Dataplane {
             mode: None,
             mode_note: None,
             snat: snat.to_vec(),
+            snat6: snat6.to_vec(),
             nat_ports: cfg.nat_ports,
             config,
             kernel_config,
@@ -419,29 +434,65 @@ impl Dataplane {
     /// Makes `SERVICES` name exactly this run's SNAT addresses, so replies
     /// to them are translated (and an adopted map forgets old ones).
     fn program_snat(&mut self) -> Result<()> {
-        let old: Vec<ServiceKey> = self
+        let want: Vec<SvcKey> = self
+            .snat
+            .iter()
+            .map(|ip| snat_key(IpAddr::V4(*ip)))
+            .chain(self.snat6.iter().map(|ip| snat_key(IpAddr::V6(*ip))))
+            .collect();
+        for k in self.svc_keys(SERVICE_KIND_SNAT) {
+            if !want.contains(&k) {
+                self.svc_remove(&k)
+                    .context("removing an old SNAT address")?;
+            }
+        }
+        // Ids are indexes in `Config::snat_addrs`: IPv4 ones, then IPv6.
+        for (i, k) in want.iter().enumerate() {
+            let v = ServiceValue {
+                id: i as u32,
+                flags: 0,
+            };
+            self.svc_insert(k, v).context("writing a SNAT address")?;
+        }
+        Ok(())
+    }
+
+    /// The keys of `kind` in both service maps.
+    fn svc_keys(&self, kind: u8) -> Vec<SvcKey> {
+        let v4 = self
             .services_map
             .keys()
             .filter_map(Result::ok)
-            .filter(|k| k.kind == SERVICE_KIND_SNAT)
-            .collect();
-        let want: Vec<ServiceKey> = self.snat.iter().map(|ip| snat_key(*ip)).collect();
-        for k in old.iter().filter(|k| !want.contains(k)) {
-            self.services_map
-                .remove(k)
-                .context("removing an old SNAT address")?;
+            .filter(|k| k.kind == kind)
+            .map(SvcKey::V4);
+        let v6 = self
+            .services_map6
+            .keys()
+            .filter_map(Result::ok)
+            .filter(|k| k.kind == kind)
+            .map(SvcKey::V6);
+        v4.chain(v6).collect()
+    }
+
+    fn svc_get(&self, k: &SvcKey) -> Option<ServiceValue> {
+        match k {
+            SvcKey::V4(k) => self.services_map.get(k, 0).ok(),
+            SvcKey::V6(k) => self.services_map6.get(k, 0).ok(),
         }
-        for (i, k) in want.iter().enumerate() {
-            self.services_map
-                .insert(
-                    k,
-                    ServiceValue {
-                        id: i as u32,
-                        flags: 0,
-                    },
-                    0,
-                )
-                .context("writing a SNAT address")?;
+    }
+
+    fn svc_insert(&mut self, k: &SvcKey, v: ServiceValue) -> Result<()> {
+        match k {
+            SvcKey::V4(k) => self.services_map.insert(k, v, 0)?,
+            SvcKey::V6(k) => self.services_map6.insert(k, v, 0)?,
+        }
+        Ok(())
+    }
+
+    fn svc_remove(&mut self, k: &SvcKey) -> Result<()> {
+        match k {
+            SvcKey::V4(k) => self.services_map.remove(k)?,
+            SvcKey::V6(k) => self.services_map6.remove(k)?,
         }
         Ok(())
     }
@@ -481,15 +532,13 @@ impl Dataplane {
                 .context("writing CONFIG")?;
         }
         self.services.clear();
-        let old_services: StdHashMap<ServiceKey, u32> = self
-            .services_map
-            .iter()
-            .filter_map(Result::ok)
-            .filter(|(k, _)| k.kind == SERVICE_KIND_VIP)
-            .map(|(k, v)| (k, v.id))
+        let old_services: StdHashMap<SvcKey, u32> = self
+            .svc_keys(SERVICE_KIND_VIP)
+            .into_iter()
+            .filter_map(|k| self.svc_get(&k).map(|v| (k, v.id)))
             .collect();
         let mut used_sids: HashSet<u32> = HashSet::new();
-        let mut want: Vec<(ServiceKey, Option<u32>)> = cfg
+        let mut want: Vec<(SvcKey, Option<u32>)> = cfg
             .services
             .iter()
             .map(|s| {
@@ -592,14 +641,12 @@ impl Dataplane {
                 id: sid,
                 flags: service.mode.number(),
             };
-            self.services_map
-                .insert(key, value, 0)
+            self.svc_insert(key, value)
                 .with_context(|| format!("writing service {}", service.name()))?;
         }
         for (k, id) in old_services {
             if !want.iter().any(|(w, _)| *w == k) {
-                self.services_map
-                    .remove(&k)
+                self.svc_remove(&k)
                     .with_context(|| format!("removing service id {id}"))?;
                 info!("service id {id} is no longer configured: removed");
             }
@@ -1038,31 +1085,47 @@ pub fn encap_source(prefix: Option<crate::config::Prefix>, own: Ipv4Addr) -> ([u
     }
 }
 
+/// A key of `SERVICES` (IPv4) or `SERVICES6`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum SvcKey {
+    V4(ServiceKey),
+    V6(ServiceKey6),
+}
+
+/// Service-map key of `ip`:`port_be`/`proto` of `kind`.
+fn svc_key(ip: IpAddr, port_be: u16, proto: u8, kind: u8) -> SvcKey {
+    match ip {
+        IpAddr::V4(v4) => SvcKey::V4(ServiceKey {
+            addr: v4.octets(),
+            port_be,
+            proto,
+            kind,
+        }),
+        IpAddr::V6(v6) => SvcKey::V6(ServiceKey6 {
+            addr: v6.octets(),
+            port_be,
+            proto,
+            kind,
+            _pad: 0,
+        }),
+    }
+}
+
 /// Map key of a service.
 #[must_use]
-pub fn service_key(vip: SocketAddr, proto: Proto) -> ServiceKey {
-    let addr = match vip.ip() {
-        IpAddr::V4(v4) => v4.octets(),
-        // Refused by config validation before it gets here.
-        IpAddr::V6(_) => [0; 4],
-    };
-    ServiceKey {
-        addr,
-        port_be: vip.port().to_be(),
-        proto: proto.number(),
-        kind: SERVICE_KIND_VIP,
-    }
+pub fn service_key(vip: SocketAddr, proto: Proto) -> SvcKey {
+    svc_key(
+        vip.ip(),
+        vip.port().to_be(),
+        proto.number(),
+        SERVICE_KIND_VIP,
+    )
 }
 
 /// Map key of a SNAT address.
 #[must_use]
-pub fn snat_key(ip: Ipv4Addr) -> ServiceKey {
-    ServiceKey {
-        addr: ip.octets(),
-        port_be: 0,
-        proto: 0,
-        kind: SERVICE_KIND_SNAT,
-    }
+pub fn snat_key(ip: IpAddr) -> SvcKey {
+    svc_key(ip, 0, 0, SERVICE_KIND_SNAT)
 }
 
 /// Map value of a backend.
@@ -1071,7 +1134,7 @@ pub fn backend_value(addr: SocketAddr) -> Backend {
     Backend {
         addr: ip_bytes(addr.ip()),
         port_be: addr.port().to_be(),
-        family: FAMILY_V4,
+        family: if addr.is_ipv4() { FAMILY_V4 } else { FAMILY_V6 },
         service: 0,
         flags: 0,
     }
@@ -1079,7 +1142,11 @@ pub fn backend_value(addr: SocketAddr) -> Backend {
 
 /// The address of a backend entry.
 fn backend_addr(b: &Backend) -> SocketAddr {
-    let ip = Ipv4Addr::new(b.addr[0], b.addr[1], b.addr[2], b.addr[3]);
+    let ip = if b.family == FAMILY_V6 {
+        IpAddr::V6(std::net::Ipv6Addr::from(b.addr))
+    } else {
+        IpAddr::V4(Ipv4Addr::new(b.addr[0], b.addr[1], b.addr[2], b.addr[3]))
+    };
     SocketAddr::from((ip, u16::from_be(b.port_be)))
 }
 
@@ -1107,14 +1174,27 @@ mod tests {
 
     #[test]
     fn keys_hold_network_order_ports() {
-        let k = service_key("10.1.2.3:8080".parse().unwrap(), Proto::Tcp);
+        let SvcKey::V4(k) = service_key("10.1.2.3:8080".parse().unwrap(), Proto::Tcp) else {
+            panic!("an IPv4 VIP takes an IPv4 key");
+        };
         assert_eq!(k.addr, [10, 1, 2, 3]);
         assert_eq!(k.kind, SERVICE_KIND_VIP);
-        assert_eq!(snat_key(Ipv4Addr::new(10, 0, 0, 1)).kind, SERVICE_KIND_SNAT);
         assert_eq!(k.port_be.to_ne_bytes(), 8080u16.to_be_bytes());
         assert_eq!(k.proto, 6);
+        let SvcKey::V4(s) = snat_key(Ipv4Addr::new(10, 0, 0, 1).into()) else {
+            panic!("an IPv4 SNAT address takes an IPv4 key");
+        };
+        assert_eq!(s.kind, SERVICE_KIND_SNAT);
+        let SvcKey::V6(k6) = service_key("[fd00::5]:443".parse().unwrap(), Proto::Udp) else {
+            panic!("an IPv6 VIP takes an IPv6 key");
+        };
+        assert_eq!(k6.addr[..2], [0xfd, 0]);
+        assert_eq!((k6.port_be.to_ne_bytes(), k6.proto), (443u16.to_be_bytes(), 17));
         let b = backend_value("10.9.9.9:53".parse().unwrap());
         assert_eq!(b.port_be.to_ne_bytes(), 53u16.to_be_bytes());
+        let b6 = backend_value("[fd00::9]:53".parse().unwrap());
+        assert_eq!(b6.family, FAMILY_V6);
+        assert_eq!(backend_addr(&b6), "[fd00::9]:53".parse().unwrap());
     }
 
     #[test]

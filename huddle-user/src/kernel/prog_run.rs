@@ -31,6 +31,7 @@ pub fn config(
     Config {
         interface: IFACE.into(),
         snat_ips: vec![BALANCER_IP],
+        snat_ips6: Vec::new(),
         encap_prefix: None,
         xdp_mode: XdpMode::Auto,
         nat_ports,
@@ -101,7 +102,7 @@ impl ProgRun {
         } else {
             cfg.snat_ips.clone()
         };
-        let dp = Dataplane::load(cfg, &snat, None)?;
+        let dp = Dataplane::load(cfg, &snat, &cfg.snat_ips6, None)?;
         Ok(ProgRun { dp, ifindex, ns })
     }
 

@@ -9,7 +9,7 @@ use serde::Deserialize;
 use std::{
     collections::HashSet,
     fmt,
-    net::{IpAddr, Ipv4Addr, SocketAddr},
+    net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr},
     path::{Path, PathBuf},
     str::FromStr,
     time::Duration,
@@ -357,6 +357,9 @@ pub struct ConfigFile {
     /// each multiplies the NAT tuples a backend can be given without
     /// reusing one still in TIME_WAIT. Each must be an address of this host.
     pub snat_ips: Option<Vec<Ipv4Addr>>,
+    /// IPv6 source addresses toward IPv6 backends (source NAT); default:
+    /// the interface's global IPv6 address. Each must be this host's.
+    pub snat_ips6: Option<Vec<Ipv6Addr>>,
     /// Outer source addresses of `dsr-ipip` packets: each flow takes one
     /// from this prefix (default: the interface's address alone).
     pub encap_prefix: Option<Prefix>,
@@ -489,6 +492,8 @@ pub struct Config {
     pub interface: String,
     /// SNAT addresses; empty: the interface's IPv4 address.
     pub snat_ips: Vec<Ipv4Addr>,
+    /// IPv6 SNAT addresses; empty: the interface's global IPv6 address.
+    pub snat_ips6: Vec<Ipv6Addr>,
     /// `None`: the interface's address alone.
     pub encap_prefix: Option<Prefix>,
     pub xdp_mode: XdpMode,
@@ -522,21 +527,24 @@ pub fn parse_vip(s: &str) -> Result<(SocketAddr, Option<Proto>)> {
     Ok((parse_endpoint(addr)?, proto))
 }
 
-/// Parses `IP:PORT` of an IPv4 endpoint with a non-zero port.
+/// Parses `IP:PORT` (IPv6 as `[ADDR]:PORT`) of an endpoint with a
+/// non-zero port.
 pub fn parse_endpoint(s: &str) -> Result<SocketAddr> {
     let addr: SocketAddr = s
         .trim()
         .parse()
-        .with_context(|| format!("{s:?} is not an IP:PORT address"))?;
-    if !addr.is_ipv4() {
-        bail!("{s:?}: IPv6 services are not supported yet");
-    }
+        .with_context(|| format!("{s:?} is not an IP:PORT address (IPv6: [ADDR]:PORT)"))?;
     if addr.port() == 0 {
         bail!("{s:?}: port 0 is not a service port");
     }
     let ip = addr.ip();
     if ip.is_unspecified() || ip.is_multicast() || ip == IpAddr::V4(Ipv4Addr::BROADCAST) {
         bail!("{s:?}: not a unicast address");
+    }
+    if let IpAddr::V6(v6) = ip {
+        if v6.to_ipv4_mapped().is_some() || v6.is_loopback() {
+            bail!("{s:?}: not a routable unicast IPv6 address");
+        }
     }
     Ok(addr)
 }
@@ -645,6 +653,9 @@ impl ConfigFile {
             let (vip, suffix) = parse_vip(&s.vip).with_context(|| format!("{field}.vip"))?;
             let proto = s.proto.or(suffix).unwrap_or(Proto::Tcp);
             let mode = s.mode.unwrap_or_default();
+            if mode == Mode::DsrIpip && vip.is_ipv6() {
+                bail!("{field}.mode: dsr-ipip does not take IPv6 services yet (IPv6 in IPv6 is not built); use dsr-l2 or snat for {vip}");
+            }
             if !seen.insert((vip, proto)) {
                 bail!("{field}.vip: {vip}/{proto} is configured twice");
             }
@@ -687,6 +698,15 @@ impl ConfigFile {
                 }
                 if snat_ips.iter().any(|s| IpAddr::V4(*s) == addr.ip()) {
                     bail!("{field}.backends[{j}]: backend {addr} has a SNAT address");
+                }
+                // One family per service: the packet keeps its family
+                // in every mode built so far.
+                if addr.is_ipv4() != vip.is_ipv4() {
+                    bail!(
+                        "{field}.backends[{j}]: backend {addr} is {} but the VIP {vip} is {}; a service's backends have its VIP's family (give each family a service of its own)",
+                        if addr.is_ipv4() { "IPv4" } else { "IPv6" },
+                        if vip.is_ipv4() { "IPv4" } else { "IPv6" }
+                    );
                 }
                 // The packet arrives as the client sent it: nothing can
                 // change its port on the way.
@@ -759,9 +779,29 @@ impl ConfigFile {
                 }
             }
         }
+        let snat_ips6 = self.snat_ips6.clone().unwrap_or_default();
+        if self.snat_ips6.as_ref().is_some_and(Vec::is_empty) {
+            bail!("snat_ips6: empty (leave it out to use the interface's address)");
+        }
+        for (i, ip) in snat_ips6.iter().enumerate() {
+            if ip.is_unspecified() || ip.is_multicast() || ip.is_loopback() {
+                bail!("snat_ips6: {ip} is not a unicast address");
+            }
+            if snat_ips6[..i].contains(ip) {
+                bail!("snat_ips6: {ip} is listed twice");
+            }
+        }
+        if snat_ips.len() + snat_ips6.len() > huddle_common::MAX_SNAT {
+            bail!(
+                "snat_ips and snat_ips6: {} addresses, at most {} in all",
+                snat_ips.len() + snat_ips6.len(),
+                huddle_common::MAX_SNAT
+            );
+        }
         Ok(Config {
             interface,
             snat_ips,
+            snat_ips6,
             encap_prefix: self.encap_prefix,
             xdp_mode: self.xdp_mode.unwrap_or_default(),
             nat_ports,
@@ -1020,7 +1060,8 @@ backends = ["10.213.0.11:5353"]
             ("[[service]]\nvip = \"10.0.0.1:80\"\nbackends = [\"10.0.0.2\"]\n", "service[0].backends[0]"),
             ("[[service]]\nvip = \"10.0.0.1:0\"\nbackends = [\"10.0.0.2:80\"]\n", "service[0].vip"),
             ("[[service]]\nvip = \"10.0.0.1:80/sctp\"\nbackends = [\"10.0.0.2:80\"]\n", "unknown protocol"),
-            ("[[service]]\nvip = \"[::1]:80\"\nbackends = [\"10.0.0.2:80\"]\n", "IPv6"),
+            ("[[service]]\nvip = \"[fd00::1]:80\"\nbackends = [\"10.0.0.2:80\"]\n", "is IPv4 but the VIP"),
+            ("[[service]]\nvip = \"[::1]:80\"\nbackends = [\"[fd00::2]:80\"]\n", "routable"),
             ("[[service]]\nvip = \"10.0.0.1:80\"\nbackends = [\"10.0.0.2:80\"]\n[[service]]\nvip = \"10.0.0.1:80/tcp\"\nbackends = [\"10.0.0.3:80\"]\n", "service[1].vip: 10.0.0.1:80/tcp is configured twice"),
             ("flow_table_size = 10\n[[service]]\nvip = \"10.0.0.1:80\"\nbackends = [\"10.0.0.2:80\"]\n", "flow_table_size"),
             ("", "no service configured"),

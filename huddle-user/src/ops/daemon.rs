@@ -795,13 +795,20 @@ impl Drop for SocketFile {
 pub async fn run(cfg: Config, reloader: Option<Reloader>) -> Result<()> {
     host::check_privileges()?;
     let ifindex = host::ifindex(&cfg.interface)?;
+    let snat_family = |v6: bool| {
+        cfg.services
+            .iter()
+            .any(|s| s.mode == crate::config::Mode::Snat && s.vip.is_ipv6() == v6)
+    };
     let snat: Vec<Ipv4Addr> = if cfg.snat_ips.is_empty() {
-        vec![host::interface_ipv4(&cfg.interface)?.with_context(|| {
-            format!(
+        match host::interface_ipv4(&cfg.interface)? {
+            Some(ip) => vec![ip],
+            None if !snat_family(false) => Vec::new(),
+            None => bail!(
                 "interface {} has no IPv4 address; pass --snat-ip",
                 cfg.interface
-            )
-        })?]
+            ),
+        }
     } else {
         let local = host::ipv4_addrs()?;
         for ip in &cfg.snat_ips {
@@ -813,6 +820,27 @@ pub async fn run(cfg: Config, reloader: Option<Reloader>) -> Result<()> {
             }
         }
         cfg.snat_ips.clone()
+    };
+    let snat6: Vec<std::net::Ipv6Addr> = if cfg.snat_ips6.is_empty() {
+        match host::interface_ipv6(&cfg.interface)? {
+            _ if !snat_family(true) => Vec::new(),
+            Some(ip) => vec![ip],
+            None => bail!(
+                "interface {} has no global IPv6 address for the IPv6 services' source NAT; add one or set snat_ips6",
+                cfg.interface
+            ),
+        }
+    } else {
+        let local = host::ipv6_addrs()?;
+        for ip in &cfg.snat_ips6 {
+            if !local.iter().any(|(_, a)| a == ip) {
+                bail!(
+                    "snat_ips6: {ip} is not an address of this host, so backends' replies to it would not reach the balancer; add it (`ip addr add {ip}/128 dev {}`) or leave it out",
+                    cfg.interface
+                );
+            }
+        }
+        cfg.snat_ips6.clone()
     };
     let ephemeral = host::ephemeral_ports()?;
     if cfg.nat_ports.overlaps(&ephemeral) {
@@ -858,13 +886,14 @@ pub async fn run(cfg: Config, reloader: Option<Reloader>) -> Result<()> {
     // A start that fails must leave nothing behind: pins it created go.
     let existed = pins.join(huddle_common::maps::FLOWS).exists();
     let started = (|| -> Result<_> {
-        let dp = Dataplane::load(&cfg, &snat, Some(&pins))?;
+        let dp = Dataplane::load(&cfg, &snat, &snat6, Some(&pins))?;
         let sysctls = host::Sysctls::apply(
             &cfg.interface,
             saved
                 .as_ref()
                 .map(|s| s.sysctls.clone())
                 .unwrap_or_default(),
+            cfg.services.iter().any(|s| s.vip.is_ipv6()),
         )?;
         let mut balancer = Balancer::new(dp, cfg.clone(), saved.as_ref());
         host::warm_neighbours(&balancer.backend_addrs());

@@ -7,7 +7,7 @@ use std::os::fd::AsRawFd;
 use std::{
     ffi::{CStr, CString},
     fs,
-    net::{Ipv4Addr, SocketAddr, UdpSocket},
+    net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, UdpSocket},
     path::{Path, PathBuf},
 };
 use tracing::{debug, warn};
@@ -87,8 +87,38 @@ pub fn possible_cpus() -> Result<usize> {
         .context("counting the possible CPUs")
 }
 
+/// First global IPv6 address of interface `name` (not link-local).
+pub fn interface_ipv6(name: &str) -> Result<Option<Ipv6Addr>> {
+    Ok(ipv6_addrs()?
+        .into_iter()
+        .find(|(n, a)| n == name && !a.is_unicast_link_local() && !a.is_loopback())
+        .map(|(_, a)| a))
+}
+
+/// Every IPv6 address of this namespace's interfaces, with the interface.
+pub fn ipv6_addrs() -> Result<Vec<(String, Ipv6Addr)>> {
+    Ok(ip_addrs()?
+        .into_iter()
+        .filter_map(|(n, a)| match a {
+            IpAddr::V6(v6) => Some((n, v6)),
+            IpAddr::V4(_) => None,
+        })
+        .collect())
+}
+
 /// Every IPv4 address of this namespace's interfaces, with the interface.
 pub fn ipv4_addrs() -> Result<Vec<(String, Ipv4Addr)>> {
+    Ok(ip_addrs()?
+        .into_iter()
+        .filter_map(|(n, a)| match a {
+            IpAddr::V4(v4) => Some((n, v4)),
+            IpAddr::V6(_) => None,
+        })
+        .collect())
+}
+
+/// Every address of this namespace's interfaces, with the interface.
+fn ip_addrs() -> Result<Vec<(String, IpAddr)>> {
     let mut addrs: *mut libc::ifaddrs = std::ptr::null_mut();
     // SAFETY: getifaddrs fills `addrs` with a list we free below.
     if unsafe { libc::getifaddrs(&mut addrs) } != 0 {
@@ -112,7 +142,14 @@ pub fn ipv4_addrs() -> Result<Vec<(String, Ipv4Addr)>> {
             let sin = unsafe { &*ifa.ifa_addr.cast::<libc::sockaddr_in>() };
             found.push((
                 ifname.to_string_lossy().into_owned(),
-                Ipv4Addr::from(u32::from_be(sin.sin_addr.s_addr)),
+                IpAddr::V4(Ipv4Addr::from(u32::from_be(sin.sin_addr.s_addr))),
+            ));
+        } else if family == libc::AF_INET6 {
+            // SAFETY: AF_INET6 addresses are sockaddr_in6.
+            let sin6 = unsafe { &*ifa.ifa_addr.cast::<libc::sockaddr_in6>() };
+            found.push((
+                ifname.to_string_lossy().into_owned(),
+                IpAddr::V6(Ipv6Addr::from(sin6.sin6_addr.s6_addr)),
             ));
         }
     }
@@ -147,17 +184,24 @@ impl Sysctls {
     /// redirects, since one-arm forwarding goes out where it came in.
     /// `earlier`: the originals an earlier run saved (its changes are
     /// still in place), so a stop restores the values from before it.
-    pub fn apply(iface: &str, earlier: Vec<(PathBuf, String)>) -> Result<Sysctls> {
+    /// With `ipv6` (IPv6 services), IPv6 forwarding on it too: the FIB
+    /// answers the XDP program only on an interface that forwards (the
+    /// interface then ignores router advertisements, as any router does).
+    pub fn apply(iface: &str, earlier: Vec<(PathBuf, String)>, ipv6: bool) -> Result<Sysctls> {
         let mut s = Sysctls {
             saved: earlier,
             restore: true,
         };
-        for (key, value) in [
-            ("forwarding", "1"),
-            ("accept_local", "1"),
-            ("send_redirects", "0"),
-        ] {
-            let path = PathBuf::from(format!("/proc/sys/net/ipv4/conf/{iface}/{key}"));
+        let mut keys = vec![
+            ("ipv4", "forwarding", "1"),
+            ("ipv4", "accept_local", "1"),
+            ("ipv4", "send_redirects", "0"),
+        ];
+        if ipv6 {
+            keys.push(("ipv6", "forwarding", "1"));
+        }
+        for (family, key, value) in keys {
+            let path = PathBuf::from(format!("/proc/sys/net/{family}/conf/{iface}/{key}"));
             let old = fs::read_to_string(&path)
                 .with_context(|| format!("reading {}", path.display()))?
                 .trim()
@@ -228,18 +272,23 @@ pub fn default_pin_dir(iface: &str) -> PathBuf {
 /// traffic, so the XDP program finds it in the FIB. An empty datagram to the
 /// discard port is enough to start resolution; nothing needs to answer.
 pub fn warm_neighbours(backends: &[SocketAddr]) {
-    let sock = match UdpSocket::bind("0.0.0.0:0") {
-        Ok(s) => s,
-        Err(e) => {
-            warn!("neighbour warm-up: cannot open a UDP socket: {e}");
-            return;
-        }
-    };
-    let _ = sock.set_nonblocking(true);
     for b in backends {
-        if let Err(e) = sock.send_to(&[], SocketAddr::new(b.ip(), 9)) {
+        let r = udp_for(b.ip()).and_then(|sock| {
+            sock.set_nonblocking(true)?;
+            sock.send_to(&[], SocketAddr::new(b.ip(), 9))
+        });
+        if let Err(e) = r {
             debug!("neighbour warm-up toward {}: {e}", b.ip());
         }
+    }
+}
+
+/// A UDP socket of `ip`'s family, on any address and port.
+fn udp_for(ip: IpAddr) -> std::io::Result<UdpSocket> {
+    if ip.is_ipv4() {
+        UdpSocket::bind("0.0.0.0:0")
+    } else {
+        UdpSocket::bind("[::]:0")
     }
 }
 
@@ -430,9 +479,9 @@ pub fn pin_place(dir: &Path) -> Result<PinPlace> {
 /// Refuses backends this host has no route to (a UDP connect sends nothing
 /// but asks the kernel for a route). Errors name the field.
 pub fn check_reachable(cfg: &crate::config::Config) -> Result<()> {
-    let sock = UdpSocket::bind("0.0.0.0:0").context("opening a UDP socket")?;
     for (i, s) in cfg.services.iter().enumerate() {
         for (j, b) in s.backends.iter().enumerate() {
+            let sock = udp_for(b.ip()).context("opening a UDP socket")?;
             if let Err(e) = sock.connect(b) {
                 bail!(
                     "service[{i}].backends[{j}]: backend {b} is unreachable from this host ({e})"
@@ -471,6 +520,37 @@ pub fn route_of(table: &str, ip: Ipv4Addr) -> Option<(String, Option<Ipv4Addr>)>
         .map(|(_, _, iface, gw)| (iface, (gw != 0).then(|| Ipv4Addr::from(gw))))
 }
 
+/// As `route_of`, for IPv6 (from /proc/net/ipv6_route text).
+#[must_use]
+pub fn route6_of(table: &str, ip: Ipv6Addr) -> Option<(String, Option<Ipv6Addr>)> {
+    let want = u128::from(ip);
+    let hex = |s: &str| u128::from_str_radix(s, 16).ok();
+    table
+        .lines()
+        .filter_map(|l| {
+            let f: Vec<&str> = l.split_whitespace().collect();
+            // dest plen src plen next_hop metric refcnt use flags iface
+            let (dest, plen, gw, metric, flags) = (
+                hex(f.first()?)?,
+                u32::from_str_radix(f.get(1)?, 16).ok()?,
+                hex(f.get(4)?)?,
+                u32::from_str_radix(f.get(5)?, 16).ok()?,
+                u32::from_str_radix(f.get(8)?, 16).ok()?,
+            );
+            let mask = if plen == 0 {
+                0
+            } else {
+                u128::MAX << (128 - plen.min(128))
+            };
+            // RTF_UP, not a rejecting route, the destination matches.
+            (flags & 1 == 1 && flags & 0x200 == 0 && want & mask == dest & mask)
+                .then(|| (plen, metric, f.get(9).unwrap_or(&"").to_string(), gw))
+        })
+        .filter(|(_, _, iface, _)| iface != "lo")
+        .min_by_key(|(plen, metric, _, _)| (std::cmp::Reverse(*plen), *metric))
+        .map(|(_, _, iface, gw)| (iface, (gw != 0).then(|| Ipv6Addr::from(gw))))
+}
+
 /// Refuses a `dsr-l2` backend that is not a neighbour on the interface:
 /// only its MAC address changes, so it must be on the balancer's segment.
 pub fn check_dsr(cfg: &crate::config::Config) -> Result<()> {
@@ -482,15 +562,18 @@ pub fn check_dsr(cfg: &crate::config::Config) -> Result<()> {
         return Ok(());
     }
     let table = fs::read_to_string("/proc/net/route").context("reading /proc/net/route")?;
+    let table6 = fs::read_to_string("/proc/net/ipv6_route").unwrap_or_default();
     for (i, s) in cfg.services.iter().enumerate() {
         if s.mode != crate::config::Mode::DsrL2 {
             continue;
         }
         for (j, b) in s.backends.iter().enumerate() {
-            let std::net::IpAddr::V4(ip) = b.ip() else {
-                continue;
+            let ip = b.ip();
+            let route = match ip {
+                IpAddr::V4(v4) => route_of(&table, v4).map(|(i, gw)| (i, gw.map(IpAddr::V4))),
+                IpAddr::V6(v6) => route6_of(&table6, v6).map(|(i, gw)| (i, gw.map(IpAddr::V6))),
             };
-            match route_of(&table, ip) {
+            match route {
                 Some((iface, None)) if iface == cfg.interface => {}
                 Some((iface, gw)) => bail!(
                     "service[{i}].backends[{j}]: backend {ip} is not on the segment of {} (the route goes {}on {iface}); dsr-l2 changes only the destination MAC, so the backend must be a neighbour: move it to this segment or use mode = \"dsr-ipip\"",

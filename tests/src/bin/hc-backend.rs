@@ -53,7 +53,8 @@ fn main() {
     DELAY_US.store((delay_ms * 1000.0) as u64, Ordering::Relaxed);
 
     let uid = id.clone();
-    let sock = UdpSocket::bind(("0.0.0.0", udp)).expect("bind UDP");
+    // Both families (an IPv6 socket takes IPv4 too, as mapped addresses).
+    let sock = UdpSocket::bind(("::", udp)).expect("bind UDP");
     thread::spawn(move || {
         let mut buf = [0u8; 2048];
         while let Ok((n, peer)) = sock.recv_from(&mut buf) {
@@ -63,7 +64,7 @@ fn main() {
         }
     });
 
-    let listener = TcpListener::bind(("0.0.0.0", http)).expect("bind HTTP");
+    let listener = TcpListener::bind(("::", http)).expect("bind HTTP");
     for stream in listener.incoming().flatten() {
         let id = id.clone();
         thread::spawn(move || serve(stream, &id));
@@ -154,9 +155,11 @@ fn metrics() -> String {
 }
 
 fn serve(stream: TcpStream, id: &str) {
-    let peer = stream
-        .peer_addr()
-        .map_or_else(|_| "?".to_string(), |a| a.to_string());
+    // An IPv4 peer as IPv4, not as a mapped IPv6 address.
+    let peer = stream.peer_addr().map_or_else(
+        |_| "?".to_string(),
+        |a| std::net::SocketAddr::new(a.ip().to_canonical(), a.port()).to_string(),
+    );
     let _ = stream.set_read_timeout(Some(Duration::from_secs(120)));
     let _ = stream.set_nodelay(true);
     let Ok(mut out) = stream.try_clone() else {

@@ -1,0 +1,90 @@
+//! IPv6 through namespaces: real HTTP to an IPv6 VIP, source NAT (the
+//! backends see the balancer's IPv6 address and answer through it) and
+//! L2 direct server return (they see the client's), on a plain testbed.
+
+use std::{collections::BTreeMap, net::SocketAddr, path::Path, time::Duration};
+use testbed::{
+    backend_ip6, http_get_path, in_ns, require_root, Testbed, CLIENT_IP6, HTTP_PORT, LB_IP6, VIP6,
+};
+
+const HUDDLE: &str = env!("CARGO_BIN_EXE_hc-huddle");
+const BACKEND: &str = env!("CARGO_BIN_EXE_hc-backend");
+const TIMEOUT: Duration = Duration::from_secs(3);
+
+fn check(mode: &str, vip_port: u16, peer_ip: std::net::Ipv6Addr) {
+    require_root();
+    let mut bed = Testbed::plain(&format!("v6{mode}"), 3).expect("build testbed");
+    bed.start_backends(Path::new(BACKEND))
+        .expect("start backends");
+    if mode != "snat" {
+        for ns in &bed.backends {
+            ns.ip(&["-6", "addr", "add", &format!("{VIP6}/128"), "dev", "lo"])
+                .unwrap();
+        }
+    }
+    let vip = SocketAddr::from((VIP6, vip_port));
+    let mut args = vec![
+        "--vip".to_string(),
+        vip.to_string(),
+        "--mode".into(),
+        mode.into(),
+    ];
+    for i in 0..3 {
+        args.push("--backend".into());
+        args.push(SocketAddr::from((backend_ip6(i), HTTP_PORT)).to_string());
+    }
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    bed.start_huddle(Path::new(HUDDLE), &args)
+        .expect("start huddle");
+    let (counts, peers, failures) = in_ns(&bed.client, move || {
+        let mut counts: BTreeMap<String, u32> = BTreeMap::new();
+        let mut peers = Vec::new();
+        let mut failures = Vec::new();
+        for i in 0..300 {
+            match http_get_path(vip, "/whoami", TIMEOUT) {
+                Ok(body) => {
+                    let mut w = body.split_whitespace();
+                    *counts.entry(w.next().unwrap_or("").into()).or_default() += 1;
+                    let p = w.next().unwrap_or("").to_string();
+                    if !peers.contains(&p) && peers.len() < 1000 {
+                        peers.push(p);
+                    }
+                }
+                Err(e) => failures.push(format!("request {i}: {e:#}")),
+            }
+            if failures.len() >= 5 {
+                break;
+            }
+        }
+        (counts, peers, failures)
+    });
+    let st = bed.status().unwrap();
+    println!(
+        "IPv6 {mode}: 300 requests to {vip}: {counts:?}, failures {}; global counters {:?}",
+        failures.len(),
+        st.global
+    );
+    assert!(
+        failures.is_empty(),
+        "failed requests: {failures:?}\n{}",
+        bed.huddle_log()
+    );
+    assert_eq!(counts.len(), 3, "every backend must serve: {counts:?}");
+    for p in &peers {
+        let ip = p
+            .rsplit_once(':')
+            .map_or("", |(ip, _)| ip)
+            .trim_matches(|c| c == '[' || c == ']');
+        assert_eq!(ip, peer_ip.to_string(), "a backend saw {p}");
+    }
+}
+
+#[test]
+fn ipv6_source_nat_answers_every_request_through_the_balancer() {
+    check("snat", 80, LB_IP6);
+}
+
+#[test]
+fn ipv6_l2_dsr_backends_see_the_client() {
+    check("dsr-l2", HTTP_PORT, CLIENT_IP6);
+}
