@@ -377,7 +377,12 @@ fn new_flow<F: Family>(
             return Err(xdp_action::XDP_DROP);
         };
         sc.nkey = nat::flow_key(cfg, &flow, backend, p.proto);
-        let silent = flow.flags & flow_flags::SYN_WAIT != 0
+        // In DSR the SYN-ACK never crosses the balancer: a retransmitted
+        // SYN may follow one that is on its way (the client would then
+        // have a connection with one backend and send to another), so it
+        // always goes where the first went.
+        let silent = !dsr
+            && flow.flags & flow_flags::SYN_WAIT != 0
             && cfg.syn_timeout_ns != 0
             && now.wrapping_sub(flow.turn_ns) >= cfg.syn_timeout_ns
             && tried < MAX_SYN_RETRIES;

@@ -64,6 +64,7 @@ fn check(mode: &str, vip_port: u16, peer_ip: std::net::Ipv6Addr) {
         failures.len(),
         st.global
     );
+    println!("service counters {:?}", st.services[0].counters);
     assert!(
         failures.is_empty(),
         "failed requests: {failures:?}\n{}",

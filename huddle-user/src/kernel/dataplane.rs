@@ -1189,7 +1189,10 @@ mod tests {
             panic!("an IPv6 VIP takes an IPv6 key");
         };
         assert_eq!(k6.addr[..2], [0xfd, 0]);
-        assert_eq!((k6.port_be.to_ne_bytes(), k6.proto), (443u16.to_be_bytes(), 17));
+        assert_eq!(
+            (k6.port_be.to_ne_bytes(), k6.proto),
+            (443u16.to_be_bytes(), 17)
+        );
         let b = backend_value("10.9.9.9:53".parse().unwrap());
         assert_eq!(b.port_be.to_ne_bytes(), 53u16.to_be_bytes());
         let b6 = backend_value("[fd00::9]:53".parse().unwrap());

@@ -1,7 +1,7 @@
 //! Crafting and checking Ethernet/IPv4/TCP/UDP frames, for `huddle bench`
 //! and the PROG_TEST_RUN tests: `Frame::tcp(..).syn().payload(..).build()`.
 
-use std::net::Ipv4Addr;
+use std::net::{Ipv4Addr, Ipv6Addr};
 
 pub const ETH_LEN: usize = 14;
 pub const IP_LEN: usize = 20;
@@ -330,6 +330,66 @@ pub fn icmp_checksums_valid(frame: &[u8]) -> bool {
     frame.len() >= ETH_LEN + IP_LEN + 8
         && checksum(&frame[ETH_LEN..ETH_LEN + IP_LEN], 0) == 0
         && checksum(&frame[ETH_LEN + IP_LEN..], 0) == 0
+}
+
+/// An IPv6 TCP frame (no extension headers, hop limit 64) with a valid
+/// checksum; Ethernet addresses `macs` (source, destination).
+#[must_use]
+pub fn tcp6(
+    src: (Ipv6Addr, u16),
+    dst: (Ipv6Addr, u16),
+    (flags, seq, ack): (u8, u32, u32),
+    payload: &[u8],
+    macs: ([u8; 6], [u8; 6]),
+) -> Vec<u8> {
+    let l4_len = TCP_LEN + payload.len();
+    let mut f = Vec::new();
+    f.extend_from_slice(&macs.1);
+    f.extend_from_slice(&macs.0);
+    f.extend_from_slice(&0x86ddu16.to_be_bytes());
+    f.extend_from_slice(&[0x60, 0, 0, 0]);
+    f.extend_from_slice(&(l4_len as u16).to_be_bytes());
+    f.extend_from_slice(&[6, 64]);
+    f.extend_from_slice(&src.0.octets());
+    f.extend_from_slice(&dst.0.octets());
+    f.extend_from_slice(&src.1.to_be_bytes());
+    f.extend_from_slice(&dst.1.to_be_bytes());
+    f.extend_from_slice(&seq.to_be_bytes());
+    f.extend_from_slice(&(if flags & ACK != 0 { ack } else { 0 }).to_be_bytes());
+    f.extend_from_slice(&[(TCP_LEN as u8 / 4) << 4, flags]);
+    f.extend_from_slice(&64240u16.to_be_bytes());
+    f.extend_from_slice(&[0, 0, 0, 0]);
+    f.extend_from_slice(payload);
+    let sum = l4_checksum6(&f);
+    let off = ETH_LEN + 40 + 16;
+    f[off..off + 2].copy_from_slice(&sum.to_be_bytes());
+    f
+}
+
+/// The TCP/UDP checksum an IPv6 frame's L4 header should carry.
+#[must_use]
+pub fn l4_checksum6(frame: &[u8]) -> u16 {
+    let ip = &frame[ETH_LEN..];
+    let len = usize::from(u16::from_be_bytes([ip[4], ip[5]]));
+    let proto = ip[6];
+    let mut seg = ip[40..40 + len].to_vec();
+    let off = if proto == 6 { 16 } else { 6 };
+    seg[off] = 0;
+    seg[off + 1] = 0;
+    let mut pseudo = Vec::new();
+    pseudo.extend_from_slice(&ip[8..40]);
+    pseudo.extend_from_slice(&(len as u32).to_be_bytes());
+    pseudo.extend_from_slice(&[0, 0, 0, proto]);
+    pseudo.extend_from_slice(&seg);
+    checksum(&pseudo, 0)
+}
+
+/// Whether an IPv6 TCP/UDP frame's L4 checksum is valid.
+#[must_use]
+pub fn checksums6_valid(frame: &[u8]) -> bool {
+    let proto = frame[ETH_LEN + 6];
+    let off = ETH_LEN + 40 + if proto == 6 { 16 } else { 6 };
+    u16::from_be_bytes([frame[off], frame[off + 1]]) == l4_checksum6(frame)
 }
 
 #[cfg(test)]

@@ -12,7 +12,10 @@ use crate::{
 };
 use anyhow::{Context, Result};
 use aya::{programs::Xdp, TestRun, TestRunOptions};
-use std::{net::Ipv4Addr, time::Duration};
+use std::{
+    net::{Ipv4Addr, Ipv6Addr},
+    time::Duration,
+};
 
 /// The balancer's interface inside the namespace.
 pub const IFACE: &str = "hb0";
@@ -53,6 +56,13 @@ pub fn mac_of(ip: Ipv4Addr) -> [u8; 6] {
     [0x02, 0x00, o[0], o[1], o[2], o[3]]
 }
 
+/// The MAC address the environment gives an IPv6 neighbour.
+#[must_use]
+pub fn mac_of6(ip: Ipv6Addr) -> [u8; 6] {
+    let o = ip.octets();
+    [0x02, 0x06, o[12], o[13], o[14], o[15]]
+}
+
 fn mac_str(m: [u8; 6]) -> String {
     m.iter()
         .map(|b| format!("{b:02x}"))
@@ -79,6 +89,18 @@ impl ProgRun {
         for extra in cfg.snat_ips.iter().filter(|a| **a != BALANCER_IP) {
             ns.ip(&["addr", "add", &format!("{extra}/32"), "dev", IFACE])?;
         }
+        for (i, v6) in cfg.snat_ips6.iter().enumerate() {
+            let len = if i == 0 { 64 } else { 128 };
+            ns.ip(&[
+                "-6",
+                "addr",
+                "add",
+                &format!("{v6}/{len}"),
+                "dev",
+                IFACE,
+                "nodad",
+            ])?;
+        }
         ns.ip(&["link", "set", IFACE, "up"])?;
         ns.ip(&["link", "set", "hb1", "up"])?;
         for n in neighbours {
@@ -95,6 +117,9 @@ impl ProgRun {
             ])?;
         }
         ns.sysctl(&format!("net.ipv4.conf.{IFACE}.forwarding"), "1")?;
+        if !cfg.snat_ips6.is_empty() {
+            ns.sysctl(&format!("net.ipv6.conf.{IFACE}.forwarding"), "1")?;
+        }
         ns.enter()?;
         let ifindex = crate::host::ifindex(IFACE)?;
         let snat = if cfg.snat_ips.is_empty() {
@@ -104,6 +129,22 @@ impl ProgRun {
         };
         let dp = Dataplane::load(cfg, &snat, &cfg.snat_ips6, None)?;
         Ok(ProgRun { dp, ifindex, ns })
+    }
+
+    /// Gives IPv6 neighbour `ip` a permanent entry with MAC `mac_of6(ip)`.
+    pub fn neighbour6(&self, ip: Ipv6Addr) -> Result<()> {
+        self.ns.ip(&[
+            "-6",
+            "neigh",
+            "replace",
+            &ip.to_string(),
+            "lladdr",
+            &mac_str(mac_of6(ip)),
+            "dev",
+            IFACE,
+            "nud",
+            "permanent",
+        ])
     }
 
     /// Runs the balancer program once on `frame`: (verdict, output frame).

@@ -148,6 +148,7 @@ impl Balancer {
         let fixed = [
             ("interface", old.interface == new.interface),
             ("snat_ips", old.snat_ips == new.snat_ips),
+            ("snat_ips6", old.snat_ips6 == new.snat_ips6),
             ("nat_ports", old.nat_ports == new.nat_ports),
             (
                 "flow_table_size",
@@ -665,6 +666,7 @@ impl Balancer {
                 .snat
                 .iter()
                 .map(ToString::to_string)
+                .chain(self.dp.snat6.iter().map(ToString::to_string))
                 .collect::<Vec<_>>()
                 .join(", "),
             nat_ports: self.dp.nat_ports.to_string(),

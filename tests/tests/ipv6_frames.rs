@@ -1,0 +1,158 @@
+//! IPv6 on crafted frames (BPF_PROG_TEST_RUN), the IPv6 program reached
+//! through the main one's tail call: a SYN to an IPv6 VIP leaves from the
+//! IPv6 SNAT address to a backend, byte for byte, the backend's answer
+//! comes back as from the VIP, an L2 DSR frame changes only its MACs, and
+//! what the program does not parse (extension headers) passes untouched.
+
+use huddle_user::{
+    config::{Mode, PortRange, Proto, Service},
+    packet::{checksums6_valid, tcp6, ACK, PSH, SYN},
+    prog_run::{mac_of6, ProgRun, BALANCER_MAC},
+};
+use std::net::{Ipv6Addr, SocketAddr};
+use testbed::{require_root, unique};
+
+const XDP_PASS: u32 = 2;
+const XDP_TX: u32 = 3;
+
+const VIP: Ipv6Addr = Ipv6Addr::new(0xfd00, 0x213, 0x100, 0, 0, 0, 0, 1);
+const CLIENT: Ipv6Addr = Ipv6Addr::new(0xfd00, 0x213, 0, 0, 0, 0, 0, 2);
+const SNAT: Ipv6Addr = Ipv6Addr::new(0xfd00, 0x213, 0, 0, 0, 0, 0, 1);
+const NAT: PortRange = PortRange {
+    min: 20000,
+    max: 32767,
+};
+
+fn backend(i: u16) -> Ipv6Addr {
+    Ipv6Addr::new(0xfd00, 0x213, 0, 0, 0, 0, 0, 0x11 + i)
+}
+
+fn env(tag: &str) -> ProgRun {
+    require_root();
+    let bs = [backend(0), backend(1), backend(2)];
+    let service = |port: u16, to: u16, mode: Mode| {
+        let mut s = Service::plain(
+            (VIP, port).into(),
+            Proto::Tcp,
+            bs.iter().map(|b| SocketAddr::from((*b, to))).collect(),
+        );
+        s.mode = mode;
+        s
+    };
+    let mut cfg = huddle_user::prog_run::config(
+        vec![
+            service(80, 8080, Mode::Snat),
+            service(8080, 8080, Mode::DsrL2),
+        ],
+        NAT,
+        4096,
+        1024,
+    );
+    cfg.snat_ips6 = vec![SNAT];
+    let env = ProgRun::new(&unique(tag), &cfg, &[]).expect("PROG_TEST_RUN namespace");
+    for n in bs.iter().chain([CLIENT].iter()) {
+        env.neighbour6(*n).unwrap();
+    }
+    env
+}
+
+fn by_mac(out: &[u8]) -> Ipv6Addr {
+    (0..3)
+        .map(backend)
+        .find(|b| out[..6] == mac_of6(*b))
+        .unwrap_or_else(|| panic!("no backend has MAC {:02x?}", &out[..6]))
+}
+
+#[test]
+fn an_ipv6_syn_is_source_natted_to_a_backend_and_its_answer_translated_back() {
+    let env = env("v6-snat");
+    let syn = tcp6(
+        (CLIENT, 40000),
+        (VIP, 80),
+        (SYN, 1000, 0),
+        &[],
+        (mac_of6(CLIENT), BALANCER_MAC),
+    );
+    let (verdict, out) = env.run(&syn).unwrap();
+    assert_eq!(verdict, XDP_TX);
+    let b = by_mac(&out);
+    let nat_port = u16::from_be_bytes([out[54], out[55]]);
+    assert!((NAT.min..=NAT.max).contains(&nat_port), "{nat_port}");
+    let want = tcp6(
+        (SNAT, nat_port),
+        (b, 8080),
+        (SYN, 1000, 0),
+        &[],
+        (BALANCER_MAC, mac_of6(b)),
+    );
+    assert_eq!(out, want, "the SYN from the IPv6 SNAT address to {b}");
+    assert!(checksums6_valid(&out));
+    // The backend's SYN-ACK: back to the client, from the VIP.
+    let synack = tcp6(
+        (b, 8080),
+        (SNAT, nat_port),
+        (SYN | ACK, 7000, 1001),
+        &[],
+        (mac_of6(b), BALANCER_MAC),
+    );
+    let (verdict, out) = env.run(&synack).unwrap();
+    assert_eq!(verdict, XDP_TX);
+    let want = tcp6(
+        (VIP, 80),
+        (CLIENT, 40000),
+        (SYN | ACK, 7000, 1001),
+        &[],
+        (BALANCER_MAC, mac_of6(CLIENT)),
+    );
+    assert_eq!(out, want, "the SYN-ACK as from the VIP");
+    // The handshake's ACK and a request go to the same tuple.
+    for (flags, payload) in [(ACK, &b""[..]), (ACK | PSH, &b"GET / HTTP/1.1\r\n\r\n"[..])] {
+        let f = tcp6(
+            (CLIENT, 40000),
+            (VIP, 80),
+            (flags, 1001, 7001),
+            payload,
+            (mac_of6(CLIENT), BALANCER_MAC),
+        );
+        let (verdict, out) = env.run(&f).unwrap();
+        assert_eq!(verdict, XDP_TX);
+        let want = tcp6(
+            (SNAT, nat_port),
+            (b, 8080),
+            (flags, 1001, 7001),
+            payload,
+            (BALANCER_MAC, mac_of6(b)),
+        );
+        assert_eq!(out, want);
+    }
+    let st = env.dp.service_stats(env.dp.services[0].id).unwrap();
+    assert_eq!((st.half_open, st.promoted), (1, 1));
+}
+
+#[test]
+fn an_ipv6_l2_dsr_frame_changes_only_its_macs_and_extension_headers_pass() {
+    let env = env("v6-dsr");
+    let syn = tcp6(
+        (CLIENT, 41000),
+        (VIP, 8080),
+        (SYN, 5000, 0),
+        &[],
+        (mac_of6(CLIENT), BALANCER_MAC),
+    );
+    let (verdict, out) = env.run(&syn).unwrap();
+    assert_eq!(verdict, XDP_TX);
+    let b = by_mac(&out);
+    assert_eq!(out[6..12], BALANCER_MAC);
+    assert_eq!(out[12..], syn[12..], "only the MAC addresses change");
+    // A hop-by-hop options header before TCP: not parsed, so untouched.
+    let mut ext = syn.clone();
+    ext[20] = 0; // next header: hop-by-hop
+    let payload_len = u16::from_be_bytes([ext[18], ext[19]]) + 8;
+    ext[18..20].copy_from_slice(&payload_len.to_be_bytes());
+    ext.splice(54..54, [6u8, 0, 1, 4, 0, 0, 0, 0]);
+    let (verdict, out) = env.run(&ext).unwrap();
+    assert_eq!((verdict, &out), (XDP_PASS, &ext));
+    let g = env.dp.global_stats().unwrap();
+    assert_eq!(g.pass_v6_ext, 1);
+    let _ = b;
+}
