@@ -11,12 +11,15 @@
 use crate::{
     config::{Config, Mode, PortRange, Proto, Service, XdpMode},
     object,
-    packet::{endpoints, Frame, ACK, SYN},
-    prog_run::{test_run, ProgRun, BALANCER_IP},
+    packet::{endpoints, tcp6, Frame, ACK, SYN},
+    prog_run::{mac_of6, test_run, ProgRun, BALANCER_IP, BALANCER_MAC},
 };
 use anyhow::{bail, Context, Result};
 use aya::{programs::Xdp, Ebpf};
-use std::{net::Ipv4Addr, time::Duration};
+use std::{
+    net::{Ipv4Addr, Ipv6Addr},
+    time::Duration,
+};
 
 #[derive(clap::Args, Debug, Clone)]
 pub struct BenchArgs {
@@ -59,11 +62,24 @@ fn bench_config(half_open: u32) -> Config {
         s.mode = mode;
         s
     };
-    crate::prog_run::config(
+    let service6 = |vip_port: u16, port: u16, mode: Mode| {
+        let mut s = Service::plain(
+            (VIP6, vip_port).into(),
+            Proto::Tcp,
+            (0..u16::from(BACKENDS))
+                .map(|i| (backend6(i), port).into())
+                .collect(),
+        );
+        s.mode = mode;
+        s
+    };
+    let mut cfg = crate::prog_run::config(
         vec![
             service(80, 8080, Mode::Snat),
             service(L2_PORT, L2_PORT, Mode::DsrL2),
             service(IPIP_PORT, IPIP_PORT, Mode::DsrIpip),
+            service6(80, 8080, Mode::Snat),
+            service6(L2_PORT, L2_PORT, Mode::DsrL2),
         ],
         PortRange {
             min: 1024,
@@ -71,7 +87,17 @@ fn bench_config(half_open: u32) -> Config {
         },
         1 << 18,
         half_open,
-    )
+    );
+    cfg.snat_ips6 = vec![SNAT6];
+    cfg
+}
+
+const VIP6: Ipv6Addr = Ipv6Addr::new(0xfd00, 0x213, 0x100, 0, 0, 0, 0, 1);
+const SNAT6: Ipv6Addr = Ipv6Addr::new(0xfd00, 0x213, 0, 0, 0, 0, 0, 1);
+const CLIENT6: Ipv6Addr = Ipv6Addr::new(0xfd00, 0x213, 0, 0, 0, 0, 0, 2);
+
+fn backend6(i: u16) -> Ipv6Addr {
+    Ipv6Addr::new(0xfd00, 0x213, 0, 0, 0, 0, 0, 0x10 + i)
 }
 
 fn pin(cpu: usize) -> Result<()> {
@@ -137,6 +163,7 @@ fn measure(args: &BenchArgs) -> Result<()> {
         &cfg,
         &neighbours,
     )?;
+
     // A second balancer whose half-open tables are full: its SYNs take
     // slots other SYNs hold.
     let full = ProgRun::new(
@@ -144,6 +171,12 @@ fn measure(args: &BenchArgs) -> Result<()> {
         &bench_config(HALF_OPEN_SLOTS),
         &neighbours,
     )?;
+    // The runs happen in the namespace entered last (`full`'s): the FIB
+    // answers from its neighbours, so both get the IPv6 ones.
+    for n in (0..u16::from(BACKENDS)).map(backend6).chain([CLIENT6]) {
+        env.neighbour6(n)?;
+        full.neighbour6(n)?;
+    }
     let mut base = Ebpf::load(object::BASELINE).context("loading the baseline programs")?;
     for name in ["pass", "swap_tx"] {
         let p: &mut Xdp = base
@@ -191,6 +224,67 @@ fn measure(args: &BenchArgs) -> Result<()> {
                 .build(),
         );
     }
+    // IPv6: an established source-NATed flow and an L2 DSR one.
+    let macs6 = (mac_of6(CLIENT6), BALANCER_MAC);
+    let (v, out) = env.run(&tcp6(
+        (CLIENT6, 40000),
+        (VIP6, 80),
+        (SYN, 1000, 0),
+        &[],
+        macs6,
+    ))?;
+    if v != 3 || out.len() < 58 {
+        bail!("setting up the IPv6 flow: verdict {v}");
+    }
+    let nat6 = u16::from_be_bytes([out[54], out[55]]);
+    let b6 = Ipv6Addr::from(<[u8; 16]>::try_from(&out[38..54]).expect("16 bytes"));
+    env.run(&tcp6(
+        (b6, 8080),
+        (SNAT6, nat6),
+        (SYN | ACK, 5000, 1001),
+        &[],
+        (mac_of6(b6), BALANCER_MAC),
+    ))?;
+    let mut v6_established = Vec::new();
+    for port in [80, L2_PORT] {
+        if port == L2_PORT {
+            env.run(&tcp6(
+                (CLIENT6, 40000),
+                (VIP6, port),
+                (SYN, 1000, 0),
+                &[],
+                macs6,
+            ))?;
+        }
+        let (v, _) = env.run(&tcp6(
+            (CLIENT6, 40000),
+            (VIP6, port),
+            (ACK, 1001, 5001),
+            &[],
+            macs6,
+        ))?;
+        if v != 3 {
+            bail!("setting up the IPv6 flow on port {port}: verdict {v}");
+        }
+        v6_established.push(tcp6(
+            (CLIENT6, 40000),
+            (VIP6, port),
+            (ACK, 1001, 5001),
+            &payload,
+            macs6,
+        ));
+    }
+    let new6 = |n: u32, port: u16| {
+        let mut c = CLIENT6.octets();
+        c[12..16].copy_from_slice(&(n / 50_000 + 1).to_be_bytes());
+        tcp6(
+            (Ipv6Addr::from(c), 1024 + (n % 50_000) as u16),
+            (VIP6, port),
+            (SYN, 1000, 0),
+            &[],
+            macs6,
+        )
+    };
     let other = Frame::tcp((client, 40000), (Ipv4Addr::new(10, 213, 0, 99), 80))
         .payload(&payload)
         .build();
@@ -211,7 +305,7 @@ fn measure(args: &BenchArgs) -> Result<()> {
     // Fewer new flows than the others, so the empty tables stay mostly
     // empty over all rounds (the full ones time the other case): three
     // cases of new flows share them.
-    let new_calls = args.calls.min(HALF_OPEN_SLOTS / 6 / args.rounds.max(1));
+    let new_calls = args.calls.min(HALF_OPEN_SLOTS / 8 / args.rounds.max(1));
     let full_base = 10_000_000u32;
     for n in 0..HALF_OPEN_SLOTS * 2 {
         let (verdict, _) = full.run(&new_flow(full_base + n))?;
@@ -220,7 +314,7 @@ fn measure(args: &BenchArgs) -> Result<()> {
         }
     }
     // (name, program, runs, expected verdict)
-    let cases: [(&str, &Xdp, u32, u32); 10] = [
+    let cases: [(&str, &Xdp, u32, u32); 14] = [
         ("established flow", prog, args.calls, 3),
         ("new flow (SYN), half-open slots free", prog, new_calls, 3),
         (
@@ -234,10 +328,14 @@ fn measure(args: &BenchArgs) -> Result<()> {
         ("dsr-l2 new flow (SYN)", prog, new_calls, 3),
         ("dsr-ipip established flow", prog, args.calls, 3),
         ("dsr-ipip new flow (SYN)", prog, new_calls, 3),
+        ("IPv6 established flow", prog, args.calls, 3),
+        ("IPv6 new flow (SYN)", prog, new_calls, 3),
+        ("IPv6 dsr-l2 established flow", prog, args.calls, 3),
+        ("IPv6 dsr-l2 new flow (SYN)", prog, new_calls, 3),
         ("minimal forwarder (swap+TX)", swap, args.calls, 3),
         ("XDP_PASS floor", pass, args.calls, 2),
     ];
-    let (fwd, floor_case) = (8, 9);
+    let (fwd, floor_case) = (12, 13);
     let mut results: Vec<Vec<f64>> = vec![Vec::new(); cases.len()];
     eprintln!(
         "timing {} runs per case ({new_calls} for new flows), {} rounds, pinned to CPU {} ...",
@@ -253,6 +351,10 @@ fn measure(args: &BenchArgs) -> Result<()> {
                 5 => new_flow_to(round * new_calls + n, L2_PORT),
                 6 => dsr_established[1].clone(),
                 7 => new_flow_to(round * new_calls + n, IPIP_PORT),
+                8 => v6_established[0].clone(),
+                9 => new6(round * new_calls + n, 80),
+                10 => v6_established[1].clone(),
+                11 => new6(round * new_calls + n, L2_PORT),
                 _ => established.clone(),
             };
             let ns = time_case(program, ifx, &mut frames, *calls, *want).with_context(|| {
@@ -265,7 +367,7 @@ fn measure(args: &BenchArgs) -> Result<()> {
             results[i].push(ns);
         }
     }
-    for id in 0..3 {
+    for id in 0..5 {
         let st = env.dp.service_stats(id)?;
         if st.drop_flow_table + st.drop_nat_ports != 0 {
             bail!("the tables refused new flows: {st:?}");
