@@ -15,7 +15,12 @@
 //!   dsr-l2 to a backend's MAC, in dsr-ipip inside an outer header from
 //!   the encapsulation prefix to a backend, with a valid checksum;
 //! - an ICMP error to the SNAT address about a translated flow reaches
-//!   that flow's client with valid checksums; any other ICMP passes.
+//!   that flow's client with valid checksums; any other ICMP passes;
+//! - IPv6 (a source-NATed and an L2 DSR service): a rewritten packet goes
+//!   from the IPv6 SNAT address to a backend (or back from the VIP to a
+//!   client), its length and payload kept, its checksum valid whenever
+//!   the input's was; an L2 DSR frame changes only its MACs; anything
+//!   else, extension headers included, passes unchanged.
 //!
 //! `HUDDLE_FUZZ_CASES` sets the count (default: the full 1,000,000, about
 //! 10 s), `HUDDLE_FUZZ_SEED` the seed. A failure prints the seed, the case and the
@@ -27,9 +32,11 @@ use huddle_user::{
         checksum, checksums_valid, endpoints, icmp_checksums_valid, icmp_error, l4_checksum, Frame,
         ACK, ETH_LEN, RST, SYN,
     },
+    packet::{checksums6_valid, tcp6},
+    prog_run::mac_of6,
     prog_run::{mac_of, ProgRun, BALANCER_IP, BALANCER_MAC},
 };
-use std::net::{Ipv4Addr, SocketAddr};
+use std::net::{Ipv4Addr, Ipv6Addr, SocketAddr};
 use testbed::{require_root, unique};
 
 const XDP_DROP: u32 = 1;
@@ -49,6 +56,20 @@ const SERVICES: [(u16, u8, u16); 2] = [(80, 6, 8080), (53, 17, 5353)];
 const DSR_L2: u16 = 8081;
 const DSR_IPIP: [(u16, u8); 2] = [(9091, 6), (9053, 17)];
 const ENCAP_PREFIX: &str = "10.213.64.0/20";
+const VIP6: Ipv6Addr = Ipv6Addr::new(0xfd00, 0x213, 0x100, 0, 0, 0, 0, 1);
+const SNAT6: Ipv6Addr = Ipv6Addr::new(0xfd00, 0x213, 0, 0, 0, 0, 0, 1);
+const CLIENTS6: [Ipv6Addr; 2] = [
+    Ipv6Addr::new(0xfd00, 0x213, 0, 0, 0, 0, 0, 2),
+    Ipv6Addr::new(0xfd00, 0x213, 0, 0, 0, 0, 0, 3),
+];
+/// IPv6 services: source NAT 80 -> 8080, L2 DSR on 8081.
+const V6_DSR: u16 = 8081;
+
+fn backends6() -> Vec<Ipv6Addr> {
+    (0..3)
+        .map(|i| Ipv6Addr::new(0xfd00, 0x213, 0, 0, 0, 0, 0, 0x11 + i))
+        .collect()
+}
 
 fn backends() -> Vec<Ipv4Addr> {
     (0..3).map(|i| Ipv4Addr::new(10, 213, 0, 11 + i)).collect()
@@ -160,11 +181,49 @@ struct Gen {
     /// (backend, NAT port, protocol) of flows the program opened, so
     /// replies can hit real NAT entries.
     nat: Vec<(Ipv4Addr, u16, u8)>,
+    /// The same for IPv6 (TCP).
+    nat6: Vec<(Ipv6Addr, u16)>,
 }
 
 impl Gen {
     fn frame(&mut self, r: &mut Rng) -> Vec<u8> {
-        match r.below(21) {
+        match r.below(23) {
+            // IPv6 to a VIP: source NAT or L2 DSR, any flags.
+            21 => {
+                let client = CLIENTS6[r.below(2) as usize];
+                let port = [80, V6_DSR, 81][r.below(3) as usize];
+                let flags = match r.below(3) {
+                    0 => SYN,
+                    1 => ACK,
+                    _ => r.byte(),
+                };
+                let pl = {
+                    let n = r.below(80) as usize;
+                    r.bytes(n)
+                };
+                tcp6(
+                    (client, 40000 + r.below(300) as u16),
+                    (VIP6, port),
+                    (flags, r.next() as u32, r.next() as u32),
+                    &pl,
+                    (mac_of6(client), BALANCER_MAC),
+                )
+            }
+            // An IPv6 backend's reply to the SNAT address.
+            22 => {
+                let (b, port) = if !self.nat6.is_empty() && r.chance(80) {
+                    self.nat6[r.below(self.nat6.len() as u64) as usize]
+                } else {
+                    (backends6()[0], NAT.min + r.below(100) as u16)
+                };
+                tcp6(
+                    (b, 8080),
+                    (SNAT6, port),
+                    (r.byte() & !RST, r.next() as u32, r.next() as u32),
+                    &[],
+                    (mac_of6(b), BALANCER_MAC),
+                )
+            }
             // An ICMP error to the SNAT address, mostly about a tuple the
             // program opened, quoting 28 bytes or more.
             20 => {
@@ -356,6 +415,73 @@ impl Gen {
     }
 }
 
+/// IPv6 frames: `None` if `f` is not IPv6 (the other checks take it),
+/// else what happened or what is wrong.
+fn v6_checked(
+    f: &[u8],
+    verdict: u32,
+    out: &[u8],
+    nat6: &mut Vec<(Ipv6Addr, u16)>,
+    clients6: &mut std::collections::HashSet<Ipv6Addr>,
+) -> Option<Result<&'static str, &'static str>> {
+    if f.len() < ETH_LEN || f[12..14] != [0x86, 0xdd] {
+        return None;
+    }
+    if verdict == XDP_PASS && out == f {
+        return Some(Ok("IPv6 passed"));
+    }
+    if verdict == XDP_DROP {
+        return Some(Ok("IPv6 dropped"));
+    }
+    let addr = |b: &[u8], at: usize| Ipv6Addr::from(<[u8; 16]>::try_from(&b[at..at + 16]).unwrap());
+    let whole = f.len() >= ETH_LEN + 60 && f[ETH_LEN + 6] == 6;
+    if !whole || out.len() != f.len() || !matches!(verdict, XDP_TX | XDP_REDIRECT | XDP_PASS) {
+        return Some(Err("IPv6: changed what it should have passed"));
+    }
+    let (src, dst) = (addr(f, ETH_LEN + 8), addr(f, ETH_LEN + 24));
+    let (osrc, odst) = (addr(out, ETH_LEN + 8), addr(out, ETH_LEN + 24));
+    let dport = u16::from_be_bytes([f[56], f[57]]);
+    let tot = ETH_LEN + 40 + usize::from(u16::from_be_bytes([f[18], f[19]]));
+    if tot <= f.len() && out[ETH_LEN + 60..tot] != f[ETH_LEN + 60..tot] {
+        return Some(Err("IPv6: payload changed"));
+    }
+    let valid = tot == f.len() && checksums6_valid(f);
+    if dst == VIP6 && dport == V6_DSR {
+        if out[12..] != f[12..] || !backends6().iter().any(|b| out[..6] == mac_of6(*b)) {
+            return Some(Err(
+                "IPv6 dsr-l2: more than the MACs changed, or not to a backend",
+            ));
+        }
+        return Some(Ok("IPv6 dsr-l2 sent"));
+    }
+    if valid && !checksums6_valid(out) {
+        return Some(Err("IPv6: a valid packet came out with a bad checksum"));
+    }
+    let oport = (
+        u16::from_be_bytes([out[54], out[55]]),
+        u16::from_be_bytes([out[56], out[57]]),
+    );
+    if dst == VIP6 && dport == 80 {
+        if osrc != SNAT6 || !backends6().contains(&odst) || oport.1 != 8080 {
+            return Some(Err("IPv6: not from the SNAT address to a backend's port"));
+        }
+        if nat6.len() < 4096 {
+            nat6.push((odst, oport.0));
+        }
+        clients6.insert(src);
+        return Some(Ok("IPv6 source-NATed"));
+    }
+    if dst == SNAT6 && backends6().contains(&src) {
+        if osrc != VIP6 || oport.0 != 80 || !clients6.contains(&odst) {
+            return Some(Err(
+                "IPv6 reply not translated back to VIP -> a client that opened a flow",
+            ));
+        }
+        return Some(Ok("IPv6 reply translated"));
+    }
+    Some(Err("IPv6: rewrote traffic that is not a service's"))
+}
+
 /// ICMP frames: `None` if `f` is not whole IPv4 ICMP (the other checks
 /// take it), else what happened or what is wrong. An error about a flow
 /// the program translated goes to a client that opened one, as ICMP with
@@ -483,6 +609,19 @@ fn config() -> Config {
         1024,
     );
     c.encap_prefix = Some(ENCAP_PREFIX.parse().unwrap());
+    let b6 = backends6();
+    let svc6 = |vip_port: u16, port: u16, mode| {
+        let mut s = Service::plain(
+            (VIP6, vip_port).into(),
+            Proto::Tcp,
+            b6.iter().map(|b| SocketAddr::from((*b, port))).collect(),
+        );
+        s.mode = mode;
+        s
+    };
+    c.services.push(svc6(80, 8080, Mode::Snat));
+    c.services.push(svc6(V6_DSR, V6_DSR, Mode::DsrL2));
+    c.snat_ips6 = vec![SNAT6];
     c
 }
 
@@ -501,8 +640,15 @@ fn a_fuzzed_packet_path_never_rewrites_wrongly() {
     let mut neigh = backends();
     neigh.extend_from_slice(&CLIENTS);
     let env = ProgRun::new(&unique("fuzz"), &config(), &neigh).expect("PROG_TEST_RUN namespace");
-    let mut g = Gen { nat: Vec::new() };
+    for n in backends6().into_iter().chain(CLIENTS6) {
+        env.neighbour6(n).unwrap();
+    }
+    let mut g = Gen {
+        nat: Vec::new(),
+        nat6: Vec::new(),
+    };
     let mut clients = std::collections::HashSet::new();
+    let mut clients6 = std::collections::HashSet::new();
     let mut tally = [0u64; 5];
     let mut reasons = std::collections::BTreeMap::<&str, u64>::new();
     for case in 0..cases {
@@ -533,6 +679,13 @@ fn a_fuzzed_packet_path_never_rewrites_wrongly() {
             )
         };
         tally[verdict.min(4) as usize] += 1;
+        if let Some(why) = v6_checked(&f, verdict, &out, &mut g.nat6, &mut clients6) {
+            match why {
+                Ok(what) => *reasons.entry(what).or_default() += 1,
+                Err(e) => fail(e),
+            }
+            continue;
+        }
         if let Some(why) = icmp_checked(&f, verdict, &out, &clients) {
             match why {
                 Ok(what) => *reasons.entry(what).or_default() += 1,
