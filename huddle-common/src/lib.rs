@@ -8,9 +8,9 @@
 //! copies them with word stores instead of calls to byte-wise memset and
 //! memmove.
 //!
-//! Addresses are always 16 bytes with a family tag, so IPv6 services fit
-//! later without a new layout; an IPv4 address sits in the first 4 bytes in
-//! network order and the other 12 are zero.
+//! Addresses in flow and NAT keys are always 16 bytes with a family tag;
+//! an IPv4 address sits in the first 4 bytes in network order and the
+//! other 12 are zero.
 #![no_std]
 
 pub mod latency;

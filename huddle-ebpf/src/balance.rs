@@ -1,10 +1,11 @@
 //! The two directions of a balanced flow: client to backend (pick or find
-//! the flow, source-NAT it) and backend to client (translate the reply
-//! back). Everything that is neither goes to the kernel untouched.
+//! the flow, then source-NAT it or send it by DSR) and backend to client
+//! (translate the reply back). Everything that is neither goes to the
+//! kernel untouched. Written once for both address families (`Family`).
 //!
-//! Every packet costs one small lookup first (`SERVICES`, 8-byte keys):
-//! its destination is a VIP:port/proto, a SNAT address, or not ours, and
-//! traffic that is not ours leaves right there.
+//! Every packet costs one small lookup first (`SERVICES`, 8-byte keys;
+//! `SERVICES6` for IPv6): its destination is a VIP:port/proto, a SNAT
+//! address, or not ours, and traffic that is not ours leaves right there.
 
 use crate::{
     ackclock,
