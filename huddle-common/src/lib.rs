@@ -451,6 +451,9 @@ pub struct Config {
     /// Outer source address of IP-in-IP packets (IPv4: the first 4 bytes),
     /// before the per-flow bits of `encap_vary`.
     pub encap_src: Addr,
+    /// Outer source address of IPv6-in-IPv6 packets (the flow label, not
+    /// the address, varies per flow).
+    pub encap6_src: Addr,
 }
 
 impl Config {
@@ -650,7 +653,7 @@ assert_size!(GenConfig, 16);
 assert_size!(NextHop, 32);
 assert_size!(NatKey, 40);
 assert_size!(NatValue, 48);
-assert_size!(Config, 16 * MAX_SNAT + 64);
+assert_size!(Config, 16 * MAX_SNAT + 80);
 assert_size!(HalfOpen, 128);
 assert_size!(SynCopy, 48);
 assert_size!(Tuning, 24);

@@ -61,13 +61,16 @@ pub fn balance<F: Family>(ctx: &XdpContext, p: &Packet<F>) -> u32 {
     match F::vip(p) {
         // Translated and sent from here: the rewrite and the FIB request
         // then take no room under `request`'s frame.
-        Some(s) if s.flags == service_mode::SNAT => {
-            match request::<F, false>(ctx, p, cfg, s.id, s.flags) {
-                FORWARD => to_backend(ctx, p, cfg),
-                verdict => verdict,
-            }
-        }
-        Some(s) => request::<F, true>(ctx, p, cfg, s.id, s.flags),
+        Some(s) if s.flags == service_mode::SNAT => match request::<F, false>(ctx, p, cfg, s.id) {
+            FORWARD => to_backend(ctx, p, cfg),
+            verdict => verdict,
+        },
+        // Sent from here for the same reason (IPv6 encapsulation's
+        // header and FIB request did not fit under `request`).
+        Some(s) => match request::<F, true>(ctx, p, cfg, s.id) {
+            FORWARD => dsr_send(ctx, p, cfg, s.flags),
+            verdict => verdict,
+        },
         None => {
             global(|s| s.pass_not_service += 1);
             xdp_action::XDP_PASS
@@ -75,18 +78,18 @@ pub fn balance<F: Family>(ctx: &XdpContext, p: &Packet<F>) -> u32 {
     }
 }
 
-/// Client to backend, in the service's `mode` (`DSR`: one of the direct
-/// server return modes). Its own BPF function (as is `reply`), one per
-/// kind of mode: the paths then neither share one stack frame nor
-/// multiply the verifier's states (inlined together they passed its
-/// 1M-instruction limit and the 512-byte stack).
+/// Client to backend: finds or makes the flow (`DSR`: a direct server
+/// return service) and leaves it in the scratch map for `to_backend` or
+/// `dsr_send` (`FORWARD`), or returns the verdict. Its own BPF function
+/// (as is `reply`), one per kind of mode: the paths then neither share one
+/// stack frame nor multiply the verifier's states (inlined together they
+/// passed its 1M-instruction limit and the 512-byte stack).
 #[inline(never)]
 fn request<F: Family, const DSR: bool>(
     ctx: &XdpContext,
     p: &Packet<F>,
     cfg: &Config,
     service: u32,
-    mode: u32,
 ) -> u32 {
     let dsr = DSR;
     let Some(sc) = SCRATCH.get_ptr_mut(0) else {
@@ -130,7 +133,7 @@ fn request<F: Family, const DSR: bool>(
             Err(verdict) => return verdict,
         },
     };
-    let Some(mut backend) = BACKENDS.get(flow.backend) else {
+    let Some(backend) = BACKENDS.get(flow.backend) else {
         return xdp_action::XDP_DROP;
     };
     if let Some(f) = entry {
@@ -149,10 +152,6 @@ fn request<F: Family, const DSR: bool>(
                 Err(verdict) => return verdict,
             };
             entry = None;
-            backend = match BACKENDS.get(flow.backend) {
-                Some(b) => b,
-                None => return xdp_action::XDP_DROP,
-            };
         } else {
             if !p.is_tcp() {
                 // A UDP flow's last activity, for its idle timeout.
@@ -177,11 +176,24 @@ fn request<F: Family, const DSR: bool>(
         s.pkts_to += 1;
         s.bytes_to += bytes;
     });
-    if dsr {
-        return F::dsr(ctx, p, cfg, flow.backend, backend, mode);
-    }
     sc.fwd = flow;
     FORWARD
+}
+
+/// Sends a client packet of the DSR flow `request` left in the scratch
+/// map (`fwd`) to its backend, in service mode `mode`. Its own BPF
+/// function for the same reason as `to_backend`.
+#[inline(never)]
+fn dsr_send<F: Family>(ctx: &XdpContext, p: &Packet<F>, cfg: &Config, mode: u32) -> u32 {
+    let Some(sc) = SCRATCH.get_ptr(0) else {
+        return xdp_action::XDP_PASS;
+    };
+    // SAFETY: this CPU's element, used by this run only.
+    let id = unsafe { (*sc).fwd.backend };
+    let Some(backend) = BACKENDS.get(id) else {
+        return xdp_action::XDP_DROP;
+    };
+    F::dsr(ctx, p, cfg, id, backend, mode)
 }
 
 /// Translates a client packet of the flow `request` left in the scratch

@@ -25,6 +25,9 @@ const ETH_LEN: usize = 14;
 const IP_LEN: usize = 20;
 const ETH_P_IP: [u8; 2] = [0x08, 0x00];
 const PROTO_IPIP: u8 = 4;
+const PROTO_IPV6: u8 = 41;
+const IP6_LEN: usize = 40;
+const ETH_P_IPV6: [u8; 2] = [0x86, 0xdd];
 
 /// This host's addresses (written by the agent).
 #[map]
@@ -176,10 +179,61 @@ fn answered(ctx: &TcContext) {
     count(|s| s.answered += 1);
 }
 
+/// Unwraps an IPv6-in-IPv6 packet to this host; the verdict.
+#[inline(always)]
+fn unwrap6(ctx: &XdpContext) -> u32 {
+    let (data, end) = (ctx.data(), ctx.data_end());
+    // Ethernet, the outer IPv6 header and the inner one's first byte.
+    if data + ETH_LEN + IP6_LEN + 1 > end {
+        return xdp_action::XDP_PASS;
+    }
+    // SAFETY: bounds-checked just above.
+    let (outer, inner_v) = unsafe {
+        (
+            *((data + ETH_LEN) as *const [u8; IP6_LEN]),
+            *((data + ETH_LEN + IP6_LEN) as *const u8),
+        )
+    };
+    if outer[6] != PROTO_IPV6 {
+        return xdp_action::XDP_PASS;
+    }
+    if outer[0] >> 4 != 6 || inner_v >> 4 != 6 {
+        count(|s| s.pass_malformed += 1);
+        return xdp_action::XDP_PASS;
+    }
+    let mut dst = [0u8; 16];
+    dst.copy_from_slice(&outer[24..40]);
+    // SAFETY: only tested for presence.
+    if unsafe { DECAP_LOCAL.get(dst) }.is_none() {
+        count(|s| s.pass_not_local += 1);
+        return xdp_action::XDP_PASS;
+    }
+    // SAFETY: both 14-byte ranges were bounds-checked above and lie 40
+    // bytes apart.
+    unsafe {
+        core::ptr::copy_nonoverlapping(
+            data as *const [u8; ETH_LEN],
+            (data + IP6_LEN) as *mut [u8; ETH_LEN],
+            1,
+        );
+        if bpf_xdp_adjust_head(ctx.ctx.cast(), IP6_LEN as i32) != 0 {
+            return xdp_action::XDP_DROP;
+        }
+    }
+    count(|s| s.decapped += 1);
+    xdp_action::XDP_PASS
+}
+
 /// Unwraps an IP-in-IP packet to this host; the verdict.
 #[inline(always)]
 fn unwrap(ctx: &XdpContext) -> u32 {
     let (data, end) = (ctx.data(), ctx.data_end());
+    if data + 14 <= end {
+        // SAFETY: bounds-checked just now.
+        if unsafe { *((data + 12) as *const [u8; 2]) } == ETH_P_IPV6 {
+            return unwrap6(ctx);
+        }
+    }
     // Ethernet, outer IPv4 and the inner IPv4 header's fixed part.
     if data + ETH_LEN + IP_LEN + IP_LEN > end {
         return xdp_action::XDP_PASS;

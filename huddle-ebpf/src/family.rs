@@ -5,14 +5,11 @@
 
 use crate::{
     dsr, forward,
-    maps::{global, SERVICES, SERVICES6},
+    maps::{SERVICES, SERVICES6},
     parse::Packet,
     rewrite::{self, Tuple},
 };
-use aya_ebpf::{
-    bindings::{bpf_fib_lookup, xdp_action},
-    programs::XdpContext,
-};
+use aya_ebpf::{bindings::bpf_fib_lookup, programs::XdpContext};
 use huddle_common::{
     addr_v4, service_mode, Addr, Backend, Config, ServiceKey, ServiceKey6, ServiceValue, FAMILY_V4,
     FAMILY_V6, SERVICE_KIND_SNAT, SERVICE_KIND_VIP,
@@ -252,8 +249,6 @@ impl Family for V6 {
         if mode == service_mode::DSR_L2 {
             return dsr::l2(ctx, p, cfg, id, backend);
         }
-        // IPv6 in IPv6 is not built yet (the control plane refuses it).
-        global(|s| s.drop_encap += 1);
-        xdp_action::XDP_DROP
+        dsr::encap6(ctx, p, cfg, id, backend)
     }
 }

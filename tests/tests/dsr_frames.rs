@@ -204,7 +204,7 @@ fn the_agents_decap_gives_back_the_clients_packet() {
     let env = env("dsr-decap");
     let mut decap = Decap::load().expect("load decap");
     let me = backend(1);
-    decap.set_local(&[me, VIP]).unwrap();
+    decap.set_local(&[me.into(), VIP.into()]).unwrap();
     let inner = client(44000, IPIP)
         .flags(ACK | PSH)
         .payload(b"GET / HTTP/1.1\r\n\r\n")

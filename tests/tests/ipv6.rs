@@ -4,7 +4,8 @@
 
 use std::{collections::BTreeMap, net::SocketAddr, path::Path, time::Duration};
 use testbed::{
-    backend_ip6, http_get_path, in_ns, require_root, Testbed, CLIENT_IP6, HTTP_PORT, LB_IP6, VIP6,
+    backend_ip6, http_get_path, in_ns, require_root, spawn_in, wait_until, Testbed, CLIENT_IP6,
+    HTTP_PORT, LB_IP6, VIP6,
 };
 
 const HUDDLE: &str = env!("CARGO_BIN_EXE_hc-huddle");
@@ -20,6 +21,18 @@ fn check(mode: &str, vip_port: u16, peer_ip: std::net::Ipv6Addr) {
         for ns in &bed.backends {
             ns.ip(&["-6", "addr", "add", &format!("{VIP6}/128"), "dev", "lo"])
                 .unwrap();
+        }
+    }
+    if mode == "dsr-ipip" {
+        // The agent's decap unwraps IPv6 in IPv6 to this host.
+        for (i, ns) in bed.backends.iter().enumerate() {
+            let log = bed.dir.join(format!("agent{i}.log"));
+            let args = ["agent", "--decap", "eth0", "--listen", "127.0.0.1:9100"];
+            let p = spawn_in(ns, Path::new(HUDDLE), &args, Some(&log)).unwrap();
+            bed.agents.push(p);
+        }
+        for i in 0..3 {
+            wait_until(Duration::from_secs(10), || bed.agent_metrics(i).is_ok()).expect("agent up");
         }
     }
     let vip = SocketAddr::from((VIP6, vip_port));
@@ -88,4 +101,9 @@ fn ipv6_source_nat_answers_every_request_through_the_balancer() {
 #[test]
 fn ipv6_l2_dsr_backends_see_the_client() {
     check("dsr-l2", HTTP_PORT, CLIENT_IP6);
+}
+
+#[test]
+fn ipv6_in_ipv6_dsr_with_the_agents_decap_serves_every_request() {
+    check("dsr-ipip", HTTP_PORT, CLIENT_IP6);
 }

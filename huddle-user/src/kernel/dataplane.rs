@@ -361,6 +361,7 @@ impl Dataplane {
             hash_seed,
             syn_timeout_ns: cfg.huddle.syn_timeout.as_nanos() as u64,
             encap_src: [0; 16],
+            encap6_src: [0; 16],
         };
         config.set(0, kernel_config, 0).context("writing CONFIG")?;
 
@@ -495,6 +496,14 @@ impl Dataplane {
             SvcKey::V6(k) => self.services_map6.remove(k)?,
         }
         Ok(())
+    }
+
+    /// The outer source of IPv6-in-IPv6 packets (an address of this host).
+    pub fn set_encap6(&mut self, src: std::net::Ipv6Addr) -> Result<()> {
+        self.kernel_config.encap6_src = src.octets();
+        self.config
+            .set(0, self.kernel_config, 0)
+            .context("writing CONFIG")
     }
 
     /// Moves the next-hop generation on: every CPU asks the FIB again for

@@ -11,7 +11,10 @@ use aya::{
     Ebpf,
 };
 use huddle_common::{addr_v4, decap, Addr, AgentTtfb, Counters, DecapStats};
-use std::{collections::HashSet, net::Ipv4Addr};
+use std::{
+    collections::HashSet,
+    net::{IpAddr, Ipv4Addr},
+};
 use tracing::warn;
 
 pub struct Decap {
@@ -60,8 +63,14 @@ impl Decap {
     }
 
     /// Makes the program unwrap exactly the packets to `addrs`.
-    pub fn set_local(&mut self, addrs: &[Ipv4Addr]) -> Result<()> {
-        let want: HashSet<Addr> = addrs.iter().map(|a| addr_v4(a.octets())).collect();
+    pub fn set_local(&mut self, addrs: &[IpAddr]) -> Result<()> {
+        let want: HashSet<Addr> = addrs
+            .iter()
+            .map(|a| match a {
+                IpAddr::V4(v4) => addr_v4(v4.octets()),
+                IpAddr::V6(v6) => v6.octets(),
+            })
+            .collect();
         let have: Vec<Addr> = self.local.keys().filter_map(Result::ok).collect();
         for k in have.iter().filter(|k| !want.contains(*k)) {
             self.local.remove(k).context("updating DECAP_LOCAL")?;

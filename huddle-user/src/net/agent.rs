@@ -98,7 +98,7 @@ pub async fn run(args: AgentArgs) -> Result<()> {
             crate::host::check_privileges()?;
             let ifindex = crate::host::ifindex(iface)?;
             let mut d = Decap::load()?;
-            d.set_local(&local_ipv4()?)?;
+            d.set_local(&local_ips()?)?;
             let mode = d.attach(ifindex, args.xdp_mode)?;
             info!("huddle agent: unwrapping IP-in-IP to this host on {iface} ({mode} mode)");
             if !args.vips.is_empty() {
@@ -129,7 +129,7 @@ pub async fn run(args: AgentArgs) -> Result<()> {
             let mut tick = tokio::time::interval(std::time::Duration::from_secs(2));
             loop {
                 tick.tick().await;
-                if let Err(e) = local_ipv4().and_then(|a| lock(&d).set_local(&a)) {
+                if let Err(e) = local_ips().and_then(|a| lock(&d).set_local(&a)) {
                     warn!("decap: updating this host's addresses: {e:#}");
                 }
             }
@@ -219,11 +219,15 @@ pub fn render_ttfb(per_vip: &[(Ipv4Addr, AgentTtfb)]) -> String {
     out
 }
 
-fn local_ipv4() -> Result<Vec<Ipv4Addr>> {
-    Ok(crate::host::ipv4_addrs()?
+/// This host's addresses, both families.
+fn local_ips() -> Result<Vec<std::net::IpAddr>> {
+    let v4 = crate::host::ipv4_addrs()?
         .into_iter()
-        .map(|(_, a)| a)
-        .collect())
+        .map(|(_, a)| a.into());
+    let v6 = crate::host::ipv6_addrs()?
+        .into_iter()
+        .map(|(_, a)| a.into());
+    Ok(v4.chain(v6).collect())
 }
 
 /// The interface of the main table's default route, if any.

@@ -653,9 +653,6 @@ impl ConfigFile {
             let (vip, suffix) = parse_vip(&s.vip).with_context(|| format!("{field}.vip"))?;
             let proto = s.proto.or(suffix).unwrap_or(Proto::Tcp);
             let mode = s.mode.unwrap_or_default();
-            if mode == Mode::DsrIpip && vip.is_ipv6() {
-                bail!("{field}.mode: dsr-ipip does not take IPv6 services yet (IPv6 in IPv6 is not built); use dsr-l2 or snat for {vip}");
-            }
             if !seen.insert((vip, proto)) {
                 bail!("{field}.vip: {vip}/{proto} is configured twice");
             }

@@ -888,7 +888,20 @@ pub async fn run(cfg: Config, reloader: Option<Reloader>) -> Result<()> {
     // A start that fails must leave nothing behind: pins it created go.
     let existed = pins.join(huddle_common::maps::FLOWS).exists();
     let started = (|| -> Result<_> {
-        let dp = Dataplane::load(&cfg, &snat, &snat6, Some(&pins))?;
+        let mut dp = Dataplane::load(&cfg, &snat, &snat6, Some(&pins))?;
+        let ipip6 = cfg
+            .services
+            .iter()
+            .any(|s| s.mode == crate::config::Mode::DsrIpip && s.vip.is_ipv6());
+        if ipip6 {
+            let src = host::interface_ipv6(&cfg.interface)?.with_context(|| {
+                format!(
+                    "interface {} has no global IPv6 address for the outer source of dsr-ipip IPv6 packets",
+                    cfg.interface
+                )
+            })?;
+            dp.set_encap6(src)?;
+        }
         let sysctls = host::Sysctls::apply(
             &cfg.interface,
             saved
