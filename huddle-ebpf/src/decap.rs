@@ -203,25 +203,7 @@ fn unwrap6(ctx: &XdpContext) -> u32 {
     }
     let mut dst = [0u8; 16];
     dst.copy_from_slice(&outer[24..40]);
-    // SAFETY: only tested for presence.
-    if unsafe { DECAP_LOCAL.get(dst) }.is_none() {
-        count(|s| s.pass_not_local += 1);
-        return xdp_action::XDP_PASS;
-    }
-    // SAFETY: both 14-byte ranges were bounds-checked above and lie 40
-    // bytes apart.
-    unsafe {
-        core::ptr::copy_nonoverlapping(
-            data as *const [u8; ETH_LEN],
-            (data + IP6_LEN) as *mut [u8; ETH_LEN],
-            1,
-        );
-        if bpf_xdp_adjust_head(ctx.ctx.cast(), IP6_LEN as i32) != 0 {
-            return xdp_action::XDP_DROP;
-        }
-    }
-    count(|s| s.decapped += 1);
-    xdp_action::XDP_PASS
+    strip::<IP6_LEN>(ctx, dst)
 }
 
 /// Unwraps an IP-in-IP packet to this host; the verdict.
@@ -256,22 +238,31 @@ fn unwrap(ctx: &XdpContext) -> u32 {
         count(|s| s.pass_malformed += 1);
         return xdp_action::XDP_PASS;
     }
-    let dst = addr_v4([outer[16], outer[17], outer[18], outer[19]]);
+    strip::<IP_LEN>(ctx, addr_v4([outer[16], outer[17], outer[18], outer[19]]))
+}
+
+/// Removes the `OUTER` bytes of outer header of a packet to `dst`, if that
+/// is this host's address: the Ethernet header moves up over it (the two
+/// do not overlap, `OUTER` being 20 or 40), then the frame starts there.
+#[inline(always)]
+fn strip<const OUTER: usize>(ctx: &XdpContext, dst: Addr) -> u32 {
     // SAFETY: only tested for presence.
     if unsafe { DECAP_LOCAL.get(dst) }.is_none() {
         count(|s| s.pass_not_local += 1);
         return xdp_action::XDP_PASS;
     }
-    // SAFETY: both 14-byte ranges were bounds-checked above and lie 20
-    // bytes apart, so they do not overlap; the Ethernet header moves up
-    // over the outer IP header, then the frame starts there.
+    let (data, end) = (ctx.data(), ctx.data_end());
+    if data + OUTER + ETH_LEN > end {
+        return xdp_action::XDP_PASS;
+    }
+    // SAFETY: both 14-byte ranges were bounds-checked just above.
     unsafe {
         core::ptr::copy_nonoverlapping(
             data as *const [u8; ETH_LEN],
-            (data + IP_LEN) as *mut [u8; ETH_LEN],
+            (data + OUTER) as *mut [u8; ETH_LEN],
             1,
         );
-        if bpf_xdp_adjust_head(ctx.ctx.cast(), IP_LEN as i32) != 0 {
+        if bpf_xdp_adjust_head(ctx.ctx.cast(), OUTER as i32) != 0 {
             return xdp_action::XDP_DROP;
         }
     }

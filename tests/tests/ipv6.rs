@@ -35,6 +35,19 @@ fn check(mode: &str, vip_port: u16, peer_ip: std::net::Ipv6Addr) {
             wait_until(Duration::from_secs(10), || bed.agent_metrics(i).is_ok()).expect("agent up");
         }
     }
+    if mode != "snat" {
+        // Each backend resolves the client (on its own segment here) from
+        // its own address first: otherwise its first answer, from the VIP,
+        // waits about 2 s for neighbour discovery (README, "IPv6"), long
+        // enough for the huddle to rest that backend as unreachable.
+        for ns in &bed.backends {
+            in_ns(ns, || {
+                let s = std::net::UdpSocket::bind("[::]:0").expect("UDP socket");
+                let _ = s.send_to(&[], (CLIENT_IP6, 9));
+            });
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    }
     let vip = SocketAddr::from((VIP6, vip_port));
     let mut args = vec![
         "--vip".to_string(),
