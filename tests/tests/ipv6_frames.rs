@@ -1,7 +1,8 @@
 //! IPv6 on crafted frames (BPF_PROG_TEST_RUN), the IPv6 program reached
 //! through the main one's tail call: a SYN to an IPv6 VIP leaves from the
 //! IPv6 SNAT address to a backend, byte for byte, the backend's answer
-//! comes back as from the VIP, an L2 DSR frame changes only its MACs, and
+//! comes back as from the VIP, an L2 DSR frame changes only its MACs, an
+//! IPv6-in-IPv6 one carries the client's packet after an outer header, and
 //! what the program does not parse (extension headers) passes untouched.
 
 use huddle_user::{
@@ -43,6 +44,7 @@ fn env(tag: &str) -> ProgRun {
         vec![
             service(80, 8080, Mode::Snat),
             service(8080, 8080, Mode::DsrL2),
+            service(9090, 9090, Mode::DsrIpip),
         ],
         NAT,
         4096,
@@ -155,4 +157,42 @@ fn an_ipv6_l2_dsr_frame_changes_only_its_macs_and_extension_headers_pass() {
     let g = env.dp.global_stats().unwrap();
     assert_eq!(g.pass_v6_ext, 1);
     let _ = b;
+}
+
+#[test]
+fn an_ipv6_in_ipv6_frame_carries_the_clients_packet_after_an_outer_header() {
+    let mut env = env("v6-ipip");
+    env.dp.set_encap6(SNAT).unwrap();
+    let syn = tcp6(
+        (CLIENT, 42000),
+        (VIP, 9090),
+        (SYN, 7000, 0),
+        &[],
+        (mac_of6(CLIENT), BALANCER_MAC),
+    );
+    let (verdict, out) = env.run(&syn).unwrap();
+    assert_eq!(verdict, XDP_TX);
+    assert_eq!(out.len(), syn.len() + 40);
+    let b = by_mac(&out);
+    let outer = &out[14..54];
+    assert_eq!(outer[0] >> 4, 6, "version");
+    assert_eq!(
+        u16::from_be_bytes([outer[4], outer[5]]) as usize,
+        syn.len() - 14,
+        "payload length: the whole inner packet"
+    );
+    assert_eq!((outer[6], outer[7]), (41, 64), "next header, hop limit");
+    assert_eq!(outer[8..24], SNAT.octets(), "outer source");
+    assert_eq!(outer[24..40], b.octets(), "outer destination: the backend");
+    assert_eq!(out[54..], syn[14..], "the client's packet, unchanged");
+    // The same flow keeps its flow label.
+    let ack = tcp6(
+        (CLIENT, 42000),
+        (VIP, 9090),
+        (ACK, 7001, 1),
+        &[],
+        (mac_of6(CLIENT), BALANCER_MAC),
+    );
+    let (_, out2) = env.run(&ack).unwrap();
+    assert_eq!(out2[14..18], out[14..18], "flow label");
 }
