@@ -8,8 +8,9 @@
 //! address, or not ours, and traffic that is not ours leaves right there.
 
 use crate::{
-    ackclock,
+    ackclock, dsr,
     family::Family,
+    forward::send,
     halfopen,
     maps::{
         bump, global, put, Scratch, BACKENDS, BACKEND_STATS, CONFIG, FLOWS, NAT, SCRATCH,
@@ -193,7 +194,10 @@ fn dsr_send<F: Family>(ctx: &XdpContext, p: &Packet<F>, cfg: &Config, mode: u32)
     let Some(backend) = BACKENDS.get(id) else {
         return xdp_action::XDP_DROP;
     };
-    F::dsr(ctx, p, cfg, id, backend, mode)
+    if mode == service_mode::DSR_L2 {
+        return dsr::l2(ctx, p, cfg, id, backend);
+    }
+    F::encap(ctx, p, cfg, id, backend)
 }
 
 /// Translates a client packet of the flow `request` left in the scratch
@@ -223,7 +227,7 @@ fn to_backend<F: Family>(ctx: &XdpContext, p: &Packet<F>, cfg: &Config) -> u32 {
             dport: backend.port_be.to_ne_bytes(),
         },
     );
-    F::send(ctx, p, Some(flow.backend), cfg.hop_generation)
+    send(ctx, p, Some(flow.backend), cfg.hop_generation)
 }
 
 /// A packet of no established flow (its key in `sc.nval.flow`). A TCP SYN,
@@ -640,5 +644,5 @@ fn to_client<F: Family>(ctx: &XdpContext, p: &Packet<F>, cfg: &Config, sc: &Scra
             dport: sc.nval.flow.client_port_be.to_ne_bytes(),
         },
     );
-    F::send(ctx, p, None, cfg.hop_generation)
+    send(ctx, p, None, cfg.hop_generation)
 }

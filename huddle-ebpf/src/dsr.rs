@@ -17,7 +17,7 @@ use crate::{
 use aya_ebpf::{
     bindings::xdp_action, helpers::generated::bpf_xdp_adjust_head, programs::XdpContext,
 };
-use huddle_common::{service_mode, Backend, Config};
+use huddle_common::{Backend, Config};
 
 const ETH_LEN: usize = 14;
 const IP_LEN: usize = 20;
@@ -25,23 +25,6 @@ const IP_LEN: usize = 20;
 pub const PROTO_IPIP: u8 = 4;
 /// The largest inner packet an outer IPv4 header can still carry.
 const MAX_INNER: u16 = u16::MAX - IP_LEN as u16;
-
-/// Sends the client packet `p` of a DSR flow to `backend` (id `id`) in
-/// service mode `mode`.
-#[inline(always)]
-pub fn send(
-    ctx: &XdpContext,
-    p: &Packet,
-    cfg: &Config,
-    id: u32,
-    backend: &Backend,
-    mode: u32,
-) -> u32 {
-    if mode == service_mode::DSR_L2 {
-        return l2(ctx, p, cfg, id, backend);
-    }
-    encap(ctx, p, cfg, id, *V4::narrow(&backend.addr))
-}
 
 /// L2: the frame goes to the backend's MAC address, the packet untouched.
 #[inline(always)]
@@ -85,7 +68,7 @@ pub fn l2<F: Family>(
 /// its per-flow bits from the client's address and port; DF, TOS and the
 /// IP id are the inner packet's, TTL 64.
 #[inline(always)]
-fn encap(ctx: &XdpContext, p: &Packet, cfg: &Config, id: u32, dst: [u8; 4]) -> u32 {
+pub fn encap(ctx: &XdpContext, p: &Packet, cfg: &Config, id: u32, dst: [u8; 4]) -> u32 {
     if p.tot_len > MAX_INNER {
         global(|s| s.drop_encap += 1);
         return xdp_action::XDP_DROP;

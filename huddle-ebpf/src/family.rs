@@ -4,15 +4,15 @@
 //! once per family (no family test on the packet path).
 
 use crate::{
-    dsr, forward,
+    dsr,
     maps::{SERVICES, SERVICES6},
     parse::Packet,
     rewrite::{self, Tuple},
 };
 use aya_ebpf::{bindings::bpf_fib_lookup, programs::XdpContext};
 use huddle_common::{
-    addr_v4, service_mode, Addr, Backend, Config, ServiceKey, ServiceKey6, ServiceValue, FAMILY_V4,
-    FAMILY_V6, SERVICE_KIND_SNAT, SERVICE_KIND_VIP,
+    addr_v4, Addr, Backend, Config, ServiceKey, ServiceKey6, ServiceValue, FAMILY_V4, FAMILY_V6,
+    SERVICE_KIND_SNAT, SERVICE_KIND_VIP,
 };
 use network_types::ip::{Ipv4Hdr, Ipv6Hdr};
 
@@ -47,17 +47,9 @@ pub trait Family: Sized {
     fn fib_dst_is(params: &bpf_fib_lookup, dst: &Self::Addr) -> bool;
     /// Rewrites addresses and ports, keeping checksums valid.
     fn rewrite(p: &Packet<Self>, to: &Tuple<'_, Self::Addr>);
-    /// Forwards the rewritten packet (see `forward::send`).
-    fn send(ctx: &XdpContext, p: &Packet<Self>, backend: Option<u32>, generation: u64) -> u32;
-    /// Sends a client packet of a DSR flow to its backend (see `dsr`).
-    fn dsr(
-        ctx: &XdpContext,
-        p: &Packet<Self>,
-        cfg: &Config,
-        id: u32,
-        backend: &Backend,
-        mode: u32,
-    ) -> u32;
+    /// Sends a client packet of a `dsr-ipip` flow to its backend inside
+    /// an outer header of this family (see `dsr`).
+    fn encap(ctx: &XdpContext, p: &Packet<Self>, cfg: &Config, id: u32, backend: &Backend) -> u32;
 }
 
 pub enum V4 {}
@@ -134,20 +126,8 @@ impl Family for V4 {
     }
 
     #[inline(always)]
-    fn send(ctx: &XdpContext, p: &Packet<V4>, backend: Option<u32>, generation: u64) -> u32 {
-        forward::send(ctx, p, backend, generation)
-    }
-
-    #[inline(always)]
-    fn dsr(
-        ctx: &XdpContext,
-        p: &Packet<V4>,
-        cfg: &Config,
-        id: u32,
-        backend: &Backend,
-        mode: u32,
-    ) -> u32 {
-        dsr::send(ctx, p, cfg, id, backend, mode)
+    fn encap(ctx: &XdpContext, p: &Packet<V4>, cfg: &Config, id: u32, backend: &Backend) -> u32 {
+        dsr::encap(ctx, p, cfg, id, *V4::narrow(&backend.addr))
     }
 }
 
@@ -233,22 +213,7 @@ impl Family for V6 {
     }
 
     #[inline(always)]
-    fn send(ctx: &XdpContext, p: &Packet<V6>, backend: Option<u32>, generation: u64) -> u32 {
-        forward::send(ctx, p, backend, generation)
-    }
-
-    #[inline(always)]
-    fn dsr(
-        ctx: &XdpContext,
-        p: &Packet<V6>,
-        cfg: &Config,
-        id: u32,
-        backend: &Backend,
-        mode: u32,
-    ) -> u32 {
-        if mode == service_mode::DSR_L2 {
-            return dsr::l2(ctx, p, cfg, id, backend);
-        }
+    fn encap(ctx: &XdpContext, p: &Packet<V6>, cfg: &Config, id: u32, backend: &Backend) -> u32 {
         dsr::encap6(ctx, p, cfg, id, backend)
     }
 }

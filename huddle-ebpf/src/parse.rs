@@ -141,19 +141,7 @@ pub fn parse(ctx: &XdpContext) -> Result<Packet, Skip> {
     let l4_len = usize::from(tot_len) - Ipv4Hdr::LEN;
     let proto = iph.proto;
     let t = transport(ctx, EthHdr::LEN + Ipv4Hdr::LEN, l4_len, proto)?;
-    Ok(Packet {
-        eth,
-        ip,
-        l4: t.l4,
-        proto,
-        sport: t.sport,
-        dport: t.dport,
-        tcp_flags: t.tcp_flags,
-        tot_len,
-        payload_len: t.payload_len,
-        seq: t.seq,
-        ack: t.ack,
-    })
+    Ok(t.packet(eth, ip, proto, tot_len))
 }
 
 /// An IPv6 TCP or UDP packet whose next header is the transport one.
@@ -179,19 +167,7 @@ pub fn parse6(ctx: &XdpContext) -> Result<Packet<V6>, Skip> {
         return Err(Skip::V6Extension);
     }
     let t = transport(ctx, EthHdr::LEN + Ipv6Hdr::LEN, l4_len, proto)?;
-    Ok(Packet {
-        eth,
-        ip,
-        l4: t.l4,
-        proto,
-        sport: t.sport,
-        dport: t.dport,
-        tcp_flags: t.tcp_flags,
-        tot_len: (Ipv6Hdr::LEN + l4_len) as u16,
-        payload_len: t.payload_len,
-        seq: t.seq,
-        ack: t.ack,
-    })
+    Ok(t.packet(eth, ip, proto, (Ipv6Hdr::LEN + l4_len) as u16))
 }
 
 /// The transport fields of a packet.
@@ -203,6 +179,32 @@ struct Transport {
     payload_len: u16,
     seq: u32,
     ack: u32,
+}
+
+impl Transport {
+    /// The packet these transport fields belong to.
+    #[inline(always)]
+    fn packet<F: Family>(
+        self,
+        eth: *mut EthHdr,
+        ip: *mut F::Hdr,
+        proto: u8,
+        tot_len: u16,
+    ) -> Packet<F> {
+        Packet {
+            eth,
+            ip,
+            l4: self.l4,
+            proto,
+            sport: self.sport,
+            dport: self.dport,
+            tcp_flags: self.tcp_flags,
+            tot_len,
+            payload_len: self.payload_len,
+            seq: self.seq,
+            ack: self.ack,
+        }
+    }
 }
 
 /// The TCP or UDP header at `l4_off`, `l4_len` bytes of transport in all.

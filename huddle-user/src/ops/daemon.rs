@@ -552,12 +552,14 @@ impl Balancer {
 
     /// (service, backend, URL) of every backend with a metrics endpoint.
     #[must_use]
-    pub fn scrape_targets(&self) -> Vec<(usize, usize, String)> {
+    /// (service, backend, metrics URL, the service's VIP address, whose
+    /// agent figures the page may hold) of every backend with a URL.
+    pub fn scrape_targets(&self) -> Vec<(usize, usize, String, String)> {
         let mut v = Vec::new();
         for (si, s) in self.cfg.services.iter().enumerate() {
             for (bi, o) in s.options.iter().enumerate() {
                 if let Some(url) = &o.metrics {
-                    v.push((si, bi, url.clone()));
+                    v.push((si, bi, url.clone(), s.vip.ip().to_string()));
                 }
             }
         }
@@ -1239,9 +1241,8 @@ async fn scraper(shared: Arc<Mutex<Balancer>>, every: Duration, timeout: Duratio
             continue;
         }
         let mut set = tokio::task::JoinSet::new();
-        for (i, (si, _, url)) in targets.iter().enumerate() {
-            let url = url.clone();
-            let vip = lock(&shared).cfg.services[*si].vip.ip().to_string();
+        for (i, (_, _, url, vip)) in targets.iter().enumerate() {
+            let (url, vip) = (url.clone(), vip.clone());
             set.spawn(async move {
                 let r = async {
                     let u = crate::http::Url::parse(&url)?;
@@ -1275,7 +1276,7 @@ async fn scraper(shared: Arc<Mutex<Balancer>>, every: Duration, timeout: Duratio
         }
         let mut b = lock(&shared);
         for (i, r) in results {
-            let (si, bi, _) = &targets[i];
+            let (si, bi, _, _) = &targets[i];
             let dsr = b.cfg.services[*si].mode.is_dsr();
             let min_samples = b.cfg.huddle.min_samples;
             let t = &mut b.huddles[*si].trackers[*bi];
