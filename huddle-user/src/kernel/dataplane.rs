@@ -528,7 +528,10 @@ impl Dataplane {
             .collect();
         let reloading = !self.services.is_empty();
         let syn_timeout_ns = cfg.huddle.syn_timeout.as_nanos() as u64;
-        let (encap_src, encap_vary) = encap_source(cfg.encap_prefix, self.snat[0]);
+        // An IPv6-only balancer may have no IPv4 address at all (then no
+        // IPv4 dsr-ipip service either: the daemon refuses one).
+        let own = self.snat.first().copied().unwrap_or(Ipv4Addr::UNSPECIFIED);
+        let (encap_src, encap_vary) = encap_source(cfg.encap_prefix, own);
         if self.kernel_config.syn_timeout_ns != syn_timeout_ns
             || self.kernel_config.encap_src != encap_src
             || self.kernel_config.encap_vary != encap_vary

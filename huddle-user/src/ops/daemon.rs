@@ -825,6 +825,16 @@ pub async fn run(cfg: Config, reloader: Option<Reloader>) -> Result<()> {
         }
         cfg.snat_ips.clone()
     };
+    let ipip4 = cfg
+        .services
+        .iter()
+        .any(|s| s.mode == crate::config::Mode::DsrIpip && s.vip.is_ipv4());
+    if ipip4 && snat.is_empty() && cfg.encap_prefix.is_none() {
+        bail!(
+            "interface {} has no IPv4 address for the outer source of dsr-ipip packets; set encap_prefix",
+            cfg.interface
+        );
+    }
     let snat6: Vec<std::net::Ipv6Addr> = if cfg.snat_ips6.is_empty() {
         match host::interface_ipv6(&cfg.interface)? {
             _ if !snat_family(true) => Vec::new(),
