@@ -1051,3 +1051,38 @@ pub fn output(prog: &Path, args: &[&str]) -> Result<(bool, String, String)> {
         String::from_utf8_lossy(&o.stderr).into(),
     ))
 }
+
+/// What `whoami` saw: answers per backend name, the distinct peers the
+/// backends reported, failures (it stops after 5).
+pub type Whoami = (
+    std::collections::BTreeMap<String, u32>,
+    Vec<String>,
+    Vec<String>,
+);
+
+/// `n` requests for `/whoami` (`hc-backend`: its name and the peer its
+/// stack saw) to `vip` from namespace `ns`.
+pub fn whoami(ns: &Netns, vip: SocketAddr, n: usize) -> Whoami {
+    in_ns(ns, move || {
+        let mut counts = std::collections::BTreeMap::<String, u32>::new();
+        let mut peers = Vec::new();
+        let mut failures = Vec::new();
+        for i in 0..n {
+            match http_get_path(vip, "/whoami", Duration::from_secs(3)) {
+                Ok(body) => {
+                    let mut w = body.split_whitespace();
+                    *counts.entry(w.next().unwrap_or("").into()).or_default() += 1;
+                    let p = w.next().unwrap_or("").to_string();
+                    if !peers.contains(&p) && peers.len() < 1000 {
+                        peers.push(p);
+                    }
+                }
+                Err(e) => failures.push(format!("request {i}: {e:#}")),
+            }
+            if failures.len() >= 5 {
+                break;
+            }
+        }
+        (counts, peers, failures)
+    })
+}

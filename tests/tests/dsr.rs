@@ -3,12 +3,11 @@
 //! default offloads); the backends see the client's own address and
 //! answer it directly.
 
-use std::{collections::BTreeMap, net::SocketAddr, path::Path, time::Duration};
-use testbed::{backend_ip, http_get_path, in_ns, require_root, Testbed, CLIENT_IP, HTTP_PORT, VIP};
+use std::path::Path;
+use testbed::{backend_ip, require_root, whoami, Testbed, CLIENT_IP, HTTP_PORT, VIP};
 
 const HUDDLE: &str = env!("CARGO_BIN_EXE_hc-huddle");
 const BACKEND: &str = env!("CARGO_BIN_EXE_hc-backend");
-const TIMEOUT: Duration = Duration::from_secs(3);
 
 /// A plain testbed of `n` backends serving `VIP:HTTP_PORT` in `mode`.
 pub fn dsr_bed(tag: &str, n: usize, mode: &str, extra: &[&str]) -> Testbed {
@@ -35,37 +34,9 @@ pub fn dsr_bed(tag: &str, n: usize, mode: &str, extra: &[&str]) -> Testbed {
     bed
 }
 
-/// `n` requests for `/whoami` through the VIP: (backend -> count, the
-/// client addresses the backends saw, failures).
-fn whoami(bed: &Testbed, n: usize) -> (BTreeMap<String, u32>, Vec<String>, Vec<String>) {
-    let vip: SocketAddr = (VIP, HTTP_PORT).into();
-    in_ns(&bed.client, move || {
-        let mut counts: BTreeMap<String, u32> = BTreeMap::new();
-        let mut seen = Vec::new();
-        let mut failures = Vec::new();
-        for i in 0..n {
-            match http_get_path(vip, "/whoami", TIMEOUT) {
-                Ok(body) => {
-                    let mut w = body.split_whitespace();
-                    *counts.entry(w.next().unwrap_or("").into()).or_default() += 1;
-                    let peer = w.next().unwrap_or("").to_string();
-                    if !seen.contains(&peer) && seen.len() < 1000 {
-                        seen.push(peer);
-                    }
-                }
-                Err(e) => failures.push(format!("request {i}: {e:#}")),
-            }
-            if failures.len() >= 5 {
-                break;
-            }
-        }
-        (counts, seen, failures)
-    })
-}
-
 fn check_mode(mode: &str) {
     let bed = dsr_bed(mode, 3, mode, &[]);
-    let (counts, peers, failures) = whoami(&bed, 300);
+    let (counts, peers, failures) = whoami(&bed.client, (VIP, HTTP_PORT).into(), 300);
     println!(
         "{mode}: 300 requests: {counts:?}, failures {}",
         failures.len()

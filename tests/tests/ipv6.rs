@@ -2,15 +2,14 @@
 //! backends see the balancer's IPv6 address and answer through it) and
 //! L2 direct server return (they see the client's), on a plain testbed.
 
-use std::{collections::BTreeMap, net::SocketAddr, path::Path, time::Duration};
+use std::{net::SocketAddr, path::Path, time::Duration};
 use testbed::{
-    backend_ip6, http_get_path, in_ns, require_root, spawn_in, wait_until, Testbed, CLIENT_IP6,
-    HTTP_PORT, LB_IP6, VIP6,
+    backend_ip6, in_ns, require_root, spawn_in, wait_until, whoami, Testbed, CLIENT_IP6, HTTP_PORT,
+    LB_IP6, VIP6,
 };
 
 const HUDDLE: &str = env!("CARGO_BIN_EXE_hc-huddle");
 const BACKEND: &str = env!("CARGO_BIN_EXE_hc-backend");
-const TIMEOUT: Duration = Duration::from_secs(3);
 
 fn check(mode: &str, vip_port: u16, peer_ip: std::net::Ipv6Addr) {
     require_root();
@@ -62,28 +61,7 @@ fn check(mode: &str, vip_port: u16, peer_ip: std::net::Ipv6Addr) {
     let args: Vec<&str> = args.iter().map(String::as_str).collect();
     bed.start_huddle(Path::new(HUDDLE), &args)
         .expect("start huddle");
-    let (counts, peers, failures) = in_ns(&bed.client, move || {
-        let mut counts: BTreeMap<String, u32> = BTreeMap::new();
-        let mut peers = Vec::new();
-        let mut failures = Vec::new();
-        for i in 0..300 {
-            match http_get_path(vip, "/whoami", TIMEOUT) {
-                Ok(body) => {
-                    let mut w = body.split_whitespace();
-                    *counts.entry(w.next().unwrap_or("").into()).or_default() += 1;
-                    let p = w.next().unwrap_or("").to_string();
-                    if !peers.contains(&p) && peers.len() < 1000 {
-                        peers.push(p);
-                    }
-                }
-                Err(e) => failures.push(format!("request {i}: {e:#}")),
-            }
-            if failures.len() >= 5 {
-                break;
-            }
-        }
-        (counts, peers, failures)
-    });
+    let (counts, peers, failures) = whoami(&bed.client, vip, 300);
     let st = bed.status().unwrap();
     println!(
         "IPv6 {mode}: 300 requests to {vip}: {counts:?}, failures {}; global counters {:?}",
