@@ -69,7 +69,10 @@ pub fn balance<F: Family>(ctx: &XdpContext, p: &Packet<F>) -> u32 {
         // Sent from here for the same reason (IPv6 encapsulation's
         // header and FIB request did not fit under `request`).
         Some(s) => match request::<F, true>(ctx, p, cfg, s.id) {
-            FORWARD => dsr_send(ctx, p, cfg, s.flags),
+            FORWARD => match dsr_send(ctx, p, cfg, s.flags) {
+                dsr::TOO_BIG => F::too_big(ctx),
+                verdict => verdict,
+            },
             verdict => verdict,
         },
         None => {

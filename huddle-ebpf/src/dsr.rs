@@ -11,7 +11,7 @@ use crate::{
     family::{Family, V4, V6},
     forward::{out, route, unsettled, ROUTED},
     icmp,
-    maps::global,
+    maps::{global, put, SCRATCH},
     parse::Packet,
 };
 use aya_ebpf::{
@@ -137,7 +137,7 @@ pub fn encap(ctx: &XdpContext, p: &Packet, cfg: &Config, id: u32, dst: [u8; 4]) 
             data as *mut [u8; ETH_LEN],
             1,
         );
-        crate::maps::put(outer.cast::<[u8; IP_LEN]>(), &iph);
+        put(outer.cast::<[u8; IP_LEN]>(), &iph);
         outer
             .add(10)
             .cast::<u16>()
@@ -147,7 +147,7 @@ pub fn encap(ctx: &XdpContext, p: &Packet, cfg: &Config, id: u32, dst: [u8; 4]) 
     if too_big {
         // May be fragmented: the kernel does that, as addressed to it.
         // Bounds checked above.
-        crate::maps::put(data as *mut [u8; 12], &macs);
+        put(data as *mut [u8; 12], &macs);
         global(|s| s.encap_fragmented += 1);
         return xdp_action::XDP_PASS;
     }
@@ -160,6 +160,10 @@ pub fn encap(ctx: &XdpContext, p: &Packet, cfg: &Config, id: u32, dst: [u8; 4]) 
         }
     }
 }
+
+/// `encap6`'s answer for a packet too big once wrapped: the scratch map
+/// holds what `icmp6::too_big` needs.
+pub const TOO_BIG: u32 = u32::MAX - 2;
 
 /// IPv6 next header of an IPv6 packet inside another.
 pub const PROTO_IPV6: u8 = 41;
@@ -193,17 +197,34 @@ pub fn encap6(ctx: &XdpContext, p: &Packet<V6>, cfg: &Config, id: u32, backend: 
     let label = (h & 0x000f_ffff).to_be_bytes();
     // Traffic class: the inner one (bits 4..12 of the first word).
     let tc = (vcf[0] << 4) | (vcf[1] >> 4);
+    // Where the frame came from, for an ICMPv6 answer (`route`
+    // overwrites it): kept in the scratch map, off the call chain's stack.
+    let Some(sc) = SCRATCH.get_ptr_mut(0) else {
+        return xdp_action::XDP_PASS;
+    };
+    // SAFETY: this CPU's element; `parse6` checked the Ethernet header.
+    unsafe { put(&mut (*sc).macs, &*p.eth.cast::<[u8; 12]>()) };
+    let outer_len = p.tot_len + IP6_LEN as u16;
     let next = route::<V6>(
         ctx,
         p.eth,
         &cfg.encap6_src,
         &backend.addr,
         PROTO_IPV6,
-        p.tot_len + IP6_LEN as u16,
+        outer_len,
         Some(id),
         cfg.hop_generation,
         false,
     );
+    if let Ok((_, mtu)) = next {
+        if outer_len > mtu {
+            // IPv6 is never fragmented on the way: the client learns the
+            // size that fits (answered by the caller, whose stack has room).
+            // SAFETY: as above.
+            unsafe { (*sc).mtu = u32::from(mtu).saturating_sub(IP6_LEN as u32) };
+            return TOO_BIG;
+        }
+    }
     // SAFETY: plain helper call; every pointer is derived afresh below.
     if unsafe { bpf_xdp_adjust_head(ctx.ctx.cast(), -(IP6_LEN as i32)) } != 0 {
         global(|s| s.drop_encap += 1);
@@ -233,9 +254,9 @@ pub fn encap6(ctx: &XdpContext, p: &Packet<V6>, cfg: &Config, id: u32, backend: 
             PROTO_IPV6,
             64,
         ];
-        crate::maps::put(outer.cast::<[u8; 8]>(), &head);
-        crate::maps::put(outer.add(8).cast::<[u8; 16]>(), &cfg.encap6_src);
-        crate::maps::put(outer.add(24).cast::<[u8; 16]>(), &backend.addr);
+        put(outer.cast::<[u8; 8]>(), &head);
+        put(outer.add(8).cast::<[u8; 16]>(), &cfg.encap6_src);
+        put(outer.add(24).cast::<[u8; 16]>(), &backend.addr);
     }
     global(|s| s.encap += 1);
     match next {

@@ -4,7 +4,7 @@
 //! once per family (no family test on the packet path).
 
 use crate::{
-    dsr,
+    dsr, icmp6,
     maps::{SERVICES, SERVICES6},
     parse::Packet,
     rewrite::{self, Tuple},
@@ -50,6 +50,8 @@ pub trait Family: Sized {
     /// Sends a client packet of a `dsr-ipip` flow to its backend inside
     /// an outer header of this family (see `dsr`).
     fn encap(ctx: &XdpContext, p: &Packet<Self>, cfg: &Config, id: u32, backend: &Backend) -> u32;
+    /// Answers a packet `encap` found too big (`dsr::TOO_BIG`).
+    fn too_big(ctx: &XdpContext) -> u32;
 }
 
 pub enum V4 {}
@@ -129,6 +131,12 @@ impl Family for V4 {
     fn encap(ctx: &XdpContext, p: &Packet<V4>, cfg: &Config, id: u32, backend: &Backend) -> u32 {
         dsr::encap(ctx, p, cfg, id, *V4::narrow(&backend.addr))
     }
+
+    /// Never asked: IPv4's answer fits under `encap`.
+    #[inline(always)]
+    fn too_big(_ctx: &XdpContext) -> u32 {
+        aya_ebpf::bindings::xdp_action::XDP_DROP
+    }
 }
 
 pub enum V6 {}
@@ -145,6 +153,12 @@ impl V6 {
         };
         // SAFETY: copied out at once (values are replaced whole).
         unsafe { SERVICES6.get(&key) }.copied()
+    }
+
+    /// Whether `addr` is one of the balancer's IPv6 SNAT addresses.
+    #[inline(always)]
+    pub fn is_snat(addr: &[u8; 16]) -> bool {
+        V6::lookup(addr, 0, 0, SERVICE_KIND_SNAT).is_some()
     }
 }
 
@@ -178,7 +192,7 @@ impl Family for V6 {
 
     #[inline(always)]
     fn to_snat(p: &Packet<V6>) -> bool {
-        V6::lookup(p.dst(), 0, 0, SERVICE_KIND_SNAT).is_some()
+        V6::is_snat(p.dst())
     }
 
     #[inline(always)]
@@ -215,5 +229,10 @@ impl Family for V6 {
     #[inline(always)]
     fn encap(ctx: &XdpContext, p: &Packet<V6>, cfg: &Config, id: u32, backend: &Backend) -> u32 {
         dsr::encap6(ctx, p, cfg, id, backend)
+    }
+
+    #[inline(always)]
+    fn too_big(ctx: &XdpContext) -> u32 {
+        icmp6::too_big(ctx)
     }
 }

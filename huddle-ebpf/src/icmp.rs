@@ -19,7 +19,9 @@ use aya_ebpf::{
     helpers::generated::{bpf_xdp_adjust_head, bpf_xdp_adjust_tail},
     programs::XdpContext,
 };
-use huddle_common::{addr_v4, ServiceKey, FAMILY_V4, PROTO_TCP, PROTO_UDP, SERVICE_KIND_SNAT};
+use huddle_common::{
+    addr_v4, FlowKey, ServiceKey, FAMILY_V4, PROTO_TCP, PROTO_UDP, SERVICE_KIND_SNAT,
+};
 
 const ETH_LEN: usize = 14;
 const IP_LEN: usize = 20;
@@ -60,15 +62,7 @@ pub fn too_big(ctx: &XdpContext, mtu: u16, macs: &[u8; 12]) -> u32 {
         let q = &*quote;
         let (client, vip) = ([q[12], q[13], q[14], q[15]], [q[16], q[17], q[18], q[19]]);
         // Back to whoever sent it: its source MAC becomes the destination.
-        put(
-            data as *mut [u8; 6],
-            &[macs[6], macs[7], macs[8], macs[9], macs[10], macs[11]],
-        );
-        put(
-            (data + 6) as *mut [u8; 6],
-            &[macs[0], macs[1], macs[2], macs[3], macs[4], macs[5]],
-        );
-        put((data + 12) as *mut [u8; 2], &[0x08, 0x00]);
+        bounce(data, macs, [0x08, 0x00]);
         let len = ((IP_LEN + ICMP_LEN + QUOTE) as u16).to_be_bytes();
         let iph: [u8; IP_LEN] = [
             0x45, 0, len[0], len[1], 0, 0, 0, 0, 64, PROTO_ICMP, 0, 0, vip[0], vip[1], vip[2],
@@ -168,31 +162,15 @@ pub fn inbound(ctx: &XdpContext) -> u32 {
         let n32 = u32::from_ne_bytes;
         // The quoted packet as the client sent it: client -> VIP.
         let addrs = diff32(n32(q_src), n32(client)) + diff32(n32(q_dst), n32(vip));
-        let ports = diff16(q_sport, flow.client_port_be) + diff16(q_dport, flow.vip_port_be);
         put(q.add(12) as *mut [u8; 4], &client);
         put(q.add(16) as *mut [u8; 4], &vip);
-        l4.cast::<u16>().write_unaligned(flow.client_port_be);
-        l4.add(2).cast::<u16>().write_unaligned(flow.vip_port_be);
         let q_check = q.add(10).cast::<u16>();
         let old_q_check = q_check.read_unaligned();
         let new_q_check = apply(old_q_check, addrs);
         q_check.write_unaligned(new_q_check);
-        let mut icmp_diff = addrs + ports + diff16(old_q_check, new_q_check);
-        // The quoted L4 checksum, when quoted (UDP's always is).
-        let l4_check = if proto == PROTO_UDP {
-            l4.add(6)
-        } else {
-            l4.add(16)
-        };
-        if (l4_check as usize) + 2 <= ctx.data_end() {
-            let c = l4_check.cast::<u16>();
-            let old = c.read_unaligned();
-            if !(proto == PROTO_UDP && old == 0) {
-                let new = apply(old, addrs + ports);
-                c.write_unaligned(new);
-                icmp_diff += diff16(old, new);
-            }
-        }
+        let icmp_diff = addrs
+            + diff16(old_q_check, new_q_check)
+            + quoted_transport(ctx, l4, proto, &flow, addrs);
         let icmp_check = icmp.add(2).cast::<u16>();
         icmp_check.write_unaligned(apply(icmp_check.read_unaligned(), icmp_diff));
         // The outer header: to the client; from the VIP if the backend
@@ -225,4 +203,66 @@ pub fn inbound(ctx: &XdpContext) -> u32 {
             }
         }
     }
+}
+
+/// Gives the quoted transport header at `l4` (at least its 8 first bytes
+/// in the packet) the client's ports of `flow` and updates its checksum,
+/// when quoted (UDP's always is), by those and `addrs` (the quoted
+/// addresses' change). Returns the change to add to the ICMP checksum
+/// beyond `addrs`.
+///
+/// # Safety
+/// `l4` must point into the packet with 8 bytes after it in bounds.
+#[inline(always)]
+pub unsafe fn quoted_transport(
+    ctx: &XdpContext,
+    l4: *mut u8,
+    proto: u8,
+    flow: &FlowKey,
+    addrs: u64,
+) -> u64 {
+    // SAFETY: the caller's bounds; the checksum's own are checked.
+    unsafe {
+        let q_sport = l4.cast::<u16>().read_unaligned();
+        let q_dport = l4.add(2).cast::<u16>().read_unaligned();
+        let ports = diff16(q_sport, flow.client_port_be) + diff16(q_dport, flow.vip_port_be);
+        l4.cast::<u16>().write_unaligned(flow.client_port_be);
+        l4.add(2).cast::<u16>().write_unaligned(flow.vip_port_be);
+        let mut diff = ports;
+        let l4_check = if proto == PROTO_UDP {
+            l4.add(6)
+        } else {
+            l4.add(16)
+        };
+        if (l4_check as usize) + 2 <= ctx.data_end() {
+            let c = l4_check.cast::<u16>();
+            let old = c.read_unaligned();
+            if !(proto == PROTO_UDP && old == 0) {
+                let new = apply(old, addrs + ports);
+                c.write_unaligned(new);
+                diff += diff16(old, new);
+            }
+        }
+        diff
+    }
+}
+
+/// Addresses an answer back to where the frame at `data` came from:
+/// `macs` are its Ethernet addresses as it arrived (destination, source),
+/// swapped; `ethertype` the answer's.
+///
+/// # Safety
+/// `data` must be the frame's start, 14 bytes in bounds.
+#[inline(always)]
+pub unsafe fn bounce(data: usize, macs: &[u8; 12], ethertype: [u8; 2]) {
+    // `put` is safe to call; the caller vouches for the 14 bytes.
+    put(
+        data as *mut [u8; 6],
+        &[macs[6], macs[7], macs[8], macs[9], macs[10], macs[11]],
+    );
+    put(
+        (data + 6) as *mut [u8; 6],
+        &[macs[0], macs[1], macs[2], macs[3], macs[4], macs[5]],
+    );
+    put((data + 12) as *mut [u8; 2], &ethertype);
 }

@@ -1,4 +1,4 @@
-//! HuddleCluster's XDP program: balances IPv4 TCP and UDP services over
+//! HuddleCluster's XDP program: balances IPv4 and IPv6 TCP and UDP services over
 //! each service's active ring, by source NAT (replies come back here) or
 //! direct server return (backends answer clients themselves).
 #![no_std]
@@ -16,6 +16,7 @@ mod family;
 mod forward;
 mod halfopen;
 mod icmp;
+mod icmp6;
 mod maps;
 mod nat;
 mod parse;
@@ -61,6 +62,7 @@ pub fn huddle(ctx: XdpContext) -> u32 {
 pub fn huddle6(ctx: XdpContext) -> u32 {
     match parse::parse6(&ctx) {
         Ok(p) => balance::balance::<V6>(&ctx, &p),
+        Err(Skip::V6Extension) if icmp6::is_icmp6(&ctx) => icmp6::inbound(&ctx),
         Err(skip) => {
             maps::global(|s| match skip {
                 Skip::V6Extension | Skip::NotTcpUdp => s.pass_v6_ext += 1,

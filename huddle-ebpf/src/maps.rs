@@ -76,6 +76,10 @@ pub struct Scratch {
     pub nkey: NatKey,
     /// The flow `request` handed to `to_backend` to translate and send.
     pub fwd: FlowValue,
+    /// An IPv6 packet too big once wrapped: the frame's Ethernet addresses
+    /// as it arrived and the MTU to name (see `icmp6::too_big`).
+    pub macs: [u8; 12],
+    pub mtu: u32,
 }
 
 /// Backend id -> this CPU's cached next hop toward it.

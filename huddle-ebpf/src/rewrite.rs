@@ -59,7 +59,7 @@ pub fn rewrite6(p: &Packet<V6>, to: &Tuple<'_, [u8; 16]>) {
 /// Sum of the changes from `old` to `new` for one 16-byte address; both
 /// lie in map values (8-byte aligned), read as four words.
 #[inline(always)]
-fn diff128(old: &Addr, new: &Addr) -> u64 {
+pub fn diff128(old: &Addr, new: &Addr) -> u64 {
     let (o, n) = (old.as_ptr().cast::<u32>(), new.as_ptr().cast::<u32>());
     let mut d = 0;
     let mut i = 0;

@@ -16,11 +16,14 @@
 //!   the encapsulation prefix to a backend, with a valid checksum;
 //! - an ICMP error to the SNAT address about a translated flow reaches
 //!   that flow's client with valid checksums; any other ICMP passes;
-//! - IPv6 (a source-NATed and an L2 DSR service): a rewritten packet goes
-//!   from the IPv6 SNAT address to a backend (or back from the VIP to a
-//!   client), its length and payload kept, its checksum valid whenever
-//!   the input's was; an L2 DSR frame changes only its MACs; anything
-//!   else, extension headers included, passes unchanged.
+//! - IPv6 (a source-NATed, an L2 DSR and an IPv6-in-IPv6 service): a
+//!   rewritten packet goes from the IPv6 SNAT address to a backend (or
+//!   back from the VIP to a client), its length and payload kept, its
+//!   checksum valid whenever the input's was; an L2 DSR frame changes only
+//!   its MACs; a wrapped one carries the packet unchanged after an outer
+//!   header to a backend; an ICMPv6 error to the SNAT address reaches a
+//!   client that opened a flow, its checksum valid whenever the input's
+//!   was; anything else, extension headers included, passes unchanged.
 //!
 //! `HUDDLE_FUZZ_CASES` sets the count (default: the full 1,000,000, about
 //! 10 s), `HUDDLE_FUZZ_SEED` the seed. A failure prints the seed, the case and the
@@ -32,7 +35,7 @@ use huddle_user::{
         checksum, checksums_valid, endpoints, icmp_checksums_valid, icmp_error, l4_checksum, Frame,
         ACK, ETH_LEN, RST, SYN,
     },
-    packet::{checksums6_valid, tcp6},
+    packet::{checksums6_valid, icmp6_checksum_valid, icmp6_error, tcp6},
     prog_run::mac_of6,
     prog_run::{mac_of, ProgRun, BALANCER_IP, BALANCER_MAC},
 };
@@ -64,6 +67,8 @@ const CLIENTS6: [Ipv6Addr; 2] = [
 ];
 /// IPv6 services: source NAT 80 -> 8080, L2 DSR on 8081.
 const V6_DSR: u16 = 8081;
+/// IPv6 service in dsr-ipip mode (VIP port = backend port).
+const V6_IPIP: u16 = 9096;
 
 fn backends6() -> Vec<Ipv6Addr> {
     (0..3)
@@ -187,11 +192,41 @@ struct Gen {
 
 impl Gen {
     fn frame(&mut self, r: &mut Rng) -> Vec<u8> {
-        match r.below(23) {
-            // IPv6 to a VIP: source NAT or L2 DSR, any flags.
+        match r.below(24) {
+            // An ICMPv6 message to the IPv6 SNAT address, mostly an error
+            // about a tuple the program opened, quoting 48 bytes or more.
+            23 => {
+                let (b, port) = if !self.nat6.is_empty() && r.chance(80) {
+                    self.nat6[r.below(self.nat6.len() as u64) as usize]
+                } else {
+                    (backends6()[0], NAT.min + r.below(100) as u16)
+                };
+                let sent = tcp6(
+                    (SNAT6, port),
+                    (b, 8080),
+                    (SYN, 1000, 0),
+                    &[],
+                    (BALANCER_MAC, mac_of6(b)),
+                );
+                let cut = ETH_LEN + 48 + r.below(13) as usize;
+                let kind = [(2, 0), (1, 4), (3, 0), (4, 1), (128, 0)][r.below(5) as usize];
+                let from = if r.chance(50) {
+                    b
+                } else {
+                    "fd00:213::fe".parse().unwrap()
+                };
+                icmp6_error(
+                    (kind.0, kind.1, [0, 0, 0x05, 0x00]),
+                    from,
+                    SNAT6,
+                    &sent[ETH_LEN..cut],
+                    (mac_of6(b), BALANCER_MAC),
+                )
+            }
+            // IPv6 to a VIP: source NAT, L2 DSR or IPv6-in-IPv6, any flags.
             21 => {
                 let client = CLIENTS6[r.below(2) as usize];
-                let port = [80, V6_DSR, 81][r.below(3) as usize];
+                let port = [80, V6_DSR, V6_IPIP, 81][r.below(4) as usize];
                 let flags = match r.below(3) {
                     0 => SYN,
                     1 => ACK,
@@ -434,6 +469,45 @@ fn v6_checked(
         return Some(Ok("IPv6 dropped"));
     }
     let addr = |b: &[u8], at: usize| Ipv6Addr::from(<[u8; 16]>::try_from(&b[at..at + 16]).unwrap());
+    let tot = |b: &[u8]| ETH_LEN + 40 + usize::from(u16::from_be_bytes([b[18], b[19]]));
+    if f.len() >= ETH_LEN + 48 && f[ETH_LEN + 6] == 58 {
+        // ICMPv6, translated: same length, to a client, from the VIP (the
+        // backend complained) or the router that did.
+        let valid = tot(f) == f.len() && icmp6_checksum_valid(f);
+        return Some(if out.len() != f.len() || out[ETH_LEN + 6] != 58 {
+            Err("ICMPv6 translated into something else")
+        } else if addr(f, ETH_LEN + 24) != SNAT6 || f[ETH_LEN + 40] >= 128 {
+            Err("ICMPv6 translated that was not an error to the SNAT address")
+        } else if !clients6.contains(&addr(out, ETH_LEN + 24)) {
+            Err("ICMPv6 translated to somebody who opened no flow")
+        } else if valid && !icmp6_checksum_valid(out) {
+            Err("translated ICMPv6 with a bad checksum")
+        } else {
+            Ok("ICMPv6 error translated to its client")
+        });
+    }
+    if f.len() >= ETH_LEN + 60
+        && f[ETH_LEN + 6] == 6
+        && addr(f, ETH_LEN + 24) == VIP6
+        && u16::from_be_bytes([f[56], f[57]]) == V6_IPIP
+    {
+        let o = &out[ETH_LEN..];
+        return Some(
+            if out.len() != f.len() + 40 || out[ETH_LEN + 40..] != f[ETH_LEN..] {
+                Err("IPv6 dsr-ipip did not carry the packet unchanged after an outer header")
+            } else if o[0] >> 4 != 6 || o[6] != 41 || o[7] != 64 {
+                Err("IPv6 dsr-ipip outer header: version, next header or hop limit wrong")
+            } else if usize::from(u16::from_be_bytes([o[4], o[5]])) != tot(f) - ETH_LEN {
+                Err("IPv6 dsr-ipip outer payload length wrong")
+            } else if addr(out, ETH_LEN + 8) != SNAT6
+                || !backends6().contains(&addr(out, ETH_LEN + 24))
+            {
+                Err("IPv6 dsr-ipip not from the outer source to a backend")
+            } else {
+                Ok("IPv6 dsr-ipip sent")
+            },
+        );
+    }
     let whole = f.len() >= ETH_LEN + 60 && f[ETH_LEN + 6] == 6;
     if !whole || out.len() != f.len() || !matches!(verdict, XDP_TX | XDP_REDIRECT | XDP_PASS) {
         return Some(Err("IPv6: changed what it should have passed"));
@@ -621,6 +695,7 @@ fn config() -> Config {
     };
     c.services.push(svc6(80, 8080, Mode::Snat));
     c.services.push(svc6(V6_DSR, V6_DSR, Mode::DsrL2));
+    c.services.push(svc6(V6_IPIP, V6_IPIP, Mode::DsrIpip));
     c.snat_ips6 = vec![SNAT6];
     c
 }
@@ -639,7 +714,9 @@ fn a_fuzzed_packet_path_never_rewrites_wrongly() {
     let seed = env_u64("HUDDLE_FUZZ_SEED", 0x4855_4444_4c45);
     let mut neigh = backends();
     neigh.extend_from_slice(&CLIENTS);
-    let env = ProgRun::new(&unique("fuzz"), &config(), &neigh).expect("PROG_TEST_RUN namespace");
+    let mut env =
+        ProgRun::new(&unique("fuzz"), &config(), &neigh).expect("PROG_TEST_RUN namespace");
+    env.dp.set_encap6(SNAT6).unwrap();
     for n in backends6().into_iter().chain(CLIENTS6) {
         env.neighbour6(n).unwrap();
     }

@@ -2,12 +2,15 @@
 //! through the main one's tail call: a SYN to an IPv6 VIP leaves from the
 //! IPv6 SNAT address to a backend, byte for byte, the backend's answer
 //! comes back as from the VIP, an L2 DSR frame changes only its MACs, an
-//! IPv6-in-IPv6 one carries the client's packet after an outer header, and
-//! what the program does not parse (extension headers) passes untouched.
+//! IPv6-in-IPv6 one carries the client's packet after an outer header (or,
+//! too big for the path once wrapped, is answered with "packet too big"),
+//! ICMPv6 errors about a source-NATed flow reach its client translated,
+//! and what the program does not parse (extension headers) passes
+//! untouched.
 
 use huddle_user::{
     config::{Mode, PortRange, Proto, Service},
-    packet::{checksums6_valid, tcp6, ACK, PSH, SYN},
+    packet::{checksums6_valid, icmp6_checksum_valid, icmp6_error, tcp6, ACK, PSH, SYN},
     prog_run::{mac_of6, ProgRun, BALANCER_MAC},
 };
 use std::net::{Ipv6Addr, SocketAddr};
@@ -195,4 +198,130 @@ fn an_ipv6_in_ipv6_frame_carries_the_clients_packet_after_an_outer_header() {
     );
     let (_, out2) = env.run(&ack).unwrap();
     assert_eq!(out2[14..18], out[14..18], "flow label");
+}
+
+#[test]
+fn a_packet_too_big_once_wrapped_gets_packet_too_big_from_the_vip() {
+    let mut env = env("v6-mtu");
+    env.dp.set_encap6(SNAT).unwrap();
+    env.ns.ip(&["link", "set", "hb0", "mtu", "1400"]).unwrap();
+    let frame = |flags: u8, payload: &[u8]| {
+        tcp6(
+            (CLIENT, 43000),
+            (VIP, 9090),
+            (flags, 7001, 1),
+            payload,
+            (mac_of6(CLIENT), BALANCER_MAC),
+        )
+    };
+    let syn = tcp6(
+        (CLIENT, 43000),
+        (VIP, 9090),
+        (SYN, 7000, 0),
+        &[],
+        (mac_of6(CLIENT), BALANCER_MAC),
+    );
+    for f in [syn, frame(ACK, &[])] {
+        assert_eq!(env.run(&f).unwrap().0, XDP_TX);
+    }
+    // The next-hop cache expires: the first packet after, a big one,
+    // still learns the MTU.
+    env.dp.refresh_next_hops().unwrap();
+    // 1,400 bytes of IPv6: fits the link, not once 40 more are in front.
+    let big = frame(ACK | PSH, &[0x61; 1340]);
+    let (verdict, out) = env.run(&big).unwrap();
+    assert_eq!(verdict, XDP_TX, "answered back out");
+    // As much of the packet as keeps the answer within 1,280 bytes.
+    let want = icmp6_error(
+        (2, 0, 1360u32.to_be_bytes()),
+        VIP,
+        CLIENT,
+        &big[14..14 + 1232],
+        (BALANCER_MAC, mac_of6(CLIENT)),
+    );
+    assert_eq!(out.len(), 14 + 1280);
+    assert_eq!(out, want, "ICMPv6 packet too big, MTU 1360, from the VIP");
+    assert!(icmp6_checksum_valid(&out));
+    let g = env.dp.global_stats().unwrap();
+    assert_eq!((g.icmp_too_big, g.encap), (1, 2));
+    // One that fits is wrapped as ever.
+    let fits = frame(ACK | PSH, &[0x61; 1300]);
+    let (verdict, out) = env.run(&fits).unwrap();
+    assert_eq!(verdict, XDP_TX);
+    assert_eq!(out.len(), fits.len() + 40);
+    assert_eq!(out[54..], fits[14..]);
+    assert_eq!(env.dp.global_stats().unwrap().icmp_too_big, 1);
+}
+
+#[test]
+fn icmpv6_errors_about_a_translated_flow_reach_its_client_translated_back() {
+    let env = env("v6-icmp");
+    let syn = tcp6(
+        (CLIENT, 44000),
+        (VIP, 80),
+        (SYN, 1000, 0),
+        &[],
+        (mac_of6(CLIENT), BALANCER_MAC),
+    );
+    let (verdict, out) = env.run(&syn).unwrap();
+    assert_eq!(verdict, XDP_TX);
+    let b = by_mac(&out);
+    let nat_port = u16::from_be_bytes([out[54], out[55]]);
+    let sent = &out;
+    let router: Ipv6Addr = "fd00:213::fe".parse().unwrap();
+    // From the backend, quoting the header and 8 bytes; from a router on
+    // the way, quoting the whole SYN (its TCP checksum too).
+    for (kind, from, quoted, shown_from) in [(2, b, 48, VIP), (1, router, 60, router)] {
+        let rest = if kind == 2 {
+            1280u32.to_be_bytes()
+        } else {
+            [0; 4]
+        };
+        let err = icmp6_error(
+            (kind, 0, rest),
+            from,
+            SNAT,
+            &sent[14..14 + quoted],
+            (mac_of6(b), BALANCER_MAC),
+        );
+        let (verdict, out) = env.run(&err).unwrap();
+        assert_eq!(verdict, XDP_TX, "from {from}");
+        let want = icmp6_error(
+            (kind, 0, rest),
+            shown_from,
+            CLIENT,
+            &syn[14..14 + quoted],
+            (BALANCER_MAC, mac_of6(CLIENT)),
+        );
+        assert_eq!(out, want, "ICMPv6 from {from}, translated for the client");
+        assert!(icmp6_checksum_valid(&out));
+    }
+    assert_eq!(env.dp.global_stats().unwrap().icmp_translated, 2);
+    // About a tuple the balancer never used, or not an error: the kernel's.
+    let stranger = tcp6(
+        (SNAT, nat_port ^ 1),
+        (b, 8080),
+        (SYN, 1000, 0),
+        &[],
+        (BALANCER_MAC, mac_of6(b)),
+    );
+    let unknown = icmp6_error(
+        (1, 4, [0; 4]),
+        b,
+        SNAT,
+        &stranger[14..14 + 48],
+        (mac_of6(b), BALANCER_MAC),
+    );
+    let echo = icmp6_error(
+        (128, 0, [0, 1, 0, 1]),
+        b,
+        SNAT,
+        b"ping",
+        (mac_of6(b), BALANCER_MAC),
+    );
+    for f in [unknown, echo] {
+        let (verdict, out) = env.run(&f).unwrap();
+        assert_eq!((verdict, &out), (XDP_PASS, &f));
+    }
+    assert_eq!(env.dp.global_stats().unwrap().icmp_translated, 2);
 }

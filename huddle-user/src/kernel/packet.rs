@@ -366,6 +366,59 @@ pub fn tcp6(
     f
 }
 
+/// An ICMPv6 error frame (`kind`, `code`, the 4 bytes after the checksum
+/// `rest`) from `src` to `dst`, hop limit 64, quoting `quoted` (an IPv6
+/// packet, cut as the sender likes), with a valid checksum; Ethernet
+/// addresses `macs` (source, destination).
+#[must_use]
+pub fn icmp6_error(
+    (kind, code, rest): (u8, u8, [u8; 4]),
+    src: Ipv6Addr,
+    dst: Ipv6Addr,
+    quoted: &[u8],
+    macs: ([u8; 6], [u8; 6]),
+) -> Vec<u8> {
+    let len = 8 + quoted.len();
+    let mut f = Vec::new();
+    f.extend_from_slice(&macs.1);
+    f.extend_from_slice(&macs.0);
+    f.extend_from_slice(&0x86ddu16.to_be_bytes());
+    f.extend_from_slice(&[0x60, 0, 0, 0]);
+    f.extend_from_slice(&(len as u16).to_be_bytes());
+    f.extend_from_slice(&[58, 64]);
+    f.extend_from_slice(&src.octets());
+    f.extend_from_slice(&dst.octets());
+    f.extend_from_slice(&[kind, code, 0, 0]);
+    f.extend_from_slice(&rest);
+    f.extend_from_slice(quoted);
+    let sum = icmp6_checksum(&f);
+    f[ETH_LEN + 42..ETH_LEN + 44].copy_from_slice(&sum.to_be_bytes());
+    f
+}
+
+/// The checksum an ICMPv6 frame (no extension headers) should carry.
+#[must_use]
+pub fn icmp6_checksum(frame: &[u8]) -> u16 {
+    let ip = &frame[ETH_LEN..];
+    let len = usize::from(u16::from_be_bytes([ip[4], ip[5]]));
+    let mut msg = ip[40..40 + len].to_vec();
+    msg[2] = 0;
+    msg[3] = 0;
+    let mut pseudo = Vec::new();
+    pseudo.extend_from_slice(&ip[8..40]);
+    pseudo.extend_from_slice(&(len as u32).to_be_bytes());
+    pseudo.extend_from_slice(&[0, 0, 0, 58]);
+    pseudo.extend_from_slice(&msg);
+    checksum(&pseudo, 0)
+}
+
+/// Whether an ICMPv6 frame's checksum is valid.
+#[must_use]
+pub fn icmp6_checksum_valid(frame: &[u8]) -> bool {
+    frame.len() >= ETH_LEN + 48
+        && u16::from_be_bytes([frame[ETH_LEN + 42], frame[ETH_LEN + 43]]) == icmp6_checksum(frame)
+}
+
 /// The TCP/UDP checksum an IPv6 frame's L4 header should carry.
 #[must_use]
 pub fn l4_checksum6(frame: &[u8]) -> u16 {
