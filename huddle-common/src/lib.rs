@@ -146,8 +146,8 @@ pub mod decap {
 #[repr(C, align(8))]
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct TurnKey {
-    pub client: [u8; 4],
-    pub vip: [u8; 4],
+    pub client: Addr,
+    pub vip: Addr,
     pub client_port_be: u16,
     pub vip_port_be: u16,
     pub _pad: u32,
@@ -659,7 +659,7 @@ assert_size!(SynCopy, 48);
 assert_size!(Tuning, 24);
 assert_size!(HalfOpenNat, 96);
 assert_size!(NatCursor, 24);
-assert_size!(TurnKey, 16);
+assert_size!(TurnKey, 40);
 assert_size!(AgentTtfb, 16 + 8 * LATENCY_BUCKETS);
 
 #[cfg(feature = "user")]

@@ -4,9 +4,13 @@
 //! (only packets to one of this host's addresses; everything else passes
 //! untouched), and notes when a request to a DSR VIP arrives; on egress
 //! (TC) it sees the answer's first byte leave: the backend's exact time
-//! to first byte, per VIP, which the balancer cannot see in DSR.
+//! to first byte, per VIP (IPv4 or IPv6), which the balancer cannot see
+//! in DSR.
 #![no_std]
 #![no_main]
+// Map keys by reference on purpose: a 40-byte key passed by value is
+// copied onto the 512-byte stack.
+#![allow(clippy::needless_borrows_for_generic_args)]
 
 use aya_ebpf::{
     bindings::{xdp_action, BPF_NOEXIST, TC_ACT_OK},
@@ -72,23 +76,45 @@ pub fn decap(ctx: XdpContext) -> u32 {
 #[inline(always)]
 fn arrived(ctx: &XdpContext) {
     let (data, end) = (ctx.data(), ctx.data_end());
-    if data + ETH_LEN + IP_LEN + 20 > end {
+    if data + ETH_LEN > end {
         return;
     }
-    // SAFETY: the 54 bytes read were bounds-checked just above.
-    let (ethertype, ip, tcp) = unsafe {
-        (
-            *((data + 12) as *const [u8; 2]),
-            *((data + ETH_LEN) as *const [u8; IP_LEN]),
-            *((data + ETH_LEN + IP_LEN) as *const [u8; 20]),
-        )
+    // SAFETY: bounds-checked just above.
+    let ethertype = unsafe { *((data + 12) as *const [u8; 2]) };
+    let key = if ethertype == ETH_P_IPV6 {
+        if data + ETH_LEN + IP6_LEN + 20 > end {
+            return;
+        }
+        // SAFETY: the 74 bytes read were bounds-checked just above.
+        let (ip, tcp) = unsafe {
+            (
+                &*((data + ETH_LEN) as *const [u8; IP6_LEN]),
+                &*((data + ETH_LEN + IP6_LEN) as *const [u8; 20]),
+            )
+        };
+        request_key6(ip, tcp, false)
+    } else {
+        if data + ETH_LEN + IP_LEN + 20 > end {
+            return;
+        }
+        // SAFETY: the 54 bytes read were bounds-checked just above.
+        let (ip, tcp) = unsafe {
+            (
+                &*((data + ETH_LEN) as *const [u8; IP_LEN]),
+                &*((data + ETH_LEN + IP_LEN) as *const [u8; 20]),
+            )
+        };
+        request_key(ethertype, ip, tcp, false)
     };
-    let Some(key) = request_key(ethertype, &ip, &tcp, false) else {
+    let Some(key) = key else {
         return;
     };
     // SAFETY: plain helper call.
     let now = unsafe { bpf_ktime_get_ns() };
-    if AGENT_TURNS.insert(key, now, u64::from(BPF_NOEXIST)).is_ok() {
+    if AGENT_TURNS
+        .insert(&key, now, u64::from(BPF_NOEXIST))
+        .is_ok()
+    {
         count(|s| s.turns += 1);
     }
 }
@@ -110,10 +136,34 @@ fn request_key(
     if tot <= IP_LEN + doff {
         return None;
     }
-    let (src, dst) = (
-        [ip[12], ip[13], ip[14], ip[15]],
-        [ip[16], ip[17], ip[18], ip[19]],
-    );
+    turn_key(
+        addr_v4([ip[12], ip[13], ip[14], ip[15]]),
+        addr_v4([ip[16], ip[17], ip[18], ip[19]]),
+        tcp,
+        outbound,
+    )
+}
+
+/// The same for IPv6 without extension headers.
+#[inline(always)]
+fn request_key6(ip: &[u8; IP6_LEN], tcp: &[u8; 20], outbound: bool) -> Option<TurnKey> {
+    if ip[0] >> 4 != 6 || ip[6] != PROTO_TCP {
+        return None;
+    }
+    let payload = usize::from(u16::from_be_bytes([ip[4], ip[5]]));
+    if payload <= usize::from(tcp[12] >> 4) * 4 {
+        return None;
+    }
+    let mut src = [0u8; 16];
+    let mut dst = [0u8; 16];
+    src.copy_from_slice(&ip[8..24]);
+    dst.copy_from_slice(&ip[24..40]);
+    turn_key(src, dst, tcp, outbound)
+}
+
+/// The key of a segment from `src` to `dst`, if the VIP side is timed.
+#[inline(always)]
+fn turn_key(src: Addr, dst: Addr, tcp: &[u8; 20], outbound: bool) -> Option<TurnKey> {
     let (sport, dport) = (
         u16::from_ne_bytes([tcp[0], tcp[1]]),
         u16::from_ne_bytes([tcp[2], tcp[3]]),
@@ -124,7 +174,7 @@ fn request_key(
         (src, dst, sport, dport)
     };
     // SAFETY: only tested for presence.
-    unsafe { AGENT_VIPS.get(addr_v4(vip)) }?;
+    unsafe { AGENT_VIPS.get(&vip) }?;
     Some(TurnKey {
         client,
         vip,
@@ -144,23 +194,36 @@ pub fn ttfb_out(ctx: TcContext) -> i32 {
 
 #[inline(always)]
 fn answered(ctx: &TcContext) {
-    let (Ok(ethertype), Ok(ip), Ok(tcp)) = (
-        ctx.load::<[u8; 2]>(12),
-        ctx.load::<[u8; IP_LEN]>(ETH_LEN),
-        ctx.load::<[u8; 20]>(ETH_LEN + IP_LEN),
-    ) else {
+    let Ok(ethertype) = ctx.load::<[u8; 2]>(12) else {
         return;
     };
-    let Some(key) = request_key(ethertype, &ip, &tcp, true) else {
+    let key = if ethertype == ETH_P_IPV6 {
+        let (Ok(ip), Ok(tcp)) = (
+            ctx.load::<[u8; IP6_LEN]>(ETH_LEN),
+            ctx.load::<[u8; 20]>(ETH_LEN + IP6_LEN),
+        ) else {
+            return;
+        };
+        request_key6(&ip, &tcp, true)
+    } else {
+        let (Ok(ip), Ok(tcp)) = (
+            ctx.load::<[u8; IP_LEN]>(ETH_LEN),
+            ctx.load::<[u8; 20]>(ETH_LEN + IP_LEN),
+        ) else {
+            return;
+        };
+        request_key(ethertype, &ip, &tcp, true)
+    };
+    let Some(key) = key else {
         return;
     };
     // SAFETY: copied out at once.
-    let Some(start) = (unsafe { AGENT_TURNS.get(key) }).copied() else {
+    let Some(start) = (unsafe { AGENT_TURNS.get(&key) }).copied() else {
         return;
     };
-    let _ = AGENT_TURNS.remove(key);
+    let _ = AGENT_TURNS.remove(&key);
     // SAFETY: as above.
-    let Some(idx) = (unsafe { AGENT_VIPS.get(addr_v4(key.vip)) }).copied() else {
+    let Some(idx) = (unsafe { AGENT_VIPS.get(&key.vip) }).copied() else {
         return;
     };
     // SAFETY: plain helper call.

@@ -1,6 +1,8 @@
 //! IPv6 through namespaces: real HTTP to an IPv6 VIP, source NAT (the
-//! backends see the balancer's IPv6 address and answer through it) and
-//! L2 direct server return (they see the client's), on a plain testbed.
+//! backends see the balancer's IPv6 address and answer through it), L2
+//! direct server return and IPv6-in-IPv6 (they see the client's), on a
+//! plain testbed; in IPv6-in-IPv6 the agents also time every request and
+//! the balancer calibrates its ACK clock with their figures.
 
 use std::{net::SocketAddr, path::Path, time::Duration};
 use testbed::{
@@ -23,10 +25,20 @@ fn check(mode: &str, vip_port: u16, peer_ip: std::net::Ipv6Addr) {
         }
     }
     if mode == "dsr-ipip" {
-        // The agent's decap unwraps IPv6 in IPv6 to this host.
+        // The agent's decap unwraps IPv6 in IPv6 to this host and times
+        // the VIP's requests.
+        let vip6 = VIP6.to_string();
         for (i, ns) in bed.backends.iter().enumerate() {
             let log = bed.dir.join(format!("agent{i}.log"));
-            let args = ["agent", "--decap", "eth0", "--listen", "127.0.0.1:9100"];
+            let args = [
+                "agent",
+                "--decap",
+                "eth0",
+                "--listen",
+                "[::]:9100",
+                "--vip",
+                &vip6,
+            ];
             let p = spawn_in(ns, Path::new(HUDDLE), &args, Some(&log)).unwrap();
             bed.agents.push(p);
         }
@@ -48,18 +60,30 @@ fn check(mode: &str, vip_port: u16, peer_ip: std::net::Ipv6Addr) {
         std::thread::sleep(Duration::from_millis(200));
     }
     let vip = SocketAddr::from((VIP6, vip_port));
-    let mut args = vec![
-        "--vip".to_string(),
-        vip.to_string(),
-        "--mode".into(),
-        mode.into(),
-    ];
-    for i in 0..3 {
-        args.push("--backend".into());
-        args.push(SocketAddr::from((backend_ip6(i), HTTP_PORT)).to_string());
-    }
-    let args: Vec<&str> = args.iter().map(String::as_str).collect();
-    bed.start_huddle(Path::new(HUDDLE), &args)
+    // A config file as the README shows; in dsr-ipip each backend's
+    // metrics are its agent's.
+    let backends: Vec<String> = (0..3)
+        .map(|i| {
+            let addr = SocketAddr::from((backend_ip6(i), HTTP_PORT));
+            if mode == "dsr-ipip" {
+                let ip = backend_ip6(i);
+                format!("{{ addr = \"{addr}\", metrics = \"http://[{ip}]:9100/metrics\" }}")
+            } else {
+                format!("\"{addr}\"")
+            }
+        })
+        .collect();
+    let config = bed.dir.join("huddle.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "[[service]]\nvip = \"{vip}\"\nmode = \"{mode}\"\nbackends = [{}]\n",
+            backends.join(", ")
+        ),
+    )
+    .unwrap();
+    let config = config.display().to_string();
+    bed.start_huddle(Path::new(HUDDLE), &["--config", &config])
         .expect("start huddle");
     let (counts, peers, failures) = whoami(&bed.client, vip, 300);
     let st = bed.status().unwrap();
@@ -82,6 +106,51 @@ fn check(mode: &str, vip_port: u16, peer_ip: std::net::Ipv6Addr) {
             .trim_matches(|c| c == '[' || c == ']');
         assert_eq!(ip, peer_ip.to_string(), "a backend saw {p}");
     }
+    if mode == "dsr-ipip" {
+        agent_timed(&bed, vip);
+    }
+}
+
+/// Each agent exported its time to first byte for the IPv6 VIP, one
+/// sample per request it served, and the balancer scraped it: the ACK
+/// clock is calibrated by the agents' figures.
+fn agent_timed(bed: &Testbed, vip: SocketAddr) {
+    let label = format!("huddle_agent_ttfb_seconds_count{{vip=\"{}\"}} ", vip.ip());
+    let mut samples = 0;
+    for i in 0..3 {
+        let text = bed.agent_metrics(i).unwrap();
+        let n: u64 = text
+            .lines()
+            .find_map(|l| l.strip_prefix(&label))
+            .and_then(|v| v.trim().parse().ok())
+            .unwrap_or_else(|| panic!("no {label} in agent {i}'s metrics:\n{text}"));
+        assert!(n > 0, "agent {i} timed no request");
+        samples += n;
+    }
+    // Requests keep coming until a scrape has seen the agents' figures.
+    let mut calibrated = None;
+    let _ = wait_until(Duration::from_secs(10), || {
+        let _ = whoami(&bed.client, vip, 20);
+        let Ok(st) = bed.status() else {
+            return false;
+        };
+        let b = &st.services[0].backends[0];
+        if b.latency_source == "ack-clock, agent-calibrated" {
+            calibrated = Some((b.ack_clock_ms, b.agent_ttfb_ms));
+        }
+        calibrated.is_some()
+    });
+    println!(
+        "IPv6 dsr-ipip: the agents timed {samples} requests; b0 ACK clock raw mean and agent's exact mean (ms): {calibrated:?}"
+    );
+    let Some((_, agent)) = calibrated else {
+        panic!(
+            "the balancer never calibrated by the agents' figures:\n{}\n{}",
+            bed.status().map(|s| s.render()).unwrap_or_default(),
+            bed.huddle_log()
+        );
+    };
+    assert!(agent.is_some(), "no agent figure in status");
 }
 
 #[test]

@@ -1162,7 +1162,8 @@ fn backend_addr(b: &Backend) -> SocketAddr {
     SocketAddr::from((ip, u16::from_be(b.port_be)))
 }
 
-fn ip_bytes(ip: IpAddr) -> [u8; 16] {
+/// An address in the 16-byte form map keys hold.
+pub fn ip_bytes(ip: IpAddr) -> [u8; 16] {
     match ip {
         IpAddr::V4(v4) => addr_v4(v4.octets()),
         IpAddr::V6(v6) => v6.octets(),

@@ -3,6 +3,7 @@
 //! to the backend's interface (XDP on ingress: decap and request arrival;
 //! TC on egress: first answer byte) for as long as the agent runs.
 
+use crate::dataplane::ip_bytes;
 use crate::{config::XdpMode, object};
 use anyhow::{Context, Result};
 use aya::{
@@ -10,11 +11,8 @@ use aya::{
     programs::{tc, xdp::XdpLinkId, SchedClassifier, TcAttachType, Xdp},
     Ebpf,
 };
-use huddle_common::{addr_v4, decap, Addr, AgentTtfb, Counters, DecapStats};
-use std::{
-    collections::HashSet,
-    net::{IpAddr, Ipv4Addr},
-};
+use huddle_common::{decap, Addr, AgentTtfb, Counters, DecapStats};
+use std::{collections::HashSet, net::IpAddr};
 use tracing::warn;
 
 pub struct Decap {
@@ -24,7 +22,7 @@ pub struct Decap {
     vips_map: HashMap<MapData, Addr, u32>,
     ttfb: PerCpuArray<MapData, AgentTtfb>,
     /// The VIPs timed, in `AGENT_TTFB` index order.
-    pub vips: Vec<Ipv4Addr>,
+    pub vips: Vec<IpAddr>,
     link: Option<XdpLinkId>,
     /// The mode it was attached in: "native" or "generic".
     pub mode: &'static str,
@@ -64,13 +62,7 @@ impl Decap {
 
     /// Makes the program unwrap exactly the packets to `addrs`.
     pub fn set_local(&mut self, addrs: &[IpAddr]) -> Result<()> {
-        let want: HashSet<Addr> = addrs
-            .iter()
-            .map(|a| match a {
-                IpAddr::V4(v4) => addr_v4(v4.octets()),
-                IpAddr::V6(v6) => v6.octets(),
-            })
-            .collect();
+        let want: HashSet<Addr> = addrs.iter().map(|a| ip_bytes(*a)).collect();
         let have: Vec<Addr> = self.local.keys().filter_map(Result::ok).collect();
         for k in have.iter().filter(|k| !want.contains(*k)) {
             self.local.remove(k).context("updating DECAP_LOCAL")?;
@@ -121,13 +113,13 @@ impl Decap {
     /// Times requests to `vips` (at most `MAX_VIPS`) from their arrival to
     /// their first answer byte leaving `iface`: the egress program goes on
     /// it (a clsact qdisc is added if there is none).
-    pub fn time_vips(&mut self, iface: &str, vips: &[Ipv4Addr]) -> Result<()> {
+    pub fn time_vips(&mut self, iface: &str, vips: &[IpAddr]) -> Result<()> {
         if vips.len() > decap::MAX_VIPS as usize {
             anyhow::bail!("--vip: at most {} VIPs", decap::MAX_VIPS);
         }
         for (i, v) in vips.iter().enumerate() {
             self.vips_map
-                .insert(addr_v4(v.octets()), i as u32, 0)
+                .insert(ip_bytes(*v), i as u32, 0)
                 .context("writing AGENT_VIPS")?;
         }
         self.vips = vips.to_vec();

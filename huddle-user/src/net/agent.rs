@@ -9,7 +9,7 @@ use anyhow::{Context, Result};
 use huddle_common::{latency::bucket_bounds, AgentTtfb, Counters, DecapStats, LATENCY_BUCKETS};
 use std::{
     fmt::Write as _,
-    net::{Ipv4Addr, SocketAddr},
+    net::{IpAddr, Ipv4Addr, SocketAddr},
     sync::{Arc, Mutex},
 };
 use tracing::{info, warn};
@@ -86,7 +86,7 @@ pub struct AgentArgs {
     pub decap: Option<String>,
     pub xdp_mode: XdpMode,
     /// VIPs this backend serves by DSR, checked against its set-up.
-    pub vips: Vec<Ipv4Addr>,
+    pub vips: Vec<IpAddr>,
 }
 
 /// Serves `/metrics` on `args.listen` until killed; with `--decap`, keeps
@@ -194,7 +194,7 @@ pub fn render_decap(st: &DecapStats) -> String {
 /// The time to first byte of each VIP's requests as a Prometheus
 /// histogram, on the kernel's own bucket bounds.
 #[must_use]
-pub fn render_ttfb(per_vip: &[(Ipv4Addr, AgentTtfb)]) -> String {
+pub fn render_ttfb(per_vip: &[(IpAddr, AgentTtfb)]) -> String {
     let mut out = String::from(
         "# HELP huddle_agent_ttfb_seconds Time from a request's arrival at this backend to the first byte of its answer leaving, per DSR VIP.\n# TYPE huddle_agent_ttfb_seconds histogram\n",
     );
@@ -249,13 +249,14 @@ fn sysctl(path: &str) -> Option<u32> {
 /// filtering against the clients' route, no decap, ARP answered for a
 /// VIP.
 #[must_use]
-pub fn setup_problems(iface: Option<&str>, decap: bool, vips: &[Ipv4Addr]) -> Vec<String> {
+pub fn setup_problems(iface: Option<&str>, decap: bool, vips: &[IpAddr]) -> Vec<String> {
     let mut out = Vec::new();
-    let local = crate::host::ipv4_addrs().unwrap_or_default();
+    let local = crate::host::ip_addrs().unwrap_or_default();
     for vip in vips {
         if !local.iter().any(|(_, a)| a == vip) {
+            let len = if vip.is_ipv4() { 32 } else { 128 };
             out.push(format!(
-                "VIP {vip} is not an address of this host, so its DSR packets are dropped here: `ip addr add {vip}/32 dev lo`"
+                "VIP {vip} is not an address of this host, so its DSR packets are dropped here: `ip addr add {vip}/{len} dev lo`"
             ));
         }
     }
@@ -290,9 +291,11 @@ pub fn setup_problems(iface: Option<&str>, decap: bool, vips: &[Ipv4Addr]) -> Ve
     .flatten()
     .max()
     .unwrap_or(0);
-    let on_lo: Vec<&Ipv4Addr> = vips
+    // IPv6 answers neighbour solicitations only for the interface's own
+    // addresses, so only IPv4 VIPs can be given away this way.
+    let on_lo: Vec<&IpAddr> = vips
         .iter()
-        .filter(|v| local.iter().any(|(n, a)| a == *v && n != iface))
+        .filter(|v| v.is_ipv4() && local.iter().any(|(n, a)| a == *v && n != iface))
         .collect();
     if arp_ignore == 0 && !on_lo.is_empty() {
         out.push(format!(

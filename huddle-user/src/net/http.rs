@@ -18,9 +18,10 @@ use std::{
 use tokio::net::{TcpListener, TcpStream};
 use tracing::warn;
 
-/// An `http://host:port/path` URL.
+/// An `http://host:port/path` URL (an IPv6 host in brackets).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Url {
+    /// As written, brackets kept: what the Host header carries.
     pub host: String,
     pub port: u16,
     pub path: String,
@@ -36,15 +37,24 @@ impl Url {
             None => (rest, "/"),
         };
         let (host, port) = match hostport.rsplit_once(':') {
-            Some((h, p)) => (
+            Some((h, p)) if !hostport.ends_with(']') => (
                 h,
                 p.parse::<u16>()
                     .with_context(|| format!("{s:?}: bad port {p:?}"))?,
             ),
-            None => (hostport, 80),
+            _ => (hostport, 80),
         };
         if host.is_empty() || port == 0 || path.contains(char::is_whitespace) {
             bail!("{s:?} is not a usable http://HOST:PORT/PATH URL");
+        }
+        if host.starts_with('[')
+            && host
+                .strip_prefix('[')
+                .and_then(|h| h.strip_suffix(']'))
+                .and_then(|h| h.parse::<std::net::Ipv6Addr>().ok())
+                .is_none()
+        {
+            bail!("{s:?}: {host} is not an IPv6 address in brackets");
         }
         Ok(Url {
             host: host.to_string(),
@@ -139,7 +149,8 @@ async fn exchange(stream: TcpStream, host: &str, path: &str, max_bytes: usize) -
 
 /// Resolves a URL's host and port to one address.
 pub async fn resolve(url: &Url) -> Result<SocketAddr> {
-    tokio::net::lookup_host((url.host.as_str(), url.port))
+    let name = url.host.trim_start_matches('[').trim_end_matches(']');
+    tokio::net::lookup_host((name, url.port))
         .await
         .with_context(|| format!("resolving {}", url.host))?
         .next()
@@ -210,7 +221,20 @@ mod tests {
             }
         );
         assert_eq!(Url::parse("http://node").unwrap().port, 80);
+        let v6 = Url::parse("http://[fd00::11]:9100/metrics").unwrap();
+        assert_eq!((v6.host.as_str(), v6.port), ("[fd00::11]", 9100));
+        assert_eq!(Url::parse("http://[fd00::11]/").unwrap().port, 80);
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        assert_eq!(
+            rt.block_on(resolve(&v6)).unwrap(),
+            "[fd00::11]:9100".parse().unwrap()
+        );
         for bad in [
+            "http://[fd00::11:9100/",
+            "http://[node]:80/",
             "https://x/",
             "ftp://x",
             "http://:80/",

@@ -94,9 +94,10 @@ enum Cmd {
         #[arg(long, value_enum, default_value_t = XdpMode::Auto)]
         xdp_mode: XdpMode,
         /// A VIP this backend serves by DSR: checked to be a local address
-        /// (with ARP and rp_filter); repeat for each.
+        /// (with ARP and rp_filter), and, with --decap, its requests timed
+        /// (IPv4 or IPv6); repeat for each.
         #[arg(long = "vip")]
-        vips: Vec<Ipv4Addr>,
+        vips: Vec<std::net::IpAddr>,
     },
     /// Time the XDP program per packet under BPF_PROG_TEST_RUN, next to
     /// baseline programs in the same run.

@@ -118,7 +118,9 @@ pub fn ipv4_addrs() -> Result<Vec<(String, Ipv4Addr)>> {
 }
 
 /// Every address of this namespace's interfaces, with the interface.
-fn ip_addrs() -> Result<Vec<(String, IpAddr)>> {
+/// Every address of this namespace's interfaces, both families, with the
+/// interface.
+pub fn ip_addrs() -> Result<Vec<(String, IpAddr)>> {
     let mut addrs: *mut libc::ifaddrs = std::ptr::null_mut();
     // SAFETY: getifaddrs fills `addrs` with a list we free below.
     if unsafe { libc::getifaddrs(&mut addrs) } != 0 {
