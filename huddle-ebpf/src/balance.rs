@@ -57,7 +57,7 @@ pub fn balance<F: Family>(ctx: &XdpContext, p: &Packet<F>) -> u32 {
         if slot.is_null() {
             return back(ctx, p, cfg);
         }
-        return retry::resend(ctx, cfg, slot);
+        return retry::resend::<F>(ctx, cfg, slot);
     }
     match F::vip(p) {
         // Translated and sent from here: the rewrite and the FIB request

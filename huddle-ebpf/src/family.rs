@@ -4,7 +4,8 @@
 //! once per family (no family test on the packet path).
 
 use crate::{
-    dsr, icmp6,
+    csum, dsr, icmp6,
+    maps::put,
     maps::{SERVICES, SERVICES6},
     parse::Packet,
     rewrite::{self, Tuple},
@@ -12,7 +13,7 @@ use crate::{
 use aya_ebpf::{bindings::bpf_fib_lookup, programs::XdpContext};
 use huddle_common::{
     addr_v4, Addr, Backend, Config, ServiceKey, ServiceKey6, ServiceValue, FAMILY_V4, FAMILY_V6,
-    SERVICE_KIND_SNAT, SERVICE_KIND_VIP,
+    PROTO_TCP, SERVICE_KIND_SNAT, SERVICE_KIND_VIP,
 };
 use network_types::ip::{Ipv4Hdr, Ipv6Hdr};
 
@@ -23,6 +24,10 @@ pub trait Family: Sized {
     type Hdr;
     /// `FAMILY_V4` or `FAMILY_V6`.
     const FAMILY: u8;
+    /// Length of the fixed IP header.
+    const IP_LEN: usize;
+    /// The frame's EtherType.
+    const ETHERTYPE: [u8; 2];
     /// Where TCP options start in a frame with this family's fixed header.
     const OPTS_AT: usize;
     /// Whether a refused SYN can be rebuilt toward another backend.
@@ -52,6 +57,13 @@ pub trait Family: Sized {
     fn encap(ctx: &XdpContext, p: &Packet<Self>, cfg: &Config, id: u32, backend: &Backend) -> u32;
     /// Answers a packet `encap` found too big (`dsr::TOO_BIG`).
     fn too_big(ctx: &XdpContext) -> u32;
+    /// Writes a fresh IP header at `ip` for a TCP segment of `tcp_len`
+    /// bytes from `src` to `dst` and returns its pseudo header's sum (for
+    /// the TCP checksum).
+    ///
+    /// # Safety
+    /// `ip` must point into the packet with the whole header in bounds.
+    unsafe fn syn_ip(ip: *mut u8, src: &Self::Addr, dst: &Self::Addr, tcp_len: u16) -> u64;
 }
 
 pub enum V4 {}
@@ -60,6 +72,8 @@ impl Family for V4 {
     type Addr = [u8; 4];
     type Hdr = Ipv4Hdr;
     const FAMILY: u8 = FAMILY_V4;
+    const IP_LEN: usize = 20;
+    const ETHERTYPE: [u8; 2] = [0x08, 0x00];
     const OPTS_AT: usize = 14 + 20 + 20;
     const RETRY: bool = true;
 
@@ -137,6 +151,27 @@ impl Family for V4 {
     fn too_big(_ctx: &XdpContext) -> u32 {
         aya_ebpf::bindings::xdp_action::XDP_DROP
     }
+
+    /// DF set, TTL 64.
+    #[inline(always)]
+    unsafe fn syn_ip(ip: *mut u8, src: &[u8; 4], dst: &[u8; 4], tcp_len: u16) -> u64 {
+        let tot = (20 + tcp_len).to_be_bytes();
+        let iph: [u8; 20] = [
+            0x45, 0, tot[0], tot[1], 0, 0, 0x40, 0, 64, PROTO_TCP, 0, 0, src[0], src[1], src[2],
+            src[3], dst[0], dst[1], dst[2], dst[3],
+        ];
+        // SAFETY: the caller's bounds.
+        unsafe {
+            put(ip.cast::<[u8; 20]>(), &iph);
+            ip.add(10)
+                .cast::<u16>()
+                .write_unaligned(csum::apply(0xffff, csum::words(&iph)));
+        }
+        csum::words(src)
+            + csum::words(dst)
+            + u64::from(u16::from_ne_bytes([0, PROTO_TCP]))
+            + u64::from(u16::from_ne_bytes(tcp_len.to_be_bytes()))
+    }
 }
 
 pub enum V6 {}
@@ -166,9 +201,10 @@ impl Family for V6 {
     type Addr = [u8; 16];
     type Hdr = Ipv6Hdr;
     const FAMILY: u8 = FAMILY_V6;
+    const IP_LEN: usize = 40;
+    const ETHERTYPE: [u8; 2] = [0x86, 0xdd];
     const OPTS_AT: usize = 14 + 40 + 20;
-    /// Not yet: a refusal reaches the client, as from a backend alone.
-    const RETRY: bool = false;
+    const RETRY: bool = true;
 
     #[inline(always)]
     fn wide(a: &[u8; 16]) -> Addr {
@@ -234,5 +270,24 @@ impl Family for V6 {
     #[inline(always)]
     fn too_big(ctx: &XdpContext) -> u32 {
         icmp6::too_big(ctx)
+    }
+
+    /// Hop limit 64, no flow label.
+    #[inline(always)]
+    unsafe fn syn_ip(ip: *mut u8, src: &[u8; 16], dst: &[u8; 16], tcp_len: u16) -> u64 {
+        let len = tcp_len.to_be_bytes();
+        // SAFETY: the caller's bounds.
+        unsafe {
+            put(
+                ip.cast::<[u8; 8]>(),
+                &[0x60, 0, 0, 0, len[0], len[1], PROTO_TCP, 64],
+            );
+            put(ip.add(8).cast::<[u8; 16]>(), src);
+            put(ip.add(24).cast::<[u8; 16]>(), dst);
+        }
+        csum::words(src)
+            + csum::words(dst)
+            + u64::from(u16::from_ne_bytes([0, PROTO_TCP]))
+            + u64::from(u16::from_ne_bytes(len))
     }
 }

@@ -10,7 +10,7 @@
 
 use crate::{
     csum,
-    family::{Family, V4},
+    family::Family,
     forward::send,
     halfopen,
     maps::{bump, put, BACKENDS, BACKEND_STATS, SCRATCH},
@@ -32,11 +32,7 @@ use aya_ebpf::{
 use huddle_common::{flow_flags, Config, HalfOpen, SynCopy, MAX_SYN_RETRIES, PROTO_TCP, SYN_OPTS};
 
 const ETH_LEN: usize = 14;
-const IP_LEN: usize = 20;
 const TCP_LEN: usize = 20;
-/// Where TCP options start in a frame with a 20-byte IP header (the only
-/// kind `parse` lets through).
-const OPTS_AT: usize = ETH_LEN + IP_LEN + TCP_LEN;
 
 /// Keeps what a retry needs of the client's SYN `p` in `syn`; `retries`
 /// is how many backends this connection has tried after its first.
@@ -123,7 +119,7 @@ pub fn plan<F: Family>(cfg: &Config) -> *mut HalfOpen {
 /// send it. Dropped only if the packet cannot be resized (the client's own
 /// retransmission then reaches the new backend).
 #[inline(never)]
-pub fn resend(ctx: &XdpContext, cfg: &Config, slot: *mut HalfOpen) -> u32 {
+pub fn resend<F: Family>(ctx: &XdpContext, cfg: &Config, slot: *mut HalfOpen) -> u32 {
     // SAFETY: a map value pointer from `plan`, valid for this run.
     let s = unsafe { &mut *slot };
     let id = s.flow.backend;
@@ -134,7 +130,7 @@ pub fn resend(ctx: &XdpContext, cfg: &Config, slot: *mut HalfOpen) -> u32 {
     if opt_len > SYN_OPTS {
         return xdp_action::XDP_DROP;
     }
-    let want = (OPTS_AT + opt_len) as i32;
+    let want = (F::OPTS_AT + opt_len) as i32;
     // SAFETY: plain helper calls (the verifier allows no arithmetic on the
     // packet's end pointer, so the length comes from the kernel).
     let have = unsafe { bpf_xdp_get_buff_len(ctx.ctx.cast()) } as i32;
@@ -154,22 +150,16 @@ pub fn resend(ctx: &XdpContext, cfg: &Config, slot: *mut HalfOpen) -> u32 {
         return xdp_action::XDP_DROP;
     }
     let (data, end) = (ctx.data(), ctx.data_end());
-    if data + OPTS_AT > end {
+    if data + F::OPTS_AT > end {
         return xdp_action::XDP_DROP;
     }
-    let src = *nat::snat_addr(cfg, s.flow.snat);
-    let dst = backend.addr;
-    let tot_len = ((IP_LEN + TCP_LEN + opt_len) as u16).to_be_bytes();
+    let tcp_len = (TCP_LEN + opt_len) as u16;
     let ip = (data + ETH_LEN) as *mut u8;
-    let tcp = (data + ETH_LEN + IP_LEN) as *mut u8;
+    let tcp = (data + ETH_LEN + F::IP_LEN) as *mut u8;
     let sport = s.flow.nat_port_be.to_ne_bytes();
     let dport = backend.port_be.to_ne_bytes();
     let seq = s.syn.isn.to_be_bytes();
     let window = s.syn.window_be.to_ne_bytes();
-    let iph: [u8; IP_LEN] = [
-        0x45, 0, tot_len[0], tot_len[1], 0, 0, 0x40, 0, 64, PROTO_TCP, 0, 0, src[0], src[1],
-        src[2], src[3], dst[0], dst[1], dst[2], dst[3],
-    ];
     let tcph: [u8; TCP_LEN] = [
         sport[0],
         sport[1],
@@ -183,7 +173,7 @@ pub fn resend(ctx: &XdpContext, cfg: &Config, slot: *mut HalfOpen) -> u32 {
         0,
         0,
         0,
-        (((TCP_LEN + opt_len) / 4) as u8) << 4,
+        ((tcp_len / 4) as u8) << 4,
         TCP_SYN,
         window[0],
         window[1],
@@ -192,41 +182,37 @@ pub fn resend(ctx: &XdpContext, cfg: &Config, slot: *mut HalfOpen) -> u32 {
         0,
         0,
     ];
-    // Pseudo header: addresses, protocol and TCP length; then the header
-    // and the options.
-    let mut l4_sum = csum::words(&[
-        src[0], src[1], src[2], src[3], dst[0], dst[1], dst[2], dst[3], 0, PROTO_TCP,
-    ]) + u64::from(u16::from_ne_bytes(
-        ((TCP_LEN + opt_len) as u16).to_be_bytes(),
-    )) + csum::words(&tcph);
-    let mut i = 0;
-    while i < SYN_OPTS / 2 {
-        if 2 * i < opt_len {
-            l4_sum += u64::from(u16::from_ne_bytes([
-                s.syn.opts[2 * i],
-                s.syn.opts[2 * i + 1],
-            ]));
-        }
-        i += 1;
-    }
-    // SAFETY: the 54 bytes of Ethernet, IP and TCP header were checked to
-    // lie inside the packet just above.
+    // SAFETY: the Ethernet, IP and TCP headers were checked to lie inside
+    // the packet just above.
     unsafe {
         // The frame may start elsewhere now: its EtherType too (the
         // addresses are `send`'s).
-        put(ip.sub(2).cast::<[u8; 2]>(), &0x0800u16.to_be_bytes());
-        put(ip.cast::<[u8; IP_LEN]>(), &iph);
+        put(ip.sub(2).cast::<[u8; 2]>(), &F::ETHERTYPE);
+        // Pseudo header (from the IP header), the TCP header, the options.
+        let mut l4_sum = F::syn_ip(
+            ip,
+            F::narrow(nat::snat_addr(cfg, s.flow.snat)),
+            F::narrow(&backend.addr),
+            tcp_len,
+        ) + csum::words(&tcph);
+        let mut i = 0;
+        while i < SYN_OPTS / 2 {
+            if 2 * i < opt_len {
+                l4_sum += u64::from(u16::from_ne_bytes([
+                    s.syn.opts[2 * i],
+                    s.syn.opts[2 * i + 1],
+                ]));
+            }
+            i += 1;
+        }
         put(tcp.cast::<[u8; TCP_LEN]>(), &tcph);
-        ip.add(10)
-            .cast::<u16>()
-            .write_unaligned(csum::apply(0xffff, csum::words(&iph)));
         tcp.add(16)
             .cast::<u16>()
             .write_unaligned(csum::apply(0xffff, l4_sum));
         if opt_len > 0
             && bpf_xdp_store_bytes(
                 ctx.ctx.cast(),
-                OPTS_AT as u32,
+                F::OPTS_AT as u32,
                 s.syn.opts.as_mut_ptr().cast(),
                 opt_len as u32,
             ) != 0
@@ -236,18 +222,18 @@ pub fn resend(ctx: &XdpContext, cfg: &Config, slot: *mut HalfOpen) -> u32 {
     }
     // `store_bytes` changed packet data: fresh pointers.
     let (data, end) = (ctx.data(), ctx.data_end());
-    if data + OPTS_AT > end {
+    if data + F::OPTS_AT > end {
         return xdp_action::XDP_DROP;
     }
-    let p: Packet<V4> = Packet {
+    let p: Packet<F> = Packet {
         eth: data as *mut _,
         ip: (data + ETH_LEN) as *mut _,
-        l4: (data + ETH_LEN + IP_LEN) as *mut u8,
+        l4: (data + ETH_LEN + F::IP_LEN) as *mut u8,
         proto: PROTO_TCP,
         sport,
         dport,
         tcp_flags: TCP_SYN,
-        tot_len: (IP_LEN + TCP_LEN + opt_len) as u16,
+        tot_len: (F::IP_LEN as u16) + tcp_len,
         payload_len: 0,
         seq: s.syn.isn,
         ack: 0,

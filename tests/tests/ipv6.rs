@@ -14,10 +14,20 @@ const HUDDLE: &str = env!("CARGO_BIN_EXE_hc-huddle");
 const BACKEND: &str = env!("CARGO_BIN_EXE_hc-backend");
 
 fn check(mode: &str, vip_port: u16, peer_ip: std::net::Ipv6Addr) {
+    check_with(mode, vip_port, peer_ip, None);
+}
+
+/// `killed`: that backend's server is killed first (its kernel refuses
+/// connections) and rotation is off, so every third connection meets it.
+fn check_with(mode: &str, vip_port: u16, peer_ip: std::net::Ipv6Addr, killed: Option<usize>) {
     require_root();
-    let mut bed = Testbed::plain(&format!("v6{mode}"), 3).expect("build testbed");
+    let tag = if killed.is_some() { "v6kill" } else { mode };
+    let mut bed = Testbed::plain(&format!("v6{tag}"), 3).expect("build testbed");
     bed.start_backends(Path::new(BACKEND))
         .expect("start backends");
+    if let Some(i) = killed {
+        bed.signal_backend(i, libc::SIGKILL);
+    }
     if mode != "snat" {
         for ns in &bed.backends {
             ns.ip(&["-6", "addr", "add", &format!("{VIP6}/128"), "dev", "lo"])
@@ -83,7 +93,11 @@ fn check(mode: &str, vip_port: u16, peer_ip: std::net::Ipv6Addr) {
     )
     .unwrap();
     let config = config.display().to_string();
-    bed.start_huddle(Path::new(HUDDLE), &["--config", &config])
+    let mut args = vec!["--config", &config];
+    if killed.is_some() {
+        args.push("--no-rotation");
+    }
+    bed.start_huddle(Path::new(HUDDLE), &args)
         .expect("start huddle");
     let (counts, peers, failures) = whoami(&bed.client, vip, 300);
     let st = bed.status().unwrap();
@@ -98,6 +112,14 @@ fn check(mode: &str, vip_port: u16, peer_ip: std::net::Ipv6Addr) {
         "failed requests: {failures:?}\n{}",
         bed.huddle_log()
     );
+    if let Some(i) = killed {
+        assert_eq!(counts.len(), 2, "the killed backend served: {counts:?}");
+        let b = &st.services[0].backends[i];
+        let (refused, retried) = (b.counters["refused"], b.counters["retried_refused"]);
+        println!("IPv6: backend {i} refused {refused} SYNs, {retried} retried on another");
+        assert!(retried >= 50, "{refused} refused, {retried} retried");
+        return;
+    }
     assert_eq!(counts.len(), 3, "every backend must serve: {counts:?}");
     for p in &peers {
         let ip = p
@@ -166,4 +188,9 @@ fn ipv6_l2_dsr_backends_see_the_client() {
 #[test]
 fn ipv6_in_ipv6_dsr_with_the_agents_decap_serves_every_request() {
     check("dsr-ipip", HTTP_PORT, CLIENT_IP6);
+}
+
+#[test]
+fn ipv6_connections_a_killed_backend_refuses_are_retried_on_another() {
+    check_with("snat", 80, LB_IP6, Some(1));
 }

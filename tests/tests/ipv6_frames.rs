@@ -5,12 +5,15 @@
 //! IPv6-in-IPv6 one carries the client's packet after an outer header (or,
 //! too big for the path once wrapped, is answered with "packet too big"),
 //! ICMPv6 errors about a source-NATed flow reach its client translated,
-//! and what the program does not parse (extension headers) passes
+//! a backend's refusal of a SYN is rebuilt into that SYN toward another
+//! backend, and what the program does not parse (extension headers) passes
 //! untouched.
 
 use huddle_user::{
     config::{Mode, PortRange, Proto, Service},
-    packet::{checksums6_valid, icmp6_checksum_valid, icmp6_error, tcp6, ACK, PSH, SYN},
+    packet::{
+        checksums6_valid, icmp6_checksum_valid, icmp6_error, tcp6, tcp6_options, ACK, PSH, RST, SYN,
+    },
     prog_run::{mac_of6, ProgRun, BALANCER_MAC},
 };
 use std::net::{Ipv6Addr, SocketAddr};
@@ -324,4 +327,74 @@ fn icmpv6_errors_about_a_translated_flow_reach_its_client_translated_back() {
         assert_eq!((verdict, &out), (XDP_PASS, &f));
     }
     assert_eq!(env.dp.global_stats().unwrap().icmp_translated, 2);
+}
+
+/// MSS 1440, SACK permitted, timestamps, NOP, window scale 7.
+const SYN_OPTIONS: [u8; 20] = [
+    2, 4, 0x05, 0xa0, 4, 2, 8, 10, 0, 1, 0xe2, 0x40, 0, 0, 0, 0, 1, 3, 3, 7,
+];
+
+#[test]
+fn a_refused_ipv6_syn_goes_to_another_backend_with_its_options() {
+    let env = env("v6-retry");
+    let client_macs = (mac_of6(CLIENT), BALANCER_MAC);
+    let syn = tcp6_options(
+        (CLIENT, 45000),
+        (VIP, 80),
+        (SYN, 5000, 0),
+        &SYN_OPTIONS,
+        &[],
+        client_macs,
+    );
+    let (verdict, out) = env.run(&syn).unwrap();
+    assert_eq!(verdict, XDP_TX);
+    let b1 = by_mac(&out);
+    let port1 = u16::from_be_bytes([out[54], out[55]]);
+    let refusal = |b: Ipv6Addr, port: u16| {
+        tcp6(
+            (b, 8080),
+            (SNAT, port),
+            (RST | ACK, 0, 5001),
+            &[],
+            (mac_of6(b), BALANCER_MAC),
+        )
+    };
+    // b1 refuses: the RST comes back out as the client's SYN, byte for
+    // byte, toward another backend from a NAT tuple of its own.
+    let (verdict, out) = env.run(&refusal(b1, port1)).unwrap();
+    assert_eq!(verdict, XDP_TX, "the refusal must be turned into a SYN");
+    let b2 = by_mac(&out);
+    assert_ne!(b2, b1, "retried on the backend that refused");
+    let port2 = u16::from_be_bytes([out[54], out[55]]);
+    let want = tcp6_options(
+        (SNAT, port2),
+        (b2, 8080),
+        (SYN, 5000, 0),
+        &SYN_OPTIONS,
+        &[],
+        (BALANCER_MAC, mac_of6(b2)),
+    );
+    assert_eq!(out, want, "the rebuilt SYN");
+    assert!(checksums6_valid(&out));
+    // The refusing backend's tuple is forgotten; b2's SYN-ACK reaches the
+    // client from the VIP.
+    let (verdict, _) = env.run(&refusal(b1, port1)).unwrap();
+    assert_eq!(verdict, XDP_PASS);
+    let synack = tcp6(
+        (b2, 8080),
+        (SNAT, port2),
+        (SYN | ACK, 300, 5001),
+        &[],
+        (mac_of6(b2), BALANCER_MAC),
+    );
+    let (verdict, out) = env.run(&synack).unwrap();
+    assert_eq!(verdict, XDP_TX);
+    let want = tcp6(
+        (VIP, 80),
+        (CLIENT, 45000),
+        (SYN | ACK, 300, 5001),
+        &[],
+        (BALANCER_MAC, mac_of6(CLIENT)),
+    );
+    assert_eq!(out, want, "the new backend's SYN-ACK, as from the VIP");
 }

@@ -332,8 +332,8 @@ pub fn icmp_checksums_valid(frame: &[u8]) -> bool {
         && checksum(&frame[ETH_LEN + IP_LEN..], 0) == 0
 }
 
-/// An IPv6 TCP frame (no extension headers, hop limit 64) with a valid
-/// checksum; Ethernet addresses `macs` (source, destination).
+/// An IPv6 TCP frame (no extension headers, hop limit 64, window 64240)
+/// with a valid checksum; Ethernet addresses `macs` (source, destination).
 #[must_use]
 pub fn tcp6(
     src: (Ipv6Addr, u16),
@@ -342,7 +342,21 @@ pub fn tcp6(
     payload: &[u8],
     macs: ([u8; 6], [u8; 6]),
 ) -> Vec<u8> {
-    let l4_len = TCP_LEN + payload.len();
+    tcp6_options(src, dst, (flags, seq, ack), &[], payload, macs)
+}
+
+/// The same with TCP `options` (a multiple of 4 bytes).
+#[must_use]
+pub fn tcp6_options(
+    src: (Ipv6Addr, u16),
+    dst: (Ipv6Addr, u16),
+    (flags, seq, ack): (u8, u32, u32),
+    options: &[u8],
+    payload: &[u8],
+    macs: ([u8; 6], [u8; 6]),
+) -> Vec<u8> {
+    let doff = TCP_LEN + options.len();
+    let l4_len = doff + payload.len();
     let mut f = Vec::new();
     f.extend_from_slice(&macs.1);
     f.extend_from_slice(&macs.0);
@@ -356,9 +370,10 @@ pub fn tcp6(
     f.extend_from_slice(&dst.1.to_be_bytes());
     f.extend_from_slice(&seq.to_be_bytes());
     f.extend_from_slice(&(if flags & ACK != 0 { ack } else { 0 }).to_be_bytes());
-    f.extend_from_slice(&[(TCP_LEN as u8 / 4) << 4, flags]);
+    f.extend_from_slice(&[(doff as u8 / 4) << 4, flags]);
     f.extend_from_slice(&64240u16.to_be_bytes());
     f.extend_from_slice(&[0, 0, 0, 0]);
+    f.extend_from_slice(options);
     f.extend_from_slice(payload);
     let sum = l4_checksum6(&f);
     let off = ETH_LEN + 40 + 16;
