@@ -82,7 +82,13 @@ pub mod maps {
     pub const SWEPT: &str = "SWEPT";
 
     /// Every map the control plane opens, for checks against the object.
-    pub const ALL: [&str; 22] = [
+    /// `Array<u64>` (mmapable) of two Maglev lookup tables per service,
+    /// `maglev_table_size` backend ids each (16 bits, four to an element;
+    /// `MAGLEV_EMPTY`: none), entry `ring_slot(service, gen) * size + i`:
+    /// written by the control plane with the ring, in the same double
+    /// buffer.
+    pub const MAGLEV: &str = "MAGLEV";
+    pub const ALL: [&str; 23] = [
         SERVICES,
         SERVICES6,
         TAILS,
@@ -105,6 +111,7 @@ pub mod maps {
         CONNECT,
         TUNING,
         SWEPT,
+        MAGLEV,
     ];
 }
 
@@ -167,12 +174,33 @@ pub struct AgentTtfb {
 pub const MAX_SERVICES: u32 = 64;
 /// Backends over all services; a backend id indexes `BACKENDS`.
 pub const MAX_BACKENDS: u32 = 1024;
+const _: () = assert!(MAX_BACKENDS < MAGLEV_EMPTY as u32);
+
 /// Entries one ring can hold.
 pub const RING_CAPACITY: usize = 256;
 /// Flow table entries unless configured otherwise.
 pub const DEFAULT_FLOW_TABLE_SIZE: u32 = 131_072;
 /// Half-open table slots unless configured otherwise (a power of two).
 pub const DEFAULT_HALF_OPEN_SIZE: u32 = 65_536;
+/// Entries of a Maglev table unless configured otherwise (a prime; the
+/// paper's and Katran's).
+pub const DEFAULT_MAGLEV_SIZE: u32 = 65_537;
+/// Seed of the 5-tuple hash a Maglev table is indexed by: fixed, so every
+/// balancer sends the same new flow to the same backend.
+pub const MAGLEV_SEED: u64 = 0x6d61_676c_6576_0001;
+/// The MAGLEV map's flags: BPF_F_MMAPABLE, so the control plane writes a
+/// table of 65,537 entries as memory, not one syscall each.
+pub const MAGLEV_MAP_FLAGS: u32 = 1 << 10;
+/// A Maglev entry no backend holds.
+pub const MAGLEV_EMPTY: u16 = u16::MAX;
+/// Elements of the MAGLEV map for tables of `size` entries: two per
+/// service, four entries to an element (an array's elements take 8 bytes
+/// whatever their value's size: 16-bit ids, four to one, keep the map at
+/// a quarter of what one id per element would take).
+#[must_use]
+pub const fn maglev_elements(size: u32) -> u32 {
+    (size * MAX_SERVICES * 2).div_ceil(4)
+}
 /// A closing flow keeps its NAT port this long, so its last segments
 /// (final ACKs, retransmitted FINs) are still translated to it.
 pub const NAT_LINGER_NS: u64 = 2_000_000_000;
@@ -517,7 +545,10 @@ pub struct Tuning {
     /// has owed an answer for less time (least outstanding work, measured
     /// in time); 0: plain round robin.
     pub two_choices: u32,
-    pub _pad: u32,
+    /// Nonzero: new flows take the service's Maglev table of this many
+    /// entries (`MAGLEV`), indexed by a hash of the 5-tuple every balancer
+    /// computes alike; 0: the ring's round robin.
+    pub maglev_size: u32,
 }
 
 /// The NAT side of a half-open flow: slot `hash(key) & half_open_mask` of

@@ -17,6 +17,7 @@ mod forward;
 mod halfopen;
 mod icmp;
 mod icmp6;
+mod maglev;
 mod maps;
 mod nat;
 mod parse;

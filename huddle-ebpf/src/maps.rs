@@ -6,10 +6,11 @@ use aya_ebpf::{
     maps::{Array, HashMap, LruHashMap, PerCpuArray, ProgramArray},
 };
 use huddle_common::{
-    Backend, BackendStats, Config, FlowKey, FlowValue, GlobalStats, HalfOpen, HalfOpenNat, Latency,
-    NatCursor, NatKey, NatValue, NextHop, Pulse, Ring, ServiceKey, ServiceKey6, ServiceStats,
-    ServiceValue, Tuning, DEFAULT_FLOW_TABLE_SIZE, DEFAULT_HALF_OPEN_SIZE, MAX_BACKENDS,
-    MAX_SERVICES, MAX_SNAT,
+    maglev_elements, Backend, BackendStats, Config, FlowKey, FlowValue, GlobalStats, HalfOpen,
+    HalfOpenNat, Latency, NatCursor, NatKey, NatValue, NextHop, Pulse, Ring, ServiceKey,
+    ServiceKey6, ServiceStats, ServiceValue, Tuning, DEFAULT_FLOW_TABLE_SIZE,
+    DEFAULT_HALF_OPEN_SIZE, DEFAULT_MAGLEV_SIZE, MAGLEV_MAP_FLAGS, MAX_BACKENDS, MAX_SERVICES,
+    MAX_SNAT,
 };
 
 /// VIP:port/proto -> service id, and SNAT address -> its index. Written
@@ -25,6 +26,12 @@ pub static SERVICES6: HashMap<ServiceKey6, ServiceValue> =
 /// Slot 0: the IPv6 program, which the main one hands IPv6 frames to.
 #[map]
 pub static TAILS: ProgramArray = ProgramArray::with_max_entries(1, 0);
+
+/// Two Maglev tables per service (`huddle_common::maps::MAGLEV`); size
+/// set by the control plane.
+#[map]
+pub static MAGLEV: Array<u64> =
+    Array::with_max_entries(maglev_elements(DEFAULT_MAGLEV_SIZE), MAGLEV_MAP_FLAGS);
 
 /// Backend id -> address and port.
 #[map]

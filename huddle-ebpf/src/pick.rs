@@ -10,6 +10,7 @@
 //! times.
 
 use crate::{
+    maglev,
     maps::{bump, BACKEND_STATS, PULSE, TUNING},
     ring,
 };
@@ -24,7 +25,10 @@ pub const NONE: u32 = u32::MAX;
 /// (the first on a tie; with `Tuning::two_choices`), never `avoid` (the
 /// backend that just refused or ignored this connection), and passes over
 /// one that owes for longer than the limits; if both do, the next two
-/// entries are taken as they come. `NONE` when the ring is empty or offers
+/// entries are taken as they come. With Maglev (`Tuning::maglev_size`) the
+/// two entries are the flow's in the service's table, the first preferred
+/// (every balancer then picks alike), the second taken only when the first
+/// is `avoid` or owes too long. `NONE` when the ring is empty or offers
 /// only `avoid`.
 #[inline(never)]
 pub fn choose(service: u32, avoid: u32, now: u64) -> u32 {
@@ -33,7 +37,13 @@ pub fn choose(service: u32, avoid: u32, now: u64) -> u32 {
     };
     // SAFETY: a map value pointer, valid for this run.
     let limits = unsafe { &*limits };
-    let Some((a, b)) = ring::pick(service) else {
+    let maglev = limits.maglev_size != 0;
+    let entries = if maglev {
+        maglev::pick(service, limits.maglev_size)
+    } else {
+        ring::pick(service)
+    };
+    let Some((a, b)) = entries else {
         return NONE;
     };
     // Few live values: the call chain's stack is nearly full here.
@@ -52,7 +62,11 @@ pub fn choose(service: u32, avoid: u32, now: u64) -> u32 {
         }
         bump(&BACKEND_STATS, second, |s| s.skipped_owing += 1);
     }
-    // Both owe too long: the next two, as they come.
+    // Both owe too long: the flow's own entry, or the next two, as they
+    // come.
+    if maglev {
+        return if a != avoid { a } else { NONE };
+    }
     match ring::pick(service) {
         Some((a, _)) if a != avoid => a,
         Some((_, b)) if b != avoid => b,

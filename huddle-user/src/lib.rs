@@ -10,7 +10,7 @@ pub mod kernel;
 pub mod net;
 pub mod ops;
 
-pub use huddle::{rotation, state, thermal};
-pub use kernel::{bench, dataplane, decap, link, logs, object, packet, prog_run};
+pub use huddle::{maglev, rotation, state, thermal};
+pub use kernel::{bench, dataplane, decap, link, logs, mmap, object, packet, prog_run};
 pub use net::{agent, control, http, metrics, probe, scrape};
 pub use ops::{cli, config, daemon, host, netns, status, top};

@@ -474,7 +474,7 @@ impl ServiceHuddle {
             turn_skip_ns: turn.as_nanos() as u64,
             syn_skip_ns: syn.as_nanos() as u64,
             two_choices: 1,
-            _pad: 0,
+            maglev_size: 0,
         }
     }
 

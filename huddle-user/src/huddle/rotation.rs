@@ -540,22 +540,7 @@ mod tests {
         assert!(m.iter().all(|m| m.reason == Reason::WarmedUp));
     }
 
-    /// A tiny deterministic generator, so failures replay from the seed.
-    struct Rng(u64);
-    impl Rng {
-        fn next(&mut self) -> u64 {
-            self.0 ^= self.0 << 13;
-            self.0 ^= self.0 >> 7;
-            self.0 ^= self.0 << 17;
-            self.0
-        }
-        fn below(&mut self, n: u64) -> u64 {
-            self.next() % n
-        }
-        fn unit(&mut self) -> f64 {
-            (self.next() >> 11) as f64 / (1u64 << 53) as f64
-        }
-    }
+    use crate::huddle::test_rng::Rng;
 
     #[test]
     fn property_random_signals_never_break_the_rules() {

@@ -49,6 +49,8 @@ const HALF_OPEN_SLOTS: u32 = huddle_common::DEFAULT_HALF_OPEN_SIZE;
 /// VIP ports of the DSR services (their backends listen on the same).
 const L2_PORT: u16 = 8080;
 const IPIP_PORT: u16 = 9090;
+/// An L2 DSR service whose new flows take its Maglev table.
+const MAGLEV_PORT: u16 = 7070;
 
 fn bench_config(half_open: u32) -> Config {
     let service = |vip_port: u16, port: u16, mode: Mode| {
@@ -78,6 +80,11 @@ fn bench_config(half_open: u32) -> Config {
             service(80, 8080, Mode::Snat),
             service(L2_PORT, L2_PORT, Mode::DsrL2),
             service(IPIP_PORT, IPIP_PORT, Mode::DsrIpip),
+            {
+                let mut s = service(MAGLEV_PORT, MAGLEV_PORT, Mode::DsrL2);
+                s.selection = crate::config::Selection::Maglev;
+                s
+            },
             service6(80, 8080, Mode::Snat),
             service6(L2_PORT, L2_PORT, Mode::DsrL2),
             service6(IPIP_PORT, IPIP_PORT, Mode::DsrIpip),
@@ -317,7 +324,7 @@ fn measure(args: &BenchArgs) -> Result<()> {
         }
     }
     // (name, program, runs, expected verdict)
-    let cases: [(&str, &Xdp, u32, u32); 16] = [
+    let cases: [(&str, &Xdp, u32, u32); 17] = [
         ("established flow", prog, args.calls, 3),
         ("new flow (SYN), half-open slots free", prog, new_calls, 3),
         (
@@ -337,10 +344,11 @@ fn measure(args: &BenchArgs) -> Result<()> {
         ("IPv6 dsr-l2 new flow (SYN)", prog, new_calls, 3),
         ("IPv6 dsr-ipip established flow", prog, args.calls, 3),
         ("IPv6 dsr-ipip new flow (SYN)", prog, new_calls, 3),
+        ("dsr-l2 Maglev new flow (SYN)", prog, new_calls, 3),
         ("minimal forwarder (swap+TX)", swap, args.calls, 3),
         ("XDP_PASS floor", pass, args.calls, 2),
     ];
-    let (fwd, floor_case) = (14, 15);
+    let (fwd, floor_case) = (15, 16);
     let mut results: Vec<Vec<f64>> = vec![Vec::new(); cases.len()];
     eprintln!(
         "timing {} runs per case ({new_calls} for new flows), {} rounds, pinned to CPU {} ...",
@@ -362,6 +370,7 @@ fn measure(args: &BenchArgs) -> Result<()> {
                 11 => new6(round * new_calls + n, L2_PORT),
                 12 => v6_established[2].clone(),
                 13 => new6(round * new_calls + n, IPIP_PORT),
+                14 => new_flow_to(round * new_calls + n, MAGLEV_PORT),
                 _ => established.clone(),
             };
             let ns = time_case(program, ifx, &mut frames, *calls, *want).with_context(|| {
@@ -374,7 +383,7 @@ fn measure(args: &BenchArgs) -> Result<()> {
             results[i].push(ns);
         }
     }
-    for id in 0..6 {
+    for id in 0..7 {
         let st = env.dp.service_stats(id)?;
         if st.drop_flow_table + st.drop_nat_ports != 0 {
             bail!("the tables refused new flows: {st:?}");

@@ -3,7 +3,9 @@
 //! reading counters.
 
 use crate::{
-    config::{Config, PortRange, Proto, Service, XdpMode},
+    config::{Config, PortRange, Proto, Selection, Service, XdpMode},
+    maglev,
+    mmap::MappedArray,
     object,
 };
 use anyhow::{bail, Context, Result};
@@ -22,7 +24,7 @@ use huddle_common::{
     ServiceKey6, ServiceStats, ServiceValue, Tuning, FAMILY_V4, FAMILY_V6, MAX_SNAT, PROGRAM6_NAME,
     PROGRAM_NAME, PROTO_UDP, RING_CAPACITY, SERVICE_KIND_SNAT, SERVICE_KIND_VIP,
 };
-use huddle_common::{MAX_BACKENDS, MAX_SERVICES};
+use huddle_common::{maglev_elements, MAGLEV_EMPTY, MAX_BACKENDS, MAX_SERVICES};
 use std::{
     collections::{HashMap as StdHashMap, HashSet},
     net::{IpAddr, Ipv4Addr, SocketAddr},
@@ -77,6 +79,21 @@ impl AttachedMode {
     }
 }
 
+/// The table members of `slot`'s ring `ring` (backend ids): each with
+/// its address and weight.
+fn members(slot: &ServiceSlot, ring: &[u32]) -> Vec<maglev::Member> {
+    ring.iter()
+        .filter_map(|id| {
+            let j = slot.backend_ids.iter().position(|b| b == id)?;
+            Some(maglev::Member {
+                id: *id,
+                addr: slot.service.backends[j],
+                weight: slot.service.options[j].weight,
+            })
+        })
+        .collect()
+}
+
 /// A service as programmed into the kernel.
 #[derive(Clone, Debug)]
 pub struct ServiceSlot {
@@ -121,6 +138,9 @@ pub struct Dataplane {
     connect: PerCpuArray<MapData, Latency>,
     pulse: Array<MapData, Pulse>,
     tuning: Array<MapData, Tuning>,
+    /// The Maglev tables, two per service (see `swap_ring`).
+    maglev: MappedArray,
+    pub maglev_size: u32,
     swept: Array<MapData, u64>,
     /// Handles of its own on the maps the idle sweep needs (see `Sweeper`).
     sweeper: Option<Sweeper>,
@@ -268,13 +288,18 @@ impl Dataplane {
             .map_max_entries(
                 maps::HALF_OPEN_NAT,
                 cfg.half_open_table_size.next_power_of_two(),
-            );
+            )
+            .map_max_entries(maps::MAGLEV, maglev_elements(cfg.maglev_table_size));
         let mut adopted = false;
         let mut fresh_cursors = true;
         if let Some(dir) = pins {
             std::fs::create_dir_all(dir)
                 .with_context(|| format!("creating the pin folder {}", dir.display()))?;
-            check_pinned_layouts(dir, cfg.half_open_table_size.next_power_of_two())?;
+            check_pinned_layouts(
+                dir,
+                cfg.half_open_table_size.next_power_of_two(),
+                maglev_elements(cfg.maglev_table_size),
+            )?;
             adopted = dir.join(maps::FLOWS).exists();
             fresh_cursors = !dir.join(maps::NAT_CURSOR).exists();
             for name in maps::ALL {
@@ -373,7 +398,15 @@ impl Dataplane {
             swept: Array::try_from(reopen(&ebpf, maps::SWEPT)?)?,
             snat_addrs,
         };
+        let maglev = match ebpf.take_map(maps::MAGLEV) {
+            Some(aya::maps::Map::Array(data)) => {
+                MappedArray::new(data, maglev_elements(cfg.maglev_table_size) as usize * 4)?
+            }
+            _ => bail!("map {} missing from the XDP object", maps::MAGLEV),
+        };
         let mut dp = Dataplane {
+            maglev,
+            maglev_size: cfg.maglev_table_size,
             services_map: take(&mut ebpf, maps::SERVICES)?,
             services_map6: take(&mut ebpf, maps::SERVICES6)?,
             backends_map: take(&mut ebpf, maps::BACKENDS)?,
@@ -646,9 +679,14 @@ impl Dataplane {
                 generation,
                 last_swap: last_swaps.get(&sid).copied(),
             });
-            if first != actual {
+            // A Maglev table is written afresh every time: the selection or
+            // a weight may have changed, or the map been made anew.
+            if first != actual || service.selection == Selection::Maglev {
                 self.swap_ring(self.services.len() - 1, &first)?;
             }
+            // The selection is in the pass-over limits, which keep theirs.
+            let limits = self.tuning.get(&sid, 0).unwrap_or_default();
+            self.set_tuning(sid, limits)?;
             let value = ServiceValue {
                 id: sid,
                 flags: service.mode.number(),
@@ -818,6 +856,16 @@ impl Dataplane {
             ring.members[w] |= 1 << (id % 64);
         }
         let next = slot.generation + 1;
+        if slot.service.selection == Selection::Maglev {
+            let table: Vec<u16> = maglev::table(&members(slot, backends), self.maglev_size)
+                .into_iter()
+                .map(|id| u16::try_from(id).unwrap_or(MAGLEV_EMPTY))
+                .collect();
+            let at = ring_slot(slot.id, next) as usize * self.maglev_size as usize;
+            self.maglev
+                .write(at, &table)
+                .context("writing the idle Maglev table")?;
+        }
         self.rings
             .set(ring_slot(slot.id, next), ring, 0)
             .context("writing the idle ring slot")?;
@@ -829,6 +877,27 @@ impl Dataplane {
         slot.ring = backends.to_vec();
         slot.last_swap = Some(Instant::now());
         Ok(())
+    }
+
+    /// Service `index`'s live Maglev table (empty for round robin).
+    pub fn maglev_table(&self, index: usize) -> Result<Vec<u32>> {
+        let slot = &self.services[index];
+        if slot.service.selection != Selection::Maglev {
+            return Ok(Vec::new());
+        }
+        let at = ring_slot(slot.id, slot.generation) as usize * self.maglev_size as usize;
+        Ok(self
+            .maglev
+            .read(at, self.maglev_size as usize)?
+            .into_iter()
+            .map(|id| {
+                if id == MAGLEV_EMPTY {
+                    maglev::EMPTY
+                } else {
+                    u32::from(id)
+                }
+            })
+            .collect())
     }
 
     /// Sum over CPUs of one backend's counters; `flows_closed` includes
@@ -896,7 +965,19 @@ impl Dataplane {
 
     /// Sets how long a backend of service `id` may owe an answer before
     /// new flows pass it over.
-    pub fn set_tuning(&mut self, id: u32, t: Tuning) -> Result<()> {
+    /// Writes service `id`'s pass-over limits; its selection (Maglev or
+    /// two choices of the ring) is the service's own.
+    pub fn set_tuning(&mut self, id: u32, mut t: Tuning) -> Result<()> {
+        if self
+            .services
+            .iter()
+            .any(|s| s.id == id && s.service.selection == Selection::Maglev)
+        {
+            t.maglev_size = self.maglev_size;
+            t.two_choices = 0;
+        } else {
+            t.maglev_size = 0;
+        }
         Ok(self.tuning.set(id, t, 0)?)
     }
 
@@ -930,7 +1011,8 @@ impl Dataplane {
 /// them out differently: settings, caches, counters and handshakes in
 /// flight (their clients resend the SYN). Flows, NAT entries, services,
 /// backends and rings must carry over, or a restart would misroute.
-const RECREATABLE: [&str; 13] = [
+const RECREATABLE: [&str; 14] = [
+    maps::MAGLEV,
     maps::CONFIG,
     maps::TAILS,
     maps::HALF_OPEN,
@@ -951,7 +1033,7 @@ const RECREATABLE: [&str; 13] = [
 /// program masks hashes with it). A recreatable one laid out otherwise is
 /// unpinned (made afresh by the load); any other mismatch is refused with
 /// what to do, rather than left to fail in the verifier.
-fn check_pinned_layouts(dir: &Path, half_open: u32) -> Result<()> {
+fn check_pinned_layouts(dir: &Path, half_open: u32, maglev: u32) -> Result<()> {
     let obj = aya_obj::Object::parse(object::HUDDLE).context("parsing the embedded object")?;
     for name in maps::ALL {
         let pin = dir.join(name);
@@ -963,10 +1045,14 @@ fn check_pinned_layouts(dir: &Path, half_open: u32) -> Result<()> {
         };
         let have = aya::maps::MapInfo::from_pin(&pin)
             .with_context(|| format!("reading the pinned map {}", pin.display()))?;
-        let sized = [maps::HALF_OPEN, maps::HALF_OPEN_NAT].contains(&name);
+        let size = match name {
+            maps::HALF_OPEN | maps::HALF_OPEN_NAT => Some(half_open),
+            maps::MAGLEV => Some(maglev),
+            _ => None,
+        };
         if have.key_size() == want.key_size()
             && have.value_size() == want.value_size()
-            && (!sized || have.max_entries() == half_open)
+            && size.is_none_or(|n| have.max_entries() == n)
         {
             continue;
         }

@@ -7,6 +7,7 @@ pub mod dataplane;
 pub mod decap;
 pub mod link;
 pub mod logs;
+pub mod mmap;
 pub mod object;
 pub mod packet;
 pub mod prog_run;

@@ -40,6 +40,7 @@ pub fn config(
         nat_ports,
         flow_table_size,
         half_open_table_size,
+        maglev_table_size: huddle_common::DEFAULT_MAGLEV_SIZE,
         control_socket: "/dev/null".into(),
         pin_dir: None,
         state_file: "/dev/null".into(),
@@ -68,6 +69,11 @@ fn mac_str(m: [u8; 6]) -> String {
         .map(|b| format!("{b:02x}"))
         .collect::<Vec<_>>()
         .join(":")
+}
+
+thread_local! {
+    /// The namespace of the `ProgRun` this thread entered last.
+    static ENTERED: std::cell::RefCell<String> = const { std::cell::RefCell::new(String::new()) };
 }
 
 /// A namespace with the balancer's interface and the program loaded.
@@ -121,6 +127,7 @@ impl ProgRun {
             ns.sysctl(&format!("net.ipv6.conf.{IFACE}.forwarding"), "1")?;
         }
         ns.enter()?;
+        ENTERED.with(|e| e.replace(ns.name.clone()));
         let ifindex = crate::host::ifindex(IFACE)?;
         let snat = if cfg.snat_ips.is_empty() {
             vec![BALANCER_IP]
@@ -148,7 +155,13 @@ impl ProgRun {
     }
 
     /// Runs the balancer program once on `frame`: (verdict, output frame).
+    /// The run happens in this environment's namespace (its FIB answers
+    /// the program), entered first if the thread is in another one's.
     pub fn run(&self, frame: &[u8]) -> Result<(u32, Vec<u8>)> {
+        if ENTERED.with(|e| *e.borrow() != self.ns.name) {
+            self.ns.enter()?;
+            ENTERED.with(|e| e.replace(self.ns.name.clone()));
+        }
         let (verdict, out, _) = test_run(self.dp.program()?, frame, self.ifindex)?;
         Ok((verdict, out))
     }

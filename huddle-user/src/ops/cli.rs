@@ -227,6 +227,9 @@ struct RunArgs {
     /// How --vip's packets reach its backends.
     #[arg(long, value_enum)]
     mode: Option<crate::config::Mode>,
+    /// How --vip's new flows pick a backend.
+    #[arg(long, value_enum)]
+    selection: Option<crate::config::Selection>,
     /// Outer source addresses of dsr-ipip packets, ADDR/LEN (default: the
     /// interface's address).
     #[arg(long)]
@@ -300,9 +303,11 @@ impl RunArgs {
                 backends: this.backends.into_iter().map(BackendEntry::Addr).collect(),
                 udp_idle_ms: None,
                 mode: this.mode,
+                selection: this.selection,
             }),
             (None, false) => bail!("--backend given without --vip"),
             (None, true) if this.mode.is_some() => bail!("--mode given without --vip"),
+            (None, true) if this.selection.is_some() => bail!("--selection given without --vip"),
             (None, true) => {}
         }
         let what = this.config.as_ref().map_or_else(

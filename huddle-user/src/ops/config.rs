@@ -89,6 +89,33 @@ impl Mode {
     }
 }
 
+/// How a service picks the backend of a new flow.
+#[derive(
+    Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Deserialize, serde::Serialize, clap::ValueEnum,
+)]
+#[serde(rename_all = "snake_case")]
+pub enum Selection {
+    /// The inner ring in turn, passing over a backend that owes an answer
+    /// too long, and of two entries the one owing for less time: the best
+    /// spread one balancer can make alone.
+    #[default]
+    #[value(name = "round_robin")]
+    RoundRobin,
+    /// Maglev consistent hashing over the inner ring: every balancer
+    /// sends the same new flow to the same backend, and a flow a router
+    /// moves to another balancer keeps its backend.
+    Maglev,
+}
+
+impl fmt::Display for Selection {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Selection::RoundRobin => "round_robin",
+            Selection::Maglev => "maglev",
+        })
+    }
+}
+
 impl fmt::Display for Mode {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(match self {
@@ -343,6 +370,8 @@ pub struct ServiceFile {
     pub udp_idle_ms: Option<u64>,
     /// `"snat"` (default), `"dsr-l2"` or `"dsr-ipip"`.
     pub mode: Option<Mode>,
+    /// `"round_robin"` (default) or `"maglev"`.
+    pub selection: Option<Selection>,
 }
 
 /// The whole file.
@@ -368,6 +397,8 @@ pub struct ConfigFile {
     pub nat_ports: Option<PortRange>,
     /// Entries in the flow table (and in the NAT table).
     pub flow_table_size: Option<u32>,
+    /// Entries of each Maglev table (a prime; default 65,537).
+    pub maglev_table_size: Option<u32>,
     /// Slots in the half-open table (TCP flows before the client's ACK),
     /// rounded up to a power of two.
     pub half_open_table_size: Option<u32>,
@@ -403,6 +434,7 @@ pub struct Service {
     /// removed (see `ServiceFile::udp_idle_ms`).
     pub udp_idle: Duration,
     pub mode: Mode,
+    pub selection: Selection,
 }
 
 /// What the huddle knows about a backend beyond its address.
@@ -476,6 +508,7 @@ impl Service {
             options,
             udp_idle: DEFAULT_UDP_IDLE,
             mode: Mode::Snat,
+            selection: Selection::RoundRobin,
         }
     }
 
@@ -500,6 +533,7 @@ pub struct Config {
     pub nat_ports: PortRange,
     pub flow_table_size: u32,
     pub half_open_table_size: u32,
+    pub maglev_table_size: u32,
     pub control_socket: PathBuf,
     /// `None`: the default for the interface (see `host::default_pin_dir`).
     pub pin_dir: Option<PathBuf>,
@@ -510,6 +544,10 @@ pub struct Config {
 }
 
 pub const MIN_FLOW_TABLE: u32 = 1024;
+/// Bounds of `maglev_table_size`: every service has two tables of it
+/// (the MAGLEV map holds 128 x this many ids, 64 MiB at the top).
+pub const MIN_MAGLEV: u32 = 251;
+pub const MAX_MAGLEV: u32 = 131_071;
 pub const MAX_FLOW_TABLE: u32 = 1 << 24;
 
 /// Default control socket for an interface.
@@ -598,6 +636,16 @@ impl ConfigFile {
         }
         // Slots are found by masking a hash: a power of two.
         let half_open_table_size = half_open_table_size.next_power_of_two();
+        let maglev_table_size = self
+            .maglev_table_size
+            .unwrap_or(huddle_common::DEFAULT_MAGLEV_SIZE);
+        if !(MIN_MAGLEV..=MAX_MAGLEV).contains(&maglev_table_size)
+            || !crate::maglev::is_prime(maglev_table_size)
+        {
+            bail!(
+                "maglev_table_size: {maglev_table_size} must be a prime in {MIN_MAGLEV}..={MAX_MAGLEV} (e.g. 65537), and at least 100 times a service's backends for an even spread"
+            );
+        }
         let nat_ports = self.nat_ports.unwrap_or(DEFAULT_NAT_PORTS);
         if nat_ports.max - nat_ports.min < 255 {
             bail!("nat_ports: {nat_ports} leaves fewer than 256 ports per backend");
@@ -743,6 +791,7 @@ impl ConfigFile {
                 options,
                 udp_idle,
                 mode,
+                selection: s.selection.unwrap_or_default(),
             });
         }
         if total_backends > MAX_BACKENDS as usize {
@@ -804,6 +853,7 @@ impl ConfigFile {
             nat_ports,
             flow_table_size,
             half_open_table_size,
+            maglev_table_size,
             pin_dir: self.pin_dir,
             state_file,
             detach_on_exit: self.detach_on_exit.unwrap_or(false),
@@ -1061,6 +1111,8 @@ backends = ["10.213.0.11:5353"]
             ("[[service]]\nvip = \"[::1]:80\"\nbackends = [\"[fd00::2]:80\"]\n", "routable"),
             ("[[service]]\nvip = \"10.0.0.1:80\"\nbackends = [\"10.0.0.2:80\"]\n[[service]]\nvip = \"10.0.0.1:80/tcp\"\nbackends = [\"10.0.0.3:80\"]\n", "service[1].vip: 10.0.0.1:80/tcp is configured twice"),
             ("flow_table_size = 10\n[[service]]\nvip = \"10.0.0.1:80\"\nbackends = [\"10.0.0.2:80\"]\n", "flow_table_size"),
+            ("maglev_table_size = 65536\n[[service]]\nvip = \"10.0.0.1:80\"\nbackends = [\"10.0.0.2:80\"]\n", "maglev_table_size: 65536 must be a prime"),
+            ("[[service]]\nvip = \"10.0.0.1:80\"\nselection = \"hash\"\nbackends = [\"10.0.0.2:80\"]\n", "unknown variant `hash`"),
             ("", "no service configured"),
             ("[huddle]\ncool = 0.6\n[[service]]\nvip = \"10.0.0.1:80\"\nbackends = [\"10.0.0.2:80\"]\n", "huddle.cool: 0.6 must be below huddle.heat"),
             ("[huddle]\ntick_ms = 0\n[[service]]\nvip = \"10.0.0.1:80\"\nbackends = [\"10.0.0.2:80\"]\n", "huddle.tick_ms"),

@@ -154,6 +154,10 @@ impl Balancer {
                 "flow_table_size",
                 old.flow_table_size == new.flow_table_size,
             ),
+            (
+                "maglev_table_size",
+                old.maglev_table_size == new.maglev_table_size,
+            ),
             ("xdp_mode", old.xdp_mode == new.xdp_mode),
             ("pin_dir", old.pin_dir == new.pin_dir),
             ("control_socket", old.control_socket == new.control_socket),
@@ -641,6 +645,7 @@ impl Balancer {
             let tuning = self.tuned.get(&slot.id).copied().unwrap_or_default();
             services.push(ServiceStatus {
                 mode: slot.service.mode.to_string(),
+                selection: slot.service.selection.to_string(),
                 rotation: h.rotation,
                 panic: h.engine.panic,
                 ring_generation: slot.generation,

@@ -41,6 +41,9 @@ pub struct ServiceStatus {
     /// "snat", "dsr-l2" or "dsr-ipip".
     #[serde(default)]
     pub mode: String,
+    /// "round_robin" or "maglev".
+    #[serde(default)]
+    pub selection: String,
     /// False: plain round robin over every (undrained) backend.
     pub rotation: bool,
     /// Too few healthy backends: the least hot unhealthy ones are kept.
@@ -151,9 +154,14 @@ impl Status {
         for s in &self.services {
             let _ = writeln!(
                 out,
-                "\nservice {} ({})  ring generation {}  rotation {}{}",
+                "\nservice {} ({}, {})  ring generation {}  rotation {}{}",
                 s.name,
                 if s.mode.is_empty() { "snat" } else { &s.mode },
+                if s.selection.is_empty() {
+                    "round_robin"
+                } else {
+                    &s.selection
+                },
                 s.ring_generation,
                 if s.rotation { "on" } else { "off" },
                 if s.panic {
