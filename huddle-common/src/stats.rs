@@ -112,6 +112,10 @@ counters!(
         /// client's ACK came (under a flood; or a handshake abandoned
         /// earlier, whose slot was still marked taken).
         half_open_lost,
+        /// Segments of TCP connections this balancer never saw open (the
+        /// router moved them from another balancer), given the Maglev
+        /// table's backend in a DSR service, and their flow made here.
+        taken_over,
     }
 );
 

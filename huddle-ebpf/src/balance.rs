@@ -14,7 +14,7 @@ use crate::{
     halfopen,
     maps::{
         bump, global, put, Scratch, BACKENDS, BACKEND_STATS, CONFIG, FLOWS, NAT, SCRATCH,
-        SERVICE_STATS,
+        SERVICE_STATS, TUNING,
     },
     nat,
     parse::{Packet, TCP_ACK, TCP_FIN, TCP_RST, TCP_SYN},
@@ -260,6 +260,14 @@ fn handshake<F: Family>(
     }
     let Some(slot) = halfopen::find(cfg, &sc.nval.flow) else {
         if tcp {
+            // A segment of a connection another balancer opened (the
+            // router moved it here): with Maglev this balancer picks the
+            // backend that one did, and the flow carries on. Only in DSR,
+            // where the backend sees the client's own address.
+            if dsr && maglev(service) {
+                bump(&SERVICE_STATS, service, |s| s.taken_over += 1);
+                return new_flow(ctx, cfg, service, sc, p, false, false, dsr).map(|f| (f, None));
+            }
             bump(&SERVICE_STATS, service, |s| s.pass_no_flow += 1);
             return Err(xdp_action::XDP_PASS);
         }
@@ -280,6 +288,15 @@ fn handshake<F: Family>(
     }
     // Early packets: same backend, no promotion.
     Ok((half, None))
+}
+
+/// Whether `service` picks new flows from its Maglev table.
+#[inline(always)]
+fn maglev(service: u32) -> bool {
+    // SAFETY: a map value pointer, read at once.
+    TUNING
+        .get_ptr(service)
+        .is_some_and(|t| unsafe { (*t).maglev_size } != 0)
 }
 
 /// Moves a half-open flow (in `slot`, its key in `sc.nval.flow`) into the

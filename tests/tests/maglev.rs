@@ -2,13 +2,15 @@
 //! separately, which number the same backends differently, send every
 //! new flow to the same backend, the one the control plane's own table
 //! predicts; one backend leaving the ring moves the flows it had and
-//! barely any other.
+//! barely any other; in DSR, a connection opened through one balancer
+//! carries on through another that never saw it open (as when the router
+//! moves it), on the same backend.
 
 use huddle_common::{addr_v4, FlowKey, FAMILY_V4, PROTO_TCP};
 use huddle_user::{
-    config::{PortRange, Proto, Selection, Service},
+    config::{Mode, PortRange, Proto, Selection, Service},
     maglev,
-    packet::{endpoints, Frame},
+    packet::{endpoints, Frame, ACK, PSH},
     prog_run::{mac_of, ProgRun, BALANCER_MAC},
 };
 use std::net::{Ipv4Addr, SocketAddr};
@@ -24,20 +26,35 @@ fn backend(i: u8) -> Ipv4Addr {
     Ipv4Addr::new(10, 213, 0, 11 + i)
 }
 
-/// A balancer whose one service lists the backends in `order`.
+/// VIP ports of the L2 DSR services, Maglev and round robin (backends
+/// listen on the same).
+const DSR_MAGLEV: u16 = 8080;
+const DSR_RR: u16 = 9090;
+
+/// A balancer whose services list the backends in `order`: source NAT on
+/// port 80 and L2 DSR on `DSR_MAGLEV` by Maglev, L2 DSR on `DSR_RR` round
+/// robin.
 fn balancer(tag: &str, order: &[u8]) -> ProgRun {
     require_root();
-    let mut s = Service::plain(
-        (VIP, 80).into(),
-        Proto::Tcp,
-        order
-            .iter()
-            .map(|i| SocketAddr::from((backend(*i), 8080)))
-            .collect(),
-    );
-    s.selection = Selection::Maglev;
+    let service = |port: u16, to: u16, mode: Mode, selection: Selection| {
+        let mut s = Service::plain(
+            (VIP, port).into(),
+            Proto::Tcp,
+            order
+                .iter()
+                .map(|i| SocketAddr::from((backend(*i), to)))
+                .collect(),
+        );
+        s.mode = mode;
+        s.selection = selection;
+        s
+    };
     let cfg = huddle_user::prog_run::config(
-        vec![s],
+        vec![
+            service(80, 8080, Mode::Snat, Selection::Maglev),
+            service(DSR_MAGLEV, DSR_MAGLEV, Mode::DsrL2, Selection::Maglev),
+            service(DSR_RR, DSR_RR, Mode::DsrL2, Selection::RoundRobin),
+        ],
         PortRange {
             min: 20000,
             max: 32767,
@@ -162,4 +179,58 @@ fn two_balancers_send_every_new_flow_to_the_same_backend_and_one_leaving_moves_o
         others * 100 <= u32::from(FLOWS),
         "{others} flows of staying backends moved"
     );
+}
+
+/// The backend an L2 DSR frame went to, by its destination MAC.
+fn by_mac(out: &[u8]) -> Ipv4Addr {
+    (0..BACKENDS)
+        .map(backend)
+        .find(|b| out[..6] == mac_of(*b))
+        .unwrap_or_else(|| panic!("no backend has MAC {:02x?}", &out[..6]))
+}
+
+#[test]
+fn a_dsr_connection_moved_to_another_balancer_keeps_its_backend() {
+    let a = balancer("mg-move-a", &[0, 1, 2, 3, 4, 5]);
+    let b = balancer("mg-move-b", &[3, 4, 5, 0, 1, 2]);
+    let (client, port) = (CLIENTS[0], 45000);
+    let frame = |dport: u16, flags: u8, payload: &[u8]| {
+        Frame::tcp((client, port), (VIP, dport))
+            .flags(flags)
+            .seq_ack(1001, 5001)
+            .payload(payload)
+            .macs(mac_of(client), BALANCER_MAC)
+            .build()
+    };
+    for dport in [DSR_MAGLEV, DSR_RR] {
+        // Opened through balancer a: SYN, then the handshake's ACK.
+        let syn = Frame::tcp((client, port), (VIP, dport))
+            .syn()
+            .macs(mac_of(client), BALANCER_MAC)
+            .build();
+        let (v, out) = a.run(&syn).unwrap();
+        assert_eq!(v, XDP_TX);
+        let first = by_mac(&out);
+        assert_eq!(a.run(&frame(dport, ACK, b"")).unwrap().0, XDP_TX);
+        // The router moves it: b gets a request of a connection it never
+        // saw open.
+        let request = frame(dport, ACK | PSH, b"GET / HTTP/1.1\r\n\r\n");
+        let (v, out) = b.run(&request).unwrap();
+        let sid = b.dp.services[if dport == DSR_MAGLEV { 1 } else { 2 }].id;
+        let st = b.dp.service_stats(sid).unwrap();
+        if dport == DSR_MAGLEV {
+            assert_eq!(v, XDP_TX, "Maglev: b takes the connection over");
+            assert_eq!(by_mac(&out), first, "on the backend a chose");
+            assert_eq!(out[12..], request[12..], "the frame otherwise untouched");
+            // Its next segment finds the flow b made.
+            let (v, out) = b.run(&frame(dport, ACK, b"")).unwrap();
+            assert_eq!((v, by_mac(&out)), (XDP_TX, first));
+            let st = b.dp.service_stats(sid).unwrap();
+            assert_eq!((st.taken_over, st.flows_new), (1, 1), "{st:?}");
+        } else {
+            // Round robin cannot know a's choice: not b's to guess.
+            assert_eq!((v, out), (2, request), "round robin passes it");
+            assert_eq!((st.taken_over, st.pass_no_flow), (0, 1), "{st:?}");
+        }
+    }
 }
