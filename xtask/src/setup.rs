@@ -11,9 +11,11 @@ use std::{
 /// Debian packages the tests, demo and benchmarks use, as (command,
 /// package): `ip`, `ethtool` (checksum offload on test hosts), `setpriv`
 /// (unprivileged test), `tmux` (drives `huddle top` in a real terminal),
-/// `nft` (a backend's firewall dropping SYNs, in the retry test), and NGINX and HAProxy, the peers the comparison benchmark (and its
-/// quick test) runs against.
-const PACKAGES: [(&str, &str); 8] = [
+/// `nft` (a backend's firewall dropping SYNs, in the retry test), NGINX
+/// and HAProxy, the peers the comparison benchmark (and its quick test)
+/// runs against, and bird2, the BGP daemon the balancers announce their
+/// VIPs through (its service is never started; tests run their own).
+const PACKAGES: [(&str, &str); 9] = [
     ("ip", "iproute2"),
     ("/usr/sbin/nft", "nftables"),
     ("ethtool", "ethtool"),
@@ -26,6 +28,7 @@ const PACKAGES: [(&str, &str); 8] = [
         "libnginx-mod-stream",
     ),
     ("/usr/sbin/haproxy", "haproxy"),
+    ("/usr/sbin/bird", "bird2"),
 ];
 
 /// Stops Debian's maintainer scripts from starting the packages' services

@@ -47,6 +47,7 @@ pub fn config(
         detach_on_exit: true,
         services,
         huddle: Huddle::default(),
+        bgp: None,
     }
 }
 

@@ -29,6 +29,12 @@ pub enum Request {
     /// Re-read the configuration and apply it (nothing changes if it is
     /// invalid).
     Reload,
+    /// Withdraw every VIP from BGP and keep forwarding (`undo`: announce
+    /// again).
+    #[serde(rename = "drain-balancer")]
+    DrainBalancer {
+        undo: bool,
+    },
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize)]

@@ -1,7 +1,8 @@
 //! Talking over the network and sockets: probes, metrics scrapes, the
-//! agent, the Prometheus endpoint, HTTP, and the control socket.
+//! agent, the Prometheus endpoint, HTTP, the control socket, and BGP.
 
 pub mod agent;
+pub mod bgp;
 pub mod control;
 pub mod http;
 pub mod metrics;

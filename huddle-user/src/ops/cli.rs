@@ -69,6 +69,15 @@ enum Cmd {
     },
     /// Put a drained backend back into its rings.
     Undrain(DrainArgs),
+    /// Withdraw this balancer's VIPs from BGP while it keeps forwarding,
+    /// so the router sends new connections elsewhere and its flows finish
+    /// (--undo: announce them again).
+    DrainBalancer {
+        #[command(flatten)]
+        target: Target,
+        #[arg(long)]
+        undo: bool,
+    },
     /// Re-read the running balancer's configuration and apply it; an
     /// invalid one changes nothing (SIGHUP does the same).
     Reload {
@@ -401,6 +410,9 @@ fn dispatch(cmd: Cmd) -> Result<()> {
                 vip: a.vip,
             },
         ),
+        Cmd::DrainBalancer { target, undo } => {
+            control_message(&target, Request::DrainBalancer { undo })
+        }
         Cmd::Check { config } => {
             let cfg = ConfigFile::load(&config)?
                 .validate()

@@ -416,6 +416,28 @@ pub struct ConfigFile {
     pub services: Vec<ServiceFile>,
     #[serde(default)]
     pub huddle: HuddleFile,
+    /// Announcing the VIPs by BGP (none without this table).
+    pub bgp: Option<BgpFile>,
+}
+
+/// `[bgp]`: announcing the VIPs through the BGP daemon on this host.
+#[derive(Clone, Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct BgpFile {
+    /// `"bird"` (bird2), the one driven so far (the default).
+    pub daemon: Option<String>,
+    /// bird's control socket (default /run/bird/bird.ctl).
+    pub control_socket: Option<PathBuf>,
+    /// The file of VIP routes huddle writes and bird.conf includes
+    /// (default /run/huddle/IFACE.bird.conf).
+    pub routes_file: Option<PathBuf>,
+}
+
+/// Validated `[bgp]`.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Bgp {
+    pub control_socket: PathBuf,
+    pub routes_file: PathBuf,
 }
 
 /// An established UDP flow silent for this long is removed (as Linux
@@ -541,6 +563,7 @@ pub struct Config {
     pub detach_on_exit: bool,
     pub services: Vec<Service>,
     pub huddle: Huddle,
+    pub bgp: Option<Bgp>,
 }
 
 pub const MIN_FLOW_TABLE: u32 = 1024;
@@ -844,7 +867,41 @@ impl ConfigFile {
                 huddle_common::MAX_SNAT
             );
         }
+        let bgp = match &self.bgp {
+            None => None,
+            Some(b) => {
+                match b.daemon.as_deref() {
+                    None | Some("bird") => {}
+                    Some(other) => {
+                        bail!("bgp.daemon: {other:?} is not driven (yet); \"bird\" (bird2) is")
+                    }
+                }
+                let routes_file = b
+                    .routes_file
+                    .clone()
+                    .unwrap_or_else(|| PathBuf::from(format!("/run/huddle/{interface}.bird.conf")));
+                for (field, p) in [
+                    ("bgp.routes_file", &routes_file),
+                    (
+                        "bgp.control_socket",
+                        &b.control_socket.clone().unwrap_or_default(),
+                    ),
+                ] {
+                    if !p.as_os_str().is_empty() && !p.is_absolute() {
+                        bail!("{field}: {} must be an absolute path", p.display());
+                    }
+                }
+                Some(Bgp {
+                    control_socket: b
+                        .control_socket
+                        .clone()
+                        .unwrap_or_else(|| PathBuf::from("/run/bird/bird.ctl")),
+                    routes_file,
+                })
+            }
+        };
         Ok(Config {
+            bgp,
             interface,
             snat_ips,
             snat_ips6,

@@ -66,6 +66,9 @@ pub struct Balancer {
     nat_reuse: std::collections::HashMap<u32, (u64, bool)>,
     /// Pass-over limits last written, per service id.
     tuned: std::collections::HashMap<u32, huddle_common::Tuning>,
+    /// Announces the VIPs through bird (with `[bgp]`); its own lock, so
+    /// a slow bird never holds up a tick or `huddle status`.
+    pub bgp: Option<Arc<Mutex<crate::bgp::Announcer>>>,
 }
 
 /// SYNs sent toward backends and answers translated at the first tick, to
@@ -101,6 +104,10 @@ impl Balancer {
             .zip(&dp.services)
             .map(|(s, slot)| ServiceHuddle::new(s, &slot.backend_ids, &cfg.huddle, Duration::ZERO))
             .collect();
+        let bgp = cfg
+            .bgp
+            .clone()
+            .map(|b| Arc::new(Mutex::new(crate::bgp::Announcer::new(b))));
         let mut b = Balancer {
             dp,
             cfg,
@@ -116,6 +123,7 @@ impl Balancer {
             watch: None,
             nat_reuse: std::collections::HashMap::new(),
             tuned: std::collections::HashMap::new(),
+            bgp,
         };
         if let Some(saved) = saved {
             b.restore(saved);
@@ -158,6 +166,7 @@ impl Balancer {
                 "maglev_table_size",
                 old.maglev_table_size == new.maglev_table_size,
             ),
+            ("bgp", old.bgp == new.bgp),
             ("xdp_mode", old.xdp_mode == new.xdp_mode),
             ("pin_dir", old.pin_dir == new.pin_dir),
             ("control_socket", old.control_socket == new.control_socket),
@@ -688,6 +697,45 @@ impl Balancer {
                 .chain(&self.notes)
                 .cloned()
                 .collect(),
+            bgp: self.bgp.as_ref().map(|b| lock(b).status()),
+        })
+    }
+
+    /// The VIPs to announce now: those with a service whose ring holds a
+    /// healthy backend, while the data plane is attached.
+    fn vips_to_announce(&self) -> std::collections::BTreeSet<std::net::IpAddr> {
+        if self.dp.mode.is_none() {
+            return Default::default();
+        }
+        self.dp
+            .services
+            .iter()
+            .zip(&self.huddles)
+            .filter(|(slot, h)| {
+                !slot.ring.is_empty() && h.trackers.iter().any(|t| t.unhealthy.is_none())
+            })
+            .map(|(slot, _)| slot.service.vip.ip())
+            .collect()
+    }
+
+    /// Withdraws every VIP (`drain`) or announces them again.
+    fn drain_balancer(&mut self, drain: bool) -> Result<String> {
+        let Some(bgp) = self.bgp.clone() else {
+            bail!("this balancer announces nothing: its config has no [bgp]");
+        };
+        let want = self.vips_to_announce();
+        let mut b = lock(&bgp);
+        b.drained = drain;
+        b.retry_now();
+        log_bgp(b.sync(want));
+        let st = b.status();
+        if let Some(e) = st.error {
+            bail!("bird did not take it: {e}");
+        }
+        Ok(if drain {
+            "drained: every VIP withdrawn; the data plane keeps forwarding what still arrives, so its flows finish".into()
+        } else {
+            format!("announcing again: {}", st.announced.join(", "))
         })
     }
 
@@ -759,6 +807,7 @@ impl Balancer {
                 .set_drained(&backend, vip.as_deref(), false)
                 .map(Reply::message),
             Request::Reload => self.reload().map(Reply::message),
+            Request::DrainBalancer { undo } => self.drain_balancer(!undo).map(Reply::message),
             Request::Stop => {
                 self.remove_on_exit = true;
                 self.stop.notify_one();
@@ -771,6 +820,35 @@ impl Balancer {
         result.unwrap_or_else(|e| Reply::error(&e))
     }
 }
+
+fn log_bgp(r: Option<std::result::Result<String, String>>) {
+    match r {
+        Some(Ok(m)) => info!(event = "bgp", "{m}"),
+        Some(Err(m)) => warn!(event = "bgp", "{m}"),
+        None => {}
+    }
+}
+
+/// Keeps bird's announcements in line with the balancer's state, once a
+/// tick, off the balancer's lock (bird may be slow or gone).
+async fn announcer(
+    shared: Arc<Mutex<Balancer>>,
+    bgp: Arc<Mutex<crate::bgp::Announcer>>,
+    every: Duration,
+) {
+    let mut t = tokio::time::interval(every);
+    loop {
+        t.tick().await;
+        let want = lock(&shared).vips_to_announce();
+        let bgp = bgp.clone();
+        let _ = tokio::task::spawn_blocking(move || log_bgp(lock(&bgp).sync(want))).await;
+    }
+}
+
+/// How long the data plane keeps forwarding after the VIPs are withdrawn
+/// on the way out: the router's update takes milliseconds (measured
+/// 0.3 s from the file's write to the router's FIB, bird 2.0.12).
+const WITHDRAW_GRACE: Duration = Duration::from_secs(1);
 
 /// Claims the control socket path, refusing if a live daemon owns it.
 fn bind_control(path: &Path) -> Result<UnixListener> {
@@ -997,6 +1075,7 @@ pub async fn run(cfg: Config, reloader: Option<Reloader>) -> Result<()> {
     );
     let stop = balancer.stop.clone();
     let sweeper = balancer.dp.take_sweeper();
+    let bgp = balancer.bgp.clone();
     let shared = Arc::new(Mutex::new(balancer));
 
     let mut tasks = vec![
@@ -1018,6 +1097,13 @@ pub async fn run(cfg: Config, reloader: Option<Reloader>) -> Result<()> {
             cfg.huddle.metrics_timeout,
         )),
     ];
+    if let Some(b) = &bgp {
+        tasks.push(tokio::spawn(announcer(
+            shared.clone(),
+            b.clone(),
+            cfg.huddle.tick,
+        )));
+    }
     if let Some(l) = metrics_listener {
         info!("Prometheus metrics on http://{}/metrics", l.local_addr()?);
         let shared = shared.clone();
@@ -1070,6 +1156,21 @@ pub async fn run(cfg: Config, reloader: Option<Reloader>) -> Result<()> {
             "exiting; the pins die with this process's mount namespace, so the data plane on {} goes with it",
             cfg.interface
         );
+    }
+    // The router must stop sending here before the data plane goes.
+    if let Some(b) = &bgp {
+        let withdrawn = lock(b).withdraw_all();
+        match withdrawn {
+            Ok(()) => {
+                info!(
+                    event = "bgp",
+                    "bgp: every VIP withdrawn; removing the data plane in {} ms",
+                    WITHDRAW_GRACE.as_millis()
+                );
+                tokio::time::sleep(WITHDRAW_GRACE).await;
+            }
+            Err(e) => warn!(event = "bgp", "bgp: withdrawing before removal: {e:#}"),
+        }
     }
     // Unpin first, then close our descriptors: the link goes with the last.
     match dataplane::unpin(&pins) {
@@ -1211,7 +1312,7 @@ pub fn stop(socket: &Path, pins: &Path, state_file: &Path) -> Result<String> {
 
 /// Locks the balancer; a panic elsewhere must not stop the data plane's
 /// control.
-pub fn lock(shared: &Mutex<Balancer>) -> std::sync::MutexGuard<'_, Balancer> {
+pub fn lock<T>(shared: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     shared
         .lock()
         .unwrap_or_else(std::sync::PoisonError::into_inner)

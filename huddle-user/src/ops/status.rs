@@ -33,6 +33,9 @@ pub struct Status {
     /// mode, pins that do not outlive the daemon, a mode forwarding nothing.
     #[serde(default)]
     pub notes: Vec<String>,
+    /// The VIPs announced by BGP (with `[bgp]`).
+    #[serde(default)]
+    pub bgp: Option<crate::bgp::BgpStatus>,
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -150,6 +153,19 @@ impl Status {
         );
         for n in &self.notes {
             let _ = writeln!(out, "note: {n}");
+        }
+        if let Some(b) = &self.bgp {
+            let what = if b.drained {
+                "drained, nothing announced".to_string()
+            } else if b.announced.is_empty() {
+                "nothing announced".to_string()
+            } else {
+                format!("announcing {}", b.announced.join(", "))
+            };
+            let _ = writeln!(out, "bgp: {what}");
+            if let Some(e) = &b.error {
+                let _ = writeln!(out, "note: bgp: {e}");
+            }
         }
         for s in &self.services {
             let _ = writeln!(
