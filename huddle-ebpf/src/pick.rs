@@ -19,6 +19,9 @@ use huddle_common::Tuning;
 
 /// No backend (to avoid, or chosen).
 pub const NONE: u32 = u32::MAX;
+/// `avoid` for a Maglev pick that must take the flow's own entry, never
+/// passing it over (a connection another balancer opened).
+pub const TAKEOVER: u32 = u32::MAX - 1;
 
 /// The backend for a new flow of `service` at `now`. Of the ring's next
 /// two entries it takes the one that has owed an answer for less time
@@ -46,6 +49,9 @@ pub fn choose(service: u32, avoid: u32, now: u64) -> u32 {
     let Some((a, b)) = entries else {
         return NONE;
     };
+    if maglev && avoid == TAKEOVER {
+        return a;
+    }
     // Few live values: the call chain's stack is nearly full here.
     let (sa, sb) = (look(a, now, limits), look(b, now, limits));
     let swap = a == avoid || (b != avoid && limits.two_choices != 0 && sb < sa);

@@ -6,6 +6,8 @@
 //! the client via the balancer. Names carry a prefix with the process id
 //! and a counter; everything is removed on drop, also when a test fails.
 
+pub mod scaleout;
+
 use anyhow::{bail, Context, Result};
 use huddle_user::{
     control::{self, Reply, Request},
@@ -188,6 +190,47 @@ pub fn spawn_in(ns: &Netns, prog: &Path, args: &[&str], log: Option<&Path>) -> R
     })
 }
 
+/// A fresh name prefix for `tag`, a namespace holding the bridge `br0`
+/// that hosts hang off, and a folder for sockets and logs (stale test
+/// namespaces of dead runs swept first).
+pub fn segment(tag: &str) -> Result<(String, Netns, PathBuf)> {
+    sweep_stale();
+    let prefix = unique(tag);
+    let switch = Netns::create(&format!("{prefix}-sw"))?;
+    switch.ip(&["link", "add", "br0", "type", "bridge"])?;
+    switch.ip(&["link", "set", "br0", "up"])?;
+    let dir = std::env::temp_dir().join(&prefix);
+    std::fs::create_dir_all(&dir)?;
+    Ok((prefix, switch, dir))
+}
+
+/// Starts bird in `ns` with `conf`, its files in `dir` named after `name`
+/// (`name.conf`, `name.log`, `name.pid`); returns it and its control
+/// socket, once that exists.
+pub fn start_bird(ns: &Netns, dir: &Path, name: &str, conf: &str) -> Result<(Proc, PathBuf)> {
+    let path = dir.join(format!("{name}.conf"));
+    std::fs::write(&path, conf)?;
+    let sock = dir.join(format!("{name}.ctl"));
+    let _ = std::fs::remove_file(&sock);
+    let p = spawn_in(
+        ns,
+        Path::new("/usr/sbin/bird"),
+        &[
+            "-f",
+            "-c",
+            &path.display().to_string(),
+            "-s",
+            &sock.display().to_string(),
+            "-P",
+            &dir.join(format!("{name}.pid")).display().to_string(),
+        ],
+        Some(&dir.join(format!("{name}.log"))),
+    )?;
+    wait_until(Duration::from_secs(5), || sock.exists())
+        .with_context(|| format!("{name}'s bird did not start"))?;
+    Ok((p, sock))
+}
+
 /// Client, balancer and backends on one bridged segment.
 pub struct Testbed {
     pub client: Netns,
@@ -234,13 +277,7 @@ impl Testbed {
     }
 
     fn build(tag: &str, n_backends: usize, tuned: bool) -> Result<Testbed> {
-        sweep_stale();
-        let prefix = unique(tag);
-        let switch = Netns::create(&format!("{prefix}-sw"))?;
-        switch.ip(&["link", "add", "br0", "type", "bridge"])?;
-        switch.ip(&["link", "set", "br0", "up"])?;
-        let dir = std::env::temp_dir().join(&prefix);
-        std::fs::create_dir_all(&dir)?;
+        let (prefix, switch, dir) = segment(tag)?;
         let mut bed = Testbed {
             client: Netns::create(&format!("{prefix}-client"))?,
             lb: Netns::create(&format!("{prefix}-lb"))?,

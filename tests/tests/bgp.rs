@@ -14,39 +14,15 @@ use std::{
     time::{Duration, Instant},
 };
 use testbed::{
-    backend_ip, http_get, in_ns, require_root, spawn_in, wait_until, Proc, Testbed, CLIENT_IP,
+    backend_ip, http_get, in_ns, require_root, start_bird, wait_until, Proc, Testbed, CLIENT_IP,
     HTTP_PORT, LB_IP, VIP,
 };
 
 const HUDDLE: &str = env!("CARGO_BIN_EXE_hc-huddle");
 const BACKEND: &str = env!("CARGO_BIN_EXE_hc-backend");
-const BIRD: &str = "/usr/sbin/bird";
 
-/// Starts bird in `ns` with `conf` (written to the testbed's folder as
-/// `name.conf`); its control socket is `name.ctl` there.
 fn bird(bed: &Testbed, ns: &huddle_user::netns::Netns, name: &str, conf: &str) -> (Proc, PathBuf) {
-    let dir = &bed.dir;
-    let path = dir.join(format!("{name}.conf"));
-    std::fs::write(&path, conf).unwrap();
-    let sock = dir.join(format!("{name}.ctl"));
-    let _ = std::fs::remove_file(&sock);
-    let p = spawn_in(
-        ns,
-        Path::new(BIRD),
-        &[
-            "-f",
-            "-c",
-            &path.display().to_string(),
-            "-s",
-            &sock.display().to_string(),
-            "-P",
-            &dir.join(format!("{name}.pid")).display().to_string(),
-        ],
-        Some(&dir.join(format!("{name}.log"))),
-    )
-    .expect("start bird");
-    wait_until(Duration::from_secs(5), || sock.exists()).expect("bird's control socket");
-    (p, sock)
+    start_bird(ns, &bed.dir, name, conf).expect("start bird")
 }
 
 /// Whether the router's bird has a route to the VIP via the balancer.

@@ -66,6 +66,8 @@ pub struct Balancer {
     nat_reuse: std::collections::HashMap<u32, (u64, bool)>,
     /// Pass-over limits last written, per service id.
     tuned: std::collections::HashMap<u32, huddle_common::Tuning>,
+    /// Per service: when it was last seen in panic mode.
+    last_panic: std::collections::HashMap<usize, Instant>,
     /// Announces the VIPs through bird (with `[bgp]`); its own lock, so
     /// a slow bird never holds up a tick or `huddle status`.
     pub bgp: Option<Arc<Mutex<crate::bgp::Announcer>>>,
@@ -123,6 +125,7 @@ impl Balancer {
             watch: None,
             nat_reuse: std::collections::HashMap::new(),
             tuned: std::collections::HashMap::new(),
+            last_panic: std::collections::HashMap::new(),
             bgp,
         };
         if let Some(saved) = saved {
@@ -523,10 +526,24 @@ impl Balancer {
     /// Flags backends that left for being unhealthy so the kernel moves
     /// their flows; unflags them once healthy.
     fn mark_dead(&mut self, si: usize) {
+        // In panic mode (too few healthy backends), and for a while after,
+        // nothing is moved: a balancer that finds most backends gone at
+        // once is likelier cut off itself. Measured: a balancer whose link
+        // was cut reset 43-45 of its connections when the link came back,
+        // moving them off backends it had judged dead from its own
+        // isolation (also when only panic mode itself held it back: the
+        // panic ended a tick before the backends' probes passed again).
+        if self.huddles[si].engine.panic {
+            self.last_panic.insert(si, Instant::now());
+        }
+        let calm = self
+            .last_panic
+            .get(&si)
+            .is_none_or(|t| t.elapsed() >= CALM_BEFORE_MOVING);
         for bi in 0..self.huddles[si].trackers.len() {
             let h = &self.huddles[si];
             let id = h.trackers[bi].id;
-            let dead = h.out_sick(bi) && h.trackers[bi].unhealthy.is_some();
+            let dead = calm && h.out_sick(bi) && h.trackers[bi].unhealthy.is_some();
             if dead == self.moving.contains(&id) {
                 continue;
             }
@@ -844,6 +861,10 @@ async fn announcer(
         let _ = tokio::task::spawn_blocking(move || log_bgp(lock(&bgp).sync(want))).await;
     }
 }
+
+/// After a service's panic mode, flows stay on backends judged dead this
+/// long: the balancer itself was likelier the one cut off.
+const CALM_BEFORE_MOVING: Duration = Duration::from_secs(10);
 
 /// How long the data plane keeps forwarding after the VIPs are withdrawn
 /// on the way out: the router's update takes milliseconds (measured

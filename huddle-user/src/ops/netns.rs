@@ -53,6 +53,24 @@ impl Netns {
         ip(&all)
     }
 
+    /// Runs a command inside the namespace and returns what it printed.
+    pub fn output(&self, prog: &str, args: &[&str]) -> Result<String> {
+        let out = Command::new("ip")
+            .args(["netns", "exec", self.name.as_str(), prog])
+            .args(args)
+            .output()
+            .with_context(|| format!("running {prog} in {}", self.name))?;
+        if !out.status.success() {
+            bail!(
+                "{prog} {} in {}: {}",
+                args.join(" "),
+                self.name,
+                String::from_utf8_lossy(&out.stderr).trim()
+            );
+        }
+        Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+    }
+
     /// Sets a sysctl inside the namespace.
     pub fn sysctl(&self, key: &str, value: &str) -> Result<()> {
         self.exec("sysctl", &["-qw", &format!("{key}={value}")])

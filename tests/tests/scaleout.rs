@@ -1,0 +1,132 @@
+//! Three balancers behind a router (ECMP by BGP, BFD), L2 DSR with Maglev:
+//! under steady load one balancer's link is cut; the router stops using
+//! it, the connections it moves to the other two keep working on their
+//! backend; the balancer coming back breaks none.
+//!
+//! Rotation is off here: each balancer's huddle decides alone from the
+//! third of the traffic it sees, and with rotation on their rings (so
+//! their Maglev tables) disagreed. Measured: one balancer rested a backend
+//! as hot that the others kept, and 35-135 of about 330 moved connections
+//! then broke on another backend. Balancers agreeing on the ring is the
+//! next step of the issue.
+
+use std::{
+    path::Path,
+    thread,
+    time::{Duration, Instant},
+};
+use testbed::{
+    scaleout::{balancer_ip, scale_vip, ScaleOut},
+    tally, wait_until, HeldConnections, OpenLoop,
+};
+
+const HUDDLE: &str = env!("CARGO_BIN_EXE_hc-huddle");
+const BACKEND: &str = env!("CARGO_BIN_EXE_hc-backend");
+
+fn taken_over(s: &ScaleOut, i: usize) -> u64 {
+    s.status(i)
+        .ok()
+        .and_then(|st| st.services[0].counters.get("taken_over").copied())
+        .unwrap_or(0)
+}
+
+#[test]
+fn connections_a_lost_balancer_had_carry_on_through_the_others() {
+    testbed::require_root();
+    let mut s = ScaleOut::build("so", 3, 4).expect("build");
+    let t0 = Instant::now();
+    s.start(Path::new(HUDDLE), Path::new(BACKEND), false)
+        .expect("start");
+    println!(
+        "the router spread the VIP over {:?} {:?} after the start",
+        s.next_hops(),
+        t0.elapsed()
+    );
+    // 1,000 keep-alive connections, a request each every second; and 100
+    // new connections a second.
+    let held = HeldConnections::start(&s.client, scale_vip(), 20, 50, Duration::from_secs(1));
+    held.wait_opened(1000, Duration::from_secs(30))
+        .expect("open the connections");
+    let load = OpenLoop::start(&s.client, scale_vip(), 100.0, Duration::from_secs(5));
+    thread::sleep(Duration::from_secs(3));
+    let before: Vec<u64> = (0..3).map(|i| taken_over(&s, i)).collect();
+
+    let cut = Instant::now();
+    let cut_at = cut - load.start;
+    s.cut_link(1).unwrap();
+    wait_until(Duration::from_secs(10), || {
+        !s.next_hops().contains(&balancer_ip(1))
+    })
+    .expect("the router kept the cut balancer");
+    let withdrawn = cut.elapsed();
+    thread::sleep(Duration::from_secs(5));
+    let moved: u64 = [0, 2].iter().map(|i| taken_over(&s, *i) - before[*i]).sum();
+
+    let back = Instant::now();
+    let back_at = back - load.start;
+    s.restore_link(1).unwrap();
+    if wait_until(Duration::from_secs(20), || s.next_hops().len() == 3).is_err() {
+        panic!(
+            "the balancer never came back: next hops {:?}\n{}\n{:?}\n{}",
+            s.next_hops(),
+            s.status(1).map(|st| st.render()).unwrap_or_default(),
+            huddle_user::bgp::bird(&s.dir.join("lb1-bird.ctl"), "show protocols all uplink"),
+            s.log(1)
+        );
+    }
+    let returned = back.elapsed();
+    thread::sleep(Duration::from_secs(5));
+    let moved_back = taken_over(&s, 1) - before[1];
+    let held_slowest = held.slowest_us.load(std::sync::atomic::Ordering::Relaxed);
+
+    let errors = held.stop();
+    let slowest = Duration::from_micros(held_slowest);
+    let outcomes = load.stop();
+    let (by_backend, failed) = tally(&outcomes, Duration::ZERO, Duration::MAX);
+    println!(
+        "new connections failed (times since the load began; the link was cut at {:?}, restored at {:?}): {:?}",
+        cut_at,
+        back_at,
+        failed.iter().take(10).collect::<Vec<_>>()
+    );
+    println!(
+        "link of balancer 1 cut: the router dropped it after {withdrawn:?}; {moved} connections moved to the other two; back after {returned:?}, {moved_back} moved to it"
+    );
+    println!(
+        "keep-alive connections broken: {} of 1000 ({:?}), slowest request {slowest:?}; new connections: {} of {} failed; answered by {by_backend:?}",
+        errors.len(),
+        errors.iter().take(5).collect::<Vec<_>>(),
+        failed.len(),
+        outcomes.len()
+    );
+    for i in 0..3 {
+        if let Ok(st) = s.status(i) {
+            println!("balancer {i}: {:?}", st.services[0].counters);
+            let skipped: Vec<u64> = st.services[0]
+                .backends
+                .iter()
+                .map(|b| b.counters.get("skipped_owing").copied().unwrap_or(0))
+                .collect();
+            println!(
+                "balancer {i}: new flows passed over an owing backend, per backend: {skipped:?}"
+            );
+        }
+    }
+    for line in s.log(1).lines().filter(|l| {
+        l.contains("moving") || l.contains("panic") || l.contains("rotation") || l.contains("bgp")
+    }) {
+        println!(
+            "lb1: {}",
+            &line[line.find("Z").map_or(0, |z| z + 1)..]
+                .chars()
+                .take(200)
+                .collect::<String>()
+        );
+    }
+    assert!(moved > 0, "nothing moved");
+    assert!(
+        errors.len() as f64 <= 0.01 * moved as f64,
+        "{} broken of {moved} moved",
+        errors.len()
+    );
+}
