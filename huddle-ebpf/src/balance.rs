@@ -405,13 +405,7 @@ fn new_flow<F: Family>(
     let now = unsafe { bpf_ktime_get_ns() };
     // The backend a retransmitted SYN must not go back to, and how many
     // backends this connection has tried after its first.
-    // A connection taken over from another balancer must land where that
-    // one sent it: its table entry, never passed over.
-    let mut avoid = if !time && !half && dsr && p.is_tcp() {
-        pick::TAKEOVER
-    } else {
-        pick::NONE
-    };
+    let mut avoid = pick::NONE;
     let mut retries = 0;
     if let Some(s) = slot.filter(|s| halfopen::holds(*s, h, &sc.nval.flow)) {
         // SAFETY: map value pointer, valid for this run.

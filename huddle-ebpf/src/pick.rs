@@ -19,9 +19,6 @@ use huddle_common::Tuning;
 
 /// No backend (to avoid, or chosen).
 pub const NONE: u32 = u32::MAX;
-/// `avoid` for a Maglev pick that must take the flow's own entry, never
-/// passing it over (a connection another balancer opened).
-pub const TAKEOVER: u32 = u32::MAX - 1;
 
 /// The backend for a new flow of `service` at `now`. Of the ring's next
 /// two entries it takes the one that has owed an answer for less time
@@ -29,10 +26,9 @@ pub const TAKEOVER: u32 = u32::MAX - 1;
 /// backend that just refused or ignored this connection), and passes over
 /// one that owes for longer than the limits; if both do, the next two
 /// entries are taken as they come. With Maglev (`Tuning::maglev_size`) the
-/// two entries are the flow's in the service's table, the first preferred
-/// (every balancer then picks alike), the second taken only when the first
-/// is `avoid` or owes too long. `NONE` when the ring is empty or offers
-/// only `avoid`.
+/// flow's entry in the service's table, never passed over; its second
+/// entry only when the first is `avoid`. `NONE` when the ring is empty or
+/// offers only `avoid`.
 #[inline(never)]
 pub fn choose(service: u32, avoid: u32, now: u64) -> u32 {
     let Some(limits) = TUNING.get_ptr(service) else {
@@ -49,8 +45,18 @@ pub fn choose(service: u32, avoid: u32, now: u64) -> u32 {
     let Some((a, b)) = entries else {
         return NONE;
     };
-    if maglev && avoid == TAKEOVER {
-        return a;
+    if maglev {
+        // Never passed over: every balancer must pick alike (a connection
+        // another balancer opened lands where that one sent it). Measured:
+        // with the pass-over, one balancer sent 9 flows to their second
+        // entry, and 7-20 connections broke when the router moved them.
+        return if a != avoid {
+            a
+        } else if b != avoid {
+            b
+        } else {
+            NONE
+        };
     }
     // Few live values: the call chain's stack is nearly full here.
     let (sa, sb) = (look(a, now, limits), look(b, now, limits));
@@ -68,11 +74,7 @@ pub fn choose(service: u32, avoid: u32, now: u64) -> u32 {
         }
         bump(&BACKEND_STATS, second, |s| s.skipped_owing += 1);
     }
-    // Both owe too long: the flow's own entry, or the next two, as they
-    // come.
-    if maglev {
-        return if a != avoid { a } else { NONE };
-    }
+    // Both owe too long: the next two, as they come.
     match ring::pick(service) {
         Some((a, _)) if a != avoid => a,
         Some((_, b)) if b != avoid => b,

@@ -1,8 +1,9 @@
 //! A scale-out testbed: clients behind a router, which spreads the VIP's
 //! traffic by ECMP over several balancers that announce it by BGP (a bird2
 //! in every namespace, BFD on), backends on the balancers' segment that
-//! answer clients directly (L2 DSR, Maglev), all in namespaces this
-//! process creates and removes.
+//! answer clients directly (L2 DSR, Maglev), the balancers in one
+//! `[cluster]` (the first that answers decides the rings), all in
+//! namespaces this process creates and removes.
 //!
 //! Addresses: the segment 10.214.0.0/24 (router .1, balancers .11 and up,
 //! backends .21 and up), the clients' side 10.214.1.0/24 (router .1,
@@ -225,11 +226,17 @@ impl ScaleOut {
             &config,
             format!(
                 "interface = \"eth0\"\ncontrol_socket = \"{}\"\npin_dir = \"/sys/fs/bpf/huddle-tests/{}-lb{i}\"\ndetach_on_exit = true\n\n\
-                 [huddle]\nrotation = {}\n\n[bgp]\ncontrol_socket = \"{}\"\nroutes_file = \"{}\"\n\n\
+                 [huddle]\nrotation = {}\nmetrics_listen = \"{}:9477\"\n\n[cluster]\nmembers = [{}]\n\n\
+                 [bgp]\ncontrol_socket = \"{}\"\nroutes_file = \"{}\"\n\n\
                  [[service]]\nvip = \"{}\"\nmode = \"dsr-l2\"\nselection = \"maglev\"\nbackends = [{}]\n",
                 self.socket(i).display(),
                 self.prefix,
                 self.rotation,
+                balancer_ip(i),
+                (0..self.balancers.len())
+                    .map(|m| format!("\"{}:9477\"", balancer_ip(m)))
+                    .collect::<Vec<_>>()
+                    .join(", "),
                 self.dir.join(format!("lb{i}-bird.ctl")).display(),
                 routes.display(),
                 scale_vip(),

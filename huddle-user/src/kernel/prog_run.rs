@@ -48,6 +48,7 @@ pub fn config(
         services,
         huddle: Huddle::default(),
         bgp: None,
+        cluster: None,
     }
 }
 

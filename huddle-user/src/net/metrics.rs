@@ -32,6 +32,15 @@ pub fn route(shared: &Mutex<Balancer>, path: &str) -> Answer {
                 format!("reading the kernel's counters: {e:#}\n"),
             ),
         },
+        // The rings this balancer's huddle decides, for the other members
+        // of its cluster (see `peers`).
+        "/ring" => {
+            let rings = crate::daemon::lock(shared).own_rings();
+            match serde_json::to_string(&crate::peers::RingsAnswer { rings }) {
+                Ok(j) => (200, "application/json", j),
+                Err(e) => (500, "text/plain", format!("{e}\n")),
+            }
+        }
         "/" => (
             200,
             "text/plain",

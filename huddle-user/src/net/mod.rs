@@ -6,5 +6,6 @@ pub mod bgp;
 pub mod control;
 pub mod http;
 pub mod metrics;
+pub mod peers;
 pub mod probe;
 pub mod scrape;

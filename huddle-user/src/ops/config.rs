@@ -418,6 +418,26 @@ pub struct ConfigFile {
     pub huddle: HuddleFile,
     /// Announcing the VIPs by BGP (none without this table).
     pub bgp: Option<BgpFile>,
+    /// Balancers sharing the VIPs, which must agree on the rings.
+    pub cluster: Option<ClusterFile>,
+}
+
+/// `[cluster]`: the balancers that share the VIPs.
+#[derive(Clone, Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ClusterFile {
+    /// Every balancer's `huddle.metrics_listen` (this one's included), in
+    /// the same order on each: the first that answers decides the rings
+    /// and the others take them.
+    pub members: Vec<SocketAddr>,
+}
+
+/// Validated `[cluster]`.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Cluster {
+    pub members: Vec<SocketAddr>,
+    /// This balancer's place in `members`.
+    pub me: usize,
 }
 
 /// `[bgp]`: announcing the VIPs through the BGP daemon on this host.
@@ -564,6 +584,7 @@ pub struct Config {
     pub services: Vec<Service>,
     pub huddle: Huddle,
     pub bgp: Option<Bgp>,
+    pub cluster: Option<Cluster>,
 }
 
 pub const MIN_FLOW_TABLE: u32 = 1024;
@@ -900,8 +921,37 @@ impl ConfigFile {
                 })
             }
         };
+        let cluster = match &self.cluster {
+            None => None,
+            Some(c) => {
+                let me = huddle
+                    .metrics_listen
+                    .and_then(|m| c.members.iter().position(|a| *a == m))
+                    .with_context(|| {
+                        format!(
+                            "cluster.members: this balancer's huddle.metrics_listen ({}) must be one of them, as the others reach it",
+                            huddle
+                                .metrics_listen
+                                .map_or("off".to_string(), |m| m.to_string())
+                        )
+                    })?;
+                if c.members.len() < 2 {
+                    bail!("cluster.members: a cluster of one balancer; leave [cluster] out");
+                }
+                for (i, m) in c.members.iter().enumerate() {
+                    if c.members[..i].contains(m) {
+                        bail!("cluster.members: {m} is listed twice");
+                    }
+                }
+                Some(Cluster {
+                    members: c.members.clone(),
+                    me,
+                })
+            }
+        };
         Ok(Config {
             bgp,
+            cluster,
             interface,
             snat_ips,
             snat_ips6,
@@ -1170,6 +1220,8 @@ backends = ["10.213.0.11:5353"]
             ("flow_table_size = 10\n[[service]]\nvip = \"10.0.0.1:80\"\nbackends = [\"10.0.0.2:80\"]\n", "flow_table_size"),
             ("maglev_table_size = 65536\n[[service]]\nvip = \"10.0.0.1:80\"\nbackends = [\"10.0.0.2:80\"]\n", "maglev_table_size: 65536 must be a prime"),
             ("[[service]]\nvip = \"10.0.0.1:80\"\nselection = \"hash\"\nbackends = [\"10.0.0.2:80\"]\n", "unknown variant `hash`"),
+            ("[cluster]\nmembers = [\"10.0.0.5:9477\", \"10.0.0.6:9477\"]\n[[service]]\nvip = \"10.0.0.1:80\"\nbackends = [\"10.0.0.2:80\"]\n", "cluster.members: this balancer's huddle.metrics_listen (127.0.0.1:9477) must be one of them"),
+            ("[bgp]\ndaemon = \"gobgp\"\n[[service]]\nvip = \"10.0.0.1:80\"\nbackends = [\"10.0.0.2:80\"]\n", "bgp.daemon: \"gobgp\" is not driven"),
             ("", "no service configured"),
             ("[huddle]\ncool = 0.6\n[[service]]\nvip = \"10.0.0.1:80\"\nbackends = [\"10.0.0.2:80\"]\n", "huddle.cool: 0.6 must be below huddle.heat"),
             ("[huddle]\ntick_ms = 0\n[[service]]\nvip = \"10.0.0.1:80\"\nbackends = [\"10.0.0.2:80\"]\n", "huddle.tick_ms"),

@@ -66,6 +66,10 @@ pub struct Balancer {
     nat_reuse: std::collections::HashMap<u32, (u64, bool)>,
     /// Pass-over limits last written, per service id.
     tuned: std::collections::HashMap<u32, huddle_common::Tuning>,
+    /// The member of `[cluster]` whose rings this balancer takes (`None`:
+    /// it decides its own), and what the poll last found wrong.
+    pub leader: Option<crate::peers::Leader>,
+    cluster_note: Option<String>,
     /// Per service: when it was last seen in panic mode.
     last_panic: std::collections::HashMap<usize, Instant>,
     /// Announces the VIPs through bird (with `[bgp]`); its own lock, so
@@ -126,6 +130,8 @@ impl Balancer {
             nat_reuse: std::collections::HashMap::new(),
             tuned: std::collections::HashMap::new(),
             last_panic: std::collections::HashMap::new(),
+            leader: None,
+            cluster_note: None,
             bgp,
         };
         if let Some(saved) = saved {
@@ -170,6 +176,7 @@ impl Balancer {
                 old.maglev_table_size == new.maglev_table_size,
             ),
             ("bgp", old.bgp == new.bgp),
+            ("cluster", old.cluster == new.cluster),
             ("xdp_mode", old.xdp_mode == new.xdp_mode),
             ("pin_dir", old.pin_dir == new.pin_dir),
             ("control_socket", old.control_socket == new.control_socket),
@@ -349,13 +356,89 @@ impl Balancer {
 
     /// Writes service `si`'s inner ring into the kernel if it changed.
     fn publish(&mut self, si: usize) -> Result<()> {
-        let ring = self.huddles[si].ring();
+        let ring = self
+            .leader_ring(si)
+            .unwrap_or_else(|| self.huddles[si].ring());
         if ring != self.dp.services[si].ring {
             self.dp.swap_ring(si, &ring).with_context(|| {
                 format!("swapping the ring of {}", self.cfg.services[si].name())
             })?;
         }
         Ok(())
+    }
+
+    /// The rings this balancer's own huddle decides, by address.
+    #[must_use]
+    pub fn own_rings(&self) -> crate::peers::Rings {
+        self.huddles
+            .iter()
+            .enumerate()
+            .map(|(si, h)| {
+                let slot = &self.dp.services[si];
+                let addrs = h
+                    .ring()
+                    .iter()
+                    .filter_map(|id| {
+                        let j = slot.backend_ids.iter().position(|b| b == id)?;
+                        slot.service.backends.get(j).copied()
+                    })
+                    .collect();
+                (self.cfg.services[si].name(), addrs)
+            })
+            .collect()
+    }
+
+    /// Service `si`'s ring as the leader decided it, in this balancer's
+    /// backend ids; `None` without a leader, or when its ring names no
+    /// backend this balancer knows (never an empty ring from a peer).
+    fn leader_ring(&self, si: usize) -> Option<Vec<u32>> {
+        let leader = self.leader.as_ref()?;
+        let slot = &self.dp.services[si];
+        let ids: Vec<u32> = leader
+            .rings
+            .get(&self.cfg.services[si].name())?
+            .iter()
+            .filter_map(|a| {
+                let j = slot.service.backends.iter().position(|b| b == a)?;
+                slot.backend_ids.get(j).copied()
+            })
+            .collect();
+        (!ids.is_empty()).then_some(ids)
+    }
+
+    /// Takes the result of a leader poll: follows `leader` (or decides
+    /// alone), saying when that changes.
+    pub fn follow(&mut self, leader: Option<crate::peers::Leader>, problems: &[String]) {
+        let was = self.leader.as_ref().map(|l| l.addr);
+        let now = leader.as_ref().map(|l| l.addr);
+        if was != now {
+            match now {
+                Some(a) => info!(event = "cluster", "cluster: taking the rings of {a}"),
+                None => info!(
+                    event = "cluster",
+                    "cluster: deciding the rings here (no earlier member answers{})",
+                    if problems.is_empty() {
+                        String::new()
+                    } else {
+                        format!(": {}", problems.join("; "))
+                    }
+                ),
+            }
+        }
+        self.cluster_note = Some(match (&leader, problems.is_empty()) {
+            (Some(l), true) => format!("cluster: rings from {}", l.addr),
+            (Some(l), false) => format!(
+                "cluster: rings from {}; passed over {}",
+                l.addr,
+                problems.join("; ")
+            ),
+            (None, true) => "cluster: this balancer leads, its rings are the others'".into(),
+            (None, false) => format!(
+                "cluster: this balancer decides alone; passed over {}",
+                problems.join("; ")
+            ),
+        });
+        self.leader = leader;
     }
 
     /// One huddle tick: read the kernel's counters, update temperatures,
@@ -712,6 +795,7 @@ impl Balancer {
                 .mode_note
                 .iter()
                 .chain(&self.notes)
+                .chain(&self.cluster_note)
                 .cloned()
                 .collect(),
             bgp: self.bgp.as_ref().map(|b| lock(b).status()),
@@ -843,6 +927,20 @@ fn log_bgp(r: Option<std::result::Result<String, String>>) {
         Some(Ok(m)) => info!(event = "bgp", "{m}"),
         Some(Err(m)) => warn!(event = "bgp", "{m}"),
         None => {}
+    }
+}
+
+/// Asks the earlier members of `[cluster]` for their rings once a tick,
+/// off the balancer's lock.
+async fn follower(shared: Arc<Mutex<Balancer>>, cluster: crate::config::Cluster, every: Duration) {
+    let mut t = tokio::time::interval(every);
+    // A member that does not answer costs at most this much of a poll.
+    let timeout = every.min(Duration::from_millis(200));
+    loop {
+        t.tick().await;
+        let (leader, problems) =
+            crate::peers::find_leader(&cluster.members, cluster.me, timeout).await;
+        lock(&shared).follow(leader, &problems);
     }
 }
 
@@ -1118,6 +1216,9 @@ pub async fn run(cfg: Config, reloader: Option<Reloader>) -> Result<()> {
             cfg.huddle.metrics_timeout,
         )),
     ];
+    if let Some(c) = cfg.cluster.clone() {
+        tasks.push(tokio::spawn(follower(shared.clone(), c, cfg.huddle.tick)));
+    }
     if let Some(b) = &bgp {
         tasks.push(tokio::spawn(announcer(
             shared.clone(),

@@ -1,0 +1,84 @@
+//! Balancers that share VIPs agree on the rings, so their Maglev tables
+//! agree and a connection the router moves keeps its backend. Each
+//! balancer serves the rings its own huddle decides at `/ring` on its
+//! metrics endpoint; of the members listed in `[cluster]` (the same order
+//! everywhere), the first that answers leads, and every other balancer
+//! puts the leader's rings into its data plane instead of its own.
+//!
+//! Failure behaviour: a member that does not answer, or answers what is
+//! not rings, is passed over (said in status), so when the leader goes the
+//! next one leads within a poll; when no earlier member answers, a
+//! balancer decides alone. A leader's ring never empties a follower's: a
+//! ring naming no backend the follower knows is ignored (its own is kept).
+//! The leader decides from the traffic the router sends it alone.
+
+use crate::http;
+use anyhow::{bail, Context, Result};
+use serde::{Deserialize, Serialize};
+use std::{collections::BTreeMap, net::SocketAddr, time::Duration};
+
+/// Service name (`VIP:PORT/proto`) -> its inner ring, backend addresses in
+/// order.
+pub type Rings = BTreeMap<String, Vec<SocketAddr>>;
+
+/// What `/ring` answers.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+pub struct RingsAnswer {
+    pub rings: Rings,
+}
+
+/// The member whose rings this balancer takes.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Leader {
+    pub addr: SocketAddr,
+    pub rings: Rings,
+}
+
+/// The most a `/ring` answer may weigh.
+const MAX_ANSWER: usize = 1 << 20;
+
+/// The first of `members[..me]` that answers with rings, or `None` (this
+/// balancer leads); with what the ones before it did wrong.
+pub async fn find_leader(
+    members: &[SocketAddr],
+    me: usize,
+    timeout: Duration,
+) -> (Option<Leader>, Vec<String>) {
+    let mut problems = Vec::new();
+    for m in members.iter().take(me) {
+        match fetch(*m, timeout).await {
+            Ok(rings) => {
+                return (Some(Leader { addr: *m, rings }), problems);
+            }
+            Err(e) => problems.push(format!("{m}: {e:#}")),
+        }
+    }
+    (None, problems)
+}
+
+async fn fetch(addr: SocketAddr, timeout: Duration) -> Result<Rings> {
+    let r = http::get(addr, &addr.to_string(), "/ring", timeout, MAX_ANSWER).await?;
+    if r.status != 200 {
+        bail!("/ring answered HTTP {}", r.status);
+    }
+    let a: RingsAnswer = serde_json::from_slice(&r.body).context("/ring answered no rings")?;
+    Ok(a.rings)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_answer_reads_back() {
+        let mut rings = Rings::new();
+        rings.insert(
+            "10.0.100.1:8080/tcp".into(),
+            vec!["10.0.0.21:8080".parse().unwrap()],
+        );
+        let a = RingsAnswer { rings };
+        let text = serde_json::to_string(&a).unwrap();
+        assert_eq!(serde_json::from_str::<RingsAnswer>(&text).unwrap(), a);
+        assert!(serde_json::from_str::<RingsAnswer>("garbage").is_err());
+    }
+}
