@@ -152,17 +152,25 @@ impl ScaleOut {
     /// whole), and waits until the router spreads the VIP over every
     /// balancer.
     pub fn start(&mut self, huddle: &Path, backend: &Path, rotation: bool) -> Result<()> {
+        self.start_with(huddle, backend, rotation, &[])
+    }
+
+    /// As `start`, with `extra` arguments for every backend server.
+    pub fn start_with(
+        &mut self,
+        huddle: &Path,
+        backend: &Path,
+        rotation: bool,
+        extra: &[&str],
+    ) -> Result<()> {
         self.rotation = rotation;
         for (i, ns) in self.backends.iter().enumerate() {
             let id = format!("b{i}");
             let log = self.dir.join(format!("{id}.log"));
             let (http, udp) = (HTTP_PORT.to_string(), UDP_PORT.to_string());
-            self.procs.push(spawn_in(
-                ns,
-                backend,
-                &["--id", &id, "--http", &http, "--udp", &udp],
-                Some(&log),
-            )?);
+            let mut args = vec!["--id", &id, "--http", &http, "--udp", &udp];
+            args.extend_from_slice(extra);
+            self.procs.push(spawn_in(ns, backend, &args, Some(&log))?);
         }
         self.router_bird = Some(self.bird(&self.router, "router", &self.router_conf())?);
         for i in 0..self.balancers.len() {
@@ -286,6 +294,15 @@ impl ScaleOut {
             .filter(|w| w[0] == "via")
             .filter_map(|w| w[1].parse().ok())
             .collect()
+    }
+
+    /// Sends backend `i`'s server an admin query (`delay_ms=50`...).
+    pub fn backend_admin(&self, i: usize, query: &str) -> Result<String> {
+        let addr = SocketAddr::from((scale_backend_ip(i), HTTP_PORT));
+        let path = format!("/admin?{query}");
+        crate::in_ns(&self.backends[i], move || {
+            crate::http_get_path(addr, &path, Duration::from_secs(2))
+        })
     }
 
     /// Cuts balancer `i`'s link to the segment (a host gone silent).

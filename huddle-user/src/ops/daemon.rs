@@ -438,7 +438,16 @@ impl Balancer {
                 problems.join("; ")
             ),
         });
+        let changed = self.leader.as_ref().map(|l| &l.rings) != leader.as_ref().map(|l| &l.rings);
         self.leader = leader;
+        // At once, not at the next tick: the rings disagree meanwhile.
+        if changed {
+            for si in 0..self.huddles.len() {
+                if let Err(e) = self.publish(si) {
+                    warn!("{e:#}");
+                }
+            }
+        }
     }
 
     /// One huddle tick: read the kernel's counters, update temperatures,
