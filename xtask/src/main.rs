@@ -39,6 +39,10 @@ enum Cmd {
         /// decap).
         #[arg(long, default_value = "snat")]
         mode: String,
+        /// Several balancers behind a router (BGP, ECMP, Maglev, L2 DSR)
+        /// instead of one; at least 2.
+        #[arg(long)]
+        balancers: Option<usize>,
     },
     /// Build the Debian package (binary, systemd unit, completions, man
     /// page, example config) into target/debian.
@@ -167,15 +171,17 @@ fn main() -> Result<()> {
             a.extend(args.iter().map(String::as_str));
             run_tests(&a)
         }
-        Cmd::Demo { mode } => {
+        Cmd::Demo { mode, balancers } => {
             require_root("cargo xtask demo")?;
             setup::all()?;
             build_release(&["huddle-user", "tests"])?;
             let huddle = release_bin("huddle")?;
-            run(
-                &release_bin("hc-demo")?,
-                &["--huddle", &huddle, "--mode", &mode],
-            )
+            let n = balancers.map(|n| n.to_string());
+            let mut a = vec!["--huddle", huddle.as_str(), "--mode", mode.as_str()];
+            if let Some(n) = &n {
+                a.extend(["--balancers", n.as_str()]);
+            }
+            run(&release_bin("hc-demo")?, &a)
         }
         Cmd::BenchHuddle { args } => {
             require_root("cargo xtask bench-huddle")?;

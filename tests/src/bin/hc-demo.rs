@@ -9,6 +9,12 @@
 //! the backends' port, each backend has it on its loopback, and in
 //! dsr-ipip each runs `huddle agent --decap eth0`; the balancer then never
 //! sees a reply and the huddle runs on the clients' ACKs.
+//!
+//! `hc-demo --balancers N` (N >= 2) shows several balancers instead: a
+//! router spreading the VIP over N balancers by ECMP (BGP through bird2,
+//! BFD), L2 DSR with Maglev, the balancers in one `[cluster]`; under load
+//! one balancer's link is cut and restored, and a table per balancer and
+//! per backend ends it.
 
 use anyhow::{Context, Result};
 use huddle_user::control::Request;
@@ -136,6 +142,19 @@ fn run() -> Result<()> {
         Some(i) => PathBuf::from(args.get(i + 1).context("--huddle PATH")?),
         None => sibling("huddle")?,
     };
+    if let Some(i) = args.iter().position(|a| a == "--balancers") {
+        let n: usize = args
+            .get(i + 1)
+            .and_then(|v| v.parse().ok())
+            .context("--balancers N")?;
+        if n < 2 {
+            anyhow::bail!("--balancers {n}: at least 2 (one balancer is the plain demo)");
+        }
+        if n > 8 {
+            anyhow::bail!("--balancers {n}: at most 8 here");
+        }
+        return several(&huddle, n);
+    }
     let mode = match args.iter().position(|a| a == "--mode") {
         Some(i) => args
             .get(i + 1)
@@ -249,5 +268,94 @@ fn run() -> Result<()> {
     println!("\ncleaning up: stopping the balancer, removing its pinned data plane, the backends and the namespaces");
     drop(bed);
     println!("done");
+    Ok(())
+}
+
+/// The demo of several balancers (`--balancers N`).
+fn several(huddle: &std::path::Path, n: usize) -> Result<()> {
+    use testbed::scaleout::{balancer_ip, scale_vip, ScaleOut};
+    testbed::require_root();
+    println!(
+        "building: a client behind a router, {n} balancers announcing {} by BGP (bird2, BFD 100 ms x 3), {BACKENDS} backends answering clients directly (L2 DSR, Maglev), in network namespaces (10.214.0.0/16)",
+        scale_vip()
+    );
+    let mut s = ScaleOut::build("demo", n, BACKENDS)?;
+    let t0 = Instant::now();
+    s.start_with(
+        huddle,
+        &sibling("hc-backend")?,
+        true,
+        &["--delay-ms", &BASE_MS.to_string()],
+    )?;
+    println!(
+        "the router spreads the VIP over {:?} ({:.1} s after the start)",
+        s.next_hops(),
+        t0.elapsed().as_secs_f64()
+    );
+    let held =
+        testbed::HeldConnections::start(&s.client, scale_vip(), 10, 30, Duration::from_secs(1));
+    held.wait_opened(300, Duration::from_secs(30))?;
+    let load = OpenLoop::start(&s.client, scale_vip(), 100.0, Duration::from_secs(5));
+    println!(
+        "load: 300 keep-alive connections asking every second, and 100 new connections a second"
+    );
+    thread::sleep(Duration::from_secs(3));
+    let cut = Instant::now();
+    s.cut_link(1)?;
+    println!("balancer 1 ({}): link cut", balancer_ip(1));
+    testbed::wait_until(Duration::from_secs(10), || {
+        !s.next_hops().contains(&balancer_ip(1))
+    })?;
+    println!(
+        "  the router stopped using it after {} ms; next hops {:?}",
+        cut.elapsed().as_millis(),
+        s.next_hops()
+    );
+    thread::sleep(Duration::from_secs(3));
+    let back = Instant::now();
+    s.restore_link(1)?;
+    testbed::wait_until(Duration::from_secs(20), || s.next_hops().len() == n)?;
+    println!(
+        "balancer 1: link restored; the router uses it again after {} ms",
+        back.elapsed().as_millis()
+    );
+    thread::sleep(Duration::from_secs(3));
+    let errors = held.stop();
+    let outcomes = load.stop();
+    let (by_backend, failed) = tally(&outcomes, Duration::ZERO, Duration::MAX);
+    println!("\n| balancer | ring | new flows | taken over | packets | cluster |");
+    println!("|---|---|---:|---:|---:|---|");
+    for i in 0..n {
+        let st = s.status(i)?;
+        let svc = &st.services[0];
+        let c = |k: &str| svc.counters.get(k).copied().unwrap_or(0);
+        let note = st
+            .notes
+            .iter()
+            .find(|x| x.starts_with("cluster:"))
+            .cloned()
+            .unwrap_or_default();
+        println!(
+            "| {} | {} backends | {} | {} | {} | {} |",
+            balancer_ip(i),
+            svc.ring.len(),
+            c("promoted"),
+            c("taken_over"),
+            c("pkts"),
+            note.trim_start_matches("cluster: ")
+        );
+    }
+    println!("\n| backend | new connections answered |");
+    println!("|---|---:|");
+    for (b, count) in &by_backend {
+        println!("| {b} | {count} |");
+    }
+    println!(
+        "\nkeep-alive connections broken: {} of 300; new connections failed: {} of {}",
+        errors.len(),
+        failed.len(),
+        outcomes.len()
+    );
+    println!("(connections the router moved off the cut balancer were taken over by the others on the same backend: \"taken over\")");
     Ok(())
 }
