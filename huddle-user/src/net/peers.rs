@@ -68,6 +68,61 @@ async fn fetch(addr: SocketAddr, timeout: Duration) -> Result<Rings> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::io::{Read, Write};
+
+    /// A member answering every request with `answer` (raw HTTP), on a
+    /// loopback port; its address.
+    fn member(answer: &'static str) -> SocketAddr {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = l.local_addr().unwrap();
+        std::thread::spawn(move || {
+            for s in l.incoming().take(4) {
+                let Ok(mut s) = s else { continue };
+                let mut buf = [0u8; 1024];
+                let _ = s.read(&mut buf);
+                let _ = s.write_all(answer.as_bytes());
+            }
+        });
+        addr
+    }
+
+    #[test]
+    fn members_that_answer_garbage_or_nothing_are_passed_over() {
+        let garbage = member("HTTP/1.1 200 OK\r\nContent-Length: 7\r\n\r\ngarbage");
+        let not_found = member("HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\n\r\n");
+        let good = member(
+            "HTTP/1.1 200 OK\r\nContent-Length: 48\r\n\r\n{\"rings\":{\"10.0.100.1:80/tcp\":[\"10.0.0.21:80\"]}}",
+        );
+        // Nothing listens here.
+        let gone: SocketAddr = {
+            let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+            l.local_addr().unwrap()
+        };
+        let me: SocketAddr = "127.0.0.1:1".parse().unwrap();
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        let t = Duration::from_millis(500);
+        let (leader, problems) =
+            rt.block_on(find_leader(&[gone, garbage, not_found, good, me], 4, t));
+        let leader = leader.expect("the member answering rings leads");
+        assert_eq!(leader.addr, good);
+        assert_eq!(
+            leader.rings["10.0.100.1:80/tcp"],
+            vec!["10.0.0.21:80".parse().unwrap()]
+        );
+        assert_eq!(problems.len(), 3, "{problems:?}");
+        assert!(problems[1].contains("no rings"), "{problems:?}");
+        assert!(problems[2].contains("HTTP 404"), "{problems:?}");
+        // The first member decides alone, whatever the others say.
+        let (leader, problems) = rt.block_on(find_leader(&[me, good], 0, t));
+        assert!(leader.is_none() && problems.is_empty());
+        // Nobody before it answers: alone, saying why.
+        let (leader, problems) = rt.block_on(find_leader(&[gone, garbage, me], 2, t));
+        assert!(leader.is_none());
+        assert_eq!(problems.len(), 2, "{problems:?}");
+    }
 
     #[test]
     fn the_answer_reads_back() {
