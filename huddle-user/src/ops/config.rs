@@ -897,28 +897,24 @@ impl ConfigFile {
                         bail!("bgp.daemon: {other:?} is not driven (yet); \"bird\" (bird2) is")
                     }
                 }
-                let routes_file = b
-                    .routes_file
-                    .clone()
-                    .unwrap_or_else(|| PathBuf::from(format!("/run/huddle/{interface}.bird.conf")));
-                for (field, p) in [
-                    ("bgp.routes_file", &routes_file),
-                    (
-                        "bgp.control_socket",
-                        &b.control_socket.clone().unwrap_or_default(),
-                    ),
-                ] {
-                    if !p.as_os_str().is_empty() && !p.is_absolute() {
-                        bail!("{field}: {} must be an absolute path", p.display());
-                    }
-                }
-                Some(Bgp {
+                let bgp = Bgp {
                     control_socket: b
                         .control_socket
                         .clone()
                         .unwrap_or_else(|| PathBuf::from("/run/bird/bird.ctl")),
-                    routes_file,
-                })
+                    routes_file: b.routes_file.clone().unwrap_or_else(|| {
+                        PathBuf::from(format!("/run/huddle/{interface}.bird.conf"))
+                    }),
+                };
+                for (field, p) in [
+                    ("bgp.routes_file", &bgp.routes_file),
+                    ("bgp.control_socket", &bgp.control_socket),
+                ] {
+                    if !p.is_absolute() {
+                        bail!("{field}: {} must be an absolute path", p.display());
+                    }
+                }
+                Some(bgp)
             }
         };
         let cluster = match &self.cluster {
