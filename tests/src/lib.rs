@@ -204,6 +204,17 @@ pub fn segment(tag: &str) -> Result<(String, Netns, PathBuf)> {
     Ok((prefix, switch, dir))
 }
 
+/// Connects `ns` to the bridge of `switch` by a veth pair (`port` on the
+/// bridge, `eth0` in `ns`, up) and gives it `ip`/24.
+pub fn plug(switch: &Netns, port: &str, ns: &Netns, ip: Ipv4Addr) -> Result<()> {
+    switch.ip(&[
+        "link", "add", port, "type", "veth", "peer", "name", "eth0", "netns", &ns.name,
+    ])?;
+    switch.ip(&["link", "set", port, "master", "br0", "up"])?;
+    ns.ip(&["addr", "add", &format!("{ip}/24"), "dev", "eth0"])?;
+    ns.ip(&["link", "set", "eth0", "up"])
+}
+
 /// Starts bird in `ns` with `conf`, its files in `dir` named after `name`
 /// (`name.conf`, `name.log`, `name.pid`); returns it and its control
 /// socket, once that exists.
@@ -229,6 +240,16 @@ pub fn start_bird(ns: &Netns, dir: &Path, name: &str, conf: &str) -> Result<(Pro
     wait_until(Duration::from_secs(5), || sock.exists())
         .with_context(|| format!("{name}'s bird did not start"))?;
     Ok((p, sock))
+}
+
+/// Sends the `hc-backend` at `ip` (in `ns`) an admin query
+/// (`delay_ms=50`...) and returns its answer.
+pub fn backend_admin(ns: &Netns, ip: Ipv4Addr, query: &str) -> Result<String> {
+    let addr = SocketAddr::from((ip, HTTP_PORT));
+    let path = format!("/admin?{query}");
+    in_ns(ns, move || {
+        http_get_path(addr, &path, Duration::from_secs(2))
+    })
 }
 
 /// Client, balancer and backends on one bridged segment.
@@ -344,12 +365,7 @@ impl Testbed {
 
     fn attach(&self, port: &str, ns: &Netns, ip: (Ipv4Addr, Ipv6Addr), tuned: bool) -> Result<()> {
         let (ip, ip6) = ip;
-        self.switch.ip(&[
-            "link", "add", port, "type", "veth", "peer", "name", "eth0", "netns", &ns.name,
-        ])?;
-        self.switch
-            .ip(&["link", "set", port, "master", "br0", "up"])?;
-        ns.ip(&["addr", "add", &format!("{ip}/24"), "dev", "eth0"])?;
+        plug(&self.switch, port, ns, ip)?;
         // No duplicate address detection: usable at once.
         ns.ip(&[
             "-6",
@@ -360,7 +376,6 @@ impl Testbed {
             "eth0",
             "nodad",
         ])?;
-        ns.ip(&["link", "set", "eth0", "up"])?;
         // A veth sends TCP/UDP with the checksum left to offload (only the
         // pseudo-header sum filled in). An XDP-rewritten frame loses that
         // state on the way to its peer and arrives with a bad checksum, so
@@ -500,11 +515,7 @@ impl Testbed {
     /// Changes backend `i`'s behaviour (`hc-backend`'s `/admin` query,
     /// e.g. `delay_ms=50`).
     pub fn backend_admin(&self, i: usize, query: &str) -> Result<String> {
-        let addr = SocketAddr::from((backend_ip(i), HTTP_PORT));
-        let path = format!("/admin?{query}");
-        in_ns(&self.backends[i], move || {
-            http_get_path(addr, &path, Duration::from_secs(2))
-        })
+        backend_admin(&self.backends[i], backend_ip(i), query)
     }
 
     /// Polls the balancer every 5 ms until backend `addr` is in `place`

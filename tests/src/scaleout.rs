@@ -9,7 +9,7 @@
 //! backends .21 and up), the clients' side 10.214.1.0/24 (router .1,
 //! client .2), the VIP 10.214.100.1 on the backends' HTTP port.
 
-use crate::{segment, spawn_in, start_bird, wait_until, Proc, HTTP_PORT, UDP_PORT};
+use crate::{plug, segment, spawn_in, start_bird, wait_until, Proc, HTTP_PORT, UDP_PORT};
 use anyhow::{Context, Result};
 use huddle_user::{
     bgp,
@@ -82,7 +82,7 @@ impl ScaleOut {
             rotation: true,
             switch,
         };
-        s.attach("pr", &s.router, ROUTER_IP)?;
+        plug(&s.switch, "pr", &s.router, ROUTER_IP)?;
         // The clients' side: a veth straight from the router.
         s.router.ip(&[
             "link",
@@ -114,14 +114,14 @@ impl ScaleOut {
         s.router.sysctl("net.ipv4.fib_multipath_hash_policy", "1")?;
         for i in 0..balancers {
             let ns = Netns::create(&format!("{prefix}-lb{i}"))?;
-            s.attach(&format!("pl{i}"), &ns, balancer_ip(i))?;
+            plug(&s.switch, &format!("pl{i}"), &ns, balancer_ip(i))?;
             s.balancers.push(ns);
             s.lb_birds.push(None);
             s.huddles.push(None);
         }
         for i in 0..backends {
             let ns = Netns::create(&format!("{prefix}-b{i}"))?;
-            s.attach(&format!("pb{i}"), &ns, scale_backend_ip(i))?;
+            plug(&s.switch, &format!("pb{i}"), &ns, scale_backend_ip(i))?;
             // DSR: the VIP is the backend's own, never answered for by ARP
             // on the segment (the balancers take its packets by MAC).
             ns.ip(&["addr", "add", &format!("{SCALE_VIP}/32"), "dev", "lo"])?;
@@ -133,18 +133,6 @@ impl ScaleOut {
             s.backends.push(ns);
         }
         Ok(s)
-    }
-
-    fn attach(&self, port: &str, ns: &Netns, ip: Ipv4Addr) -> Result<()> {
-        self.switch.ip(&[
-            "link", "add", port, "type", "veth", "peer", "name", "eth0", "netns", &ns.name,
-        ])?;
-        self.switch
-            .ip(&["link", "set", port, "master", "br0", "up"])?;
-        ns.ip(&["addr", "add", &format!("{ip}/24"), "dev", "eth0"])?;
-        ns.ip(&["link", "set", "eth0", "up"])?;
-        ns.ip(&["link", "set", "lo", "up"])?;
-        Ok(())
     }
 
     /// Starts the backends, the birds and a balancer daemon per balancer
@@ -298,11 +286,7 @@ impl ScaleOut {
 
     /// Sends backend `i`'s server an admin query (`delay_ms=50`...).
     pub fn backend_admin(&self, i: usize, query: &str) -> Result<String> {
-        let addr = SocketAddr::from((scale_backend_ip(i), HTTP_PORT));
-        let path = format!("/admin?{query}");
-        crate::in_ns(&self.backends[i], move || {
-            crate::http_get_path(addr, &path, Duration::from_secs(2))
-        })
+        crate::backend_admin(&self.backends[i], scale_backend_ip(i), query)
     }
 
     /// Cuts balancer `i`'s link to the segment (a host gone silent).
@@ -317,8 +301,7 @@ impl ScaleOut {
 
 impl Drop for ScaleOut {
     fn drop(&mut self) {
-        for h in self.huddles.iter_mut().filter_map(Option::take) {
-            let mut h = h;
+        for mut h in self.huddles.iter_mut().filter_map(Option::take) {
             let _ = h.terminate(Duration::from_secs(5));
         }
         for i in 0..self.balancers.len() {
