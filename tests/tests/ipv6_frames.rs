@@ -64,6 +64,29 @@ fn env(tag: &str) -> ProgRun {
     env
 }
 
+/// A client's frame from port `sport` to the VIP's port `vport`.
+fn from_client(sport: u16, vport: u16, tcp: (u8, u32, u32), payload: &[u8]) -> Vec<u8> {
+    tcp6(
+        (CLIENT, sport),
+        (VIP, vport),
+        tcp,
+        payload,
+        (mac_of6(CLIENT), BALANCER_MAC),
+    )
+}
+
+/// The balancer's frame to the client's port `sport` from the VIP's
+/// `vport`.
+fn to_client(sport: u16, vport: u16, tcp: (u8, u32, u32), payload: &[u8]) -> Vec<u8> {
+    tcp6(
+        (VIP, vport),
+        (CLIENT, sport),
+        tcp,
+        payload,
+        (BALANCER_MAC, mac_of6(CLIENT)),
+    )
+}
+
 fn by_mac(out: &[u8]) -> Ipv6Addr {
     (0..3)
         .map(backend)
@@ -74,13 +97,7 @@ fn by_mac(out: &[u8]) -> Ipv6Addr {
 #[test]
 fn an_ipv6_syn_is_source_natted_to_a_backend_and_its_answer_translated_back() {
     let env = env("v6-snat");
-    let syn = tcp6(
-        (CLIENT, 40000),
-        (VIP, 80),
-        (SYN, 1000, 0),
-        &[],
-        (mac_of6(CLIENT), BALANCER_MAC),
-    );
+    let syn = from_client(40000, 80, (SYN, 1000, 0), &[]);
     let (verdict, out) = env.run(&syn).unwrap();
     assert_eq!(verdict, XDP_TX);
     let b = by_mac(&out);
@@ -105,23 +122,11 @@ fn an_ipv6_syn_is_source_natted_to_a_backend_and_its_answer_translated_back() {
     );
     let (verdict, out) = env.run(&synack).unwrap();
     assert_eq!(verdict, XDP_TX);
-    let want = tcp6(
-        (VIP, 80),
-        (CLIENT, 40000),
-        (SYN | ACK, 7000, 1001),
-        &[],
-        (BALANCER_MAC, mac_of6(CLIENT)),
-    );
+    let want = to_client(40000, 80, (SYN | ACK, 7000, 1001), &[]);
     assert_eq!(out, want, "the SYN-ACK as from the VIP");
     // The handshake's ACK and a request go to the same tuple.
     for (flags, payload) in [(ACK, &b""[..]), (ACK | PSH, &b"GET / HTTP/1.1\r\n\r\n"[..])] {
-        let f = tcp6(
-            (CLIENT, 40000),
-            (VIP, 80),
-            (flags, 1001, 7001),
-            payload,
-            (mac_of6(CLIENT), BALANCER_MAC),
-        );
+        let f = from_client(40000, 80, (flags, 1001, 7001), payload);
         let (verdict, out) = env.run(&f).unwrap();
         assert_eq!(verdict, XDP_TX);
         let want = tcp6(
@@ -140,13 +145,7 @@ fn an_ipv6_syn_is_source_natted_to_a_backend_and_its_answer_translated_back() {
 #[test]
 fn an_ipv6_l2_dsr_frame_changes_only_its_macs_and_extension_headers_pass() {
     let env = env("v6-dsr");
-    let syn = tcp6(
-        (CLIENT, 41000),
-        (VIP, 8080),
-        (SYN, 5000, 0),
-        &[],
-        (mac_of6(CLIENT), BALANCER_MAC),
-    );
+    let syn = from_client(41000, 8080, (SYN, 5000, 0), &[]);
     let (verdict, out) = env.run(&syn).unwrap();
     assert_eq!(verdict, XDP_TX);
     let b = by_mac(&out);
@@ -169,13 +168,7 @@ fn an_ipv6_l2_dsr_frame_changes_only_its_macs_and_extension_headers_pass() {
 fn an_ipv6_in_ipv6_frame_carries_the_clients_packet_after_an_outer_header() {
     let mut env = env("v6-ipip");
     env.dp.set_encap6(SNAT).unwrap();
-    let syn = tcp6(
-        (CLIENT, 42000),
-        (VIP, 9090),
-        (SYN, 7000, 0),
-        &[],
-        (mac_of6(CLIENT), BALANCER_MAC),
-    );
+    let syn = from_client(42000, 9090, (SYN, 7000, 0), &[]);
     let (verdict, out) = env.run(&syn).unwrap();
     assert_eq!(verdict, XDP_TX);
     assert_eq!(out.len(), syn.len() + 40);
@@ -192,13 +185,7 @@ fn an_ipv6_in_ipv6_frame_carries_the_clients_packet_after_an_outer_header() {
     assert_eq!(outer[24..40], b.octets(), "outer destination: the backend");
     assert_eq!(out[54..], syn[14..], "the client's packet, unchanged");
     // The same flow keeps its flow label.
-    let ack = tcp6(
-        (CLIENT, 42000),
-        (VIP, 9090),
-        (ACK, 7001, 1),
-        &[],
-        (mac_of6(CLIENT), BALANCER_MAC),
-    );
+    let ack = from_client(42000, 9090, (ACK, 7001, 1), &[]);
     let (_, out2) = env.run(&ack).unwrap();
     assert_eq!(out2[14..18], out[14..18], "flow label");
 }
@@ -208,22 +195,8 @@ fn a_packet_too_big_once_wrapped_gets_packet_too_big_from_the_vip() {
     let mut env = env("v6-mtu");
     env.dp.set_encap6(SNAT).unwrap();
     env.ns.ip(&["link", "set", "hb0", "mtu", "1400"]).unwrap();
-    let frame = |flags: u8, payload: &[u8]| {
-        tcp6(
-            (CLIENT, 43000),
-            (VIP, 9090),
-            (flags, 7001, 1),
-            payload,
-            (mac_of6(CLIENT), BALANCER_MAC),
-        )
-    };
-    let syn = tcp6(
-        (CLIENT, 43000),
-        (VIP, 9090),
-        (SYN, 7000, 0),
-        &[],
-        (mac_of6(CLIENT), BALANCER_MAC),
-    );
+    let frame = |flags: u8, payload: &[u8]| from_client(43000, 9090, (flags, 7001, 1), payload);
+    let syn = from_client(43000, 9090, (SYN, 7000, 0), &[]);
     for f in [syn, frame(ACK, &[])] {
         assert_eq!(env.run(&f).unwrap().0, XDP_TX);
     }
@@ -259,13 +232,7 @@ fn a_packet_too_big_once_wrapped_gets_packet_too_big_from_the_vip() {
 #[test]
 fn icmpv6_errors_about_a_translated_flow_reach_its_client_translated_back() {
     let env = env("v6-icmp");
-    let syn = tcp6(
-        (CLIENT, 44000),
-        (VIP, 80),
-        (SYN, 1000, 0),
-        &[],
-        (mac_of6(CLIENT), BALANCER_MAC),
-    );
+    let syn = from_client(44000, 80, (SYN, 1000, 0), &[]);
     let (verdict, out) = env.run(&syn).unwrap();
     assert_eq!(verdict, XDP_TX);
     let b = by_mac(&out);
@@ -389,12 +356,6 @@ fn a_refused_ipv6_syn_goes_to_another_backend_with_its_options() {
     );
     let (verdict, out) = env.run(&synack).unwrap();
     assert_eq!(verdict, XDP_TX);
-    let want = tcp6(
-        (VIP, 80),
-        (CLIENT, 45000),
-        (SYN | ACK, 300, 5001),
-        &[],
-        (BALANCER_MAC, mac_of6(CLIENT)),
-    );
+    let want = to_client(45000, 80, (SYN | ACK, 300, 5001), &[]);
     assert_eq!(out, want, "the new backend's SYN-ACK, as from the VIP");
 }
