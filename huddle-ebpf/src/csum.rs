@@ -44,3 +44,13 @@ pub fn words<const N: usize>(b: &[u8; N]) -> u64 {
     }
     s
 }
+
+/// Sum of a TCP pseudo header (addresses, protocol, TCP length) of either
+/// family: both sum to the same words but for the addresses' width.
+#[inline(always)]
+pub fn tcp_pseudo<const N: usize>(src: &[u8; N], dst: &[u8; N], tcp_len: u16) -> u64 {
+    words(src)
+        + words(dst)
+        + u64::from(u16::from_ne_bytes([0, huddle_common::PROTO_TCP]))
+        + u64::from(u16::from_ne_bytes(tcp_len.to_be_bytes()))
+}

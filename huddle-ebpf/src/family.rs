@@ -167,10 +167,7 @@ impl Family for V4 {
                 .cast::<u16>()
                 .write_unaligned(csum::apply(0xffff, csum::words(&iph)));
         }
-        csum::words(src)
-            + csum::words(dst)
-            + u64::from(u16::from_ne_bytes([0, PROTO_TCP]))
-            + u64::from(u16::from_ne_bytes(tcp_len.to_be_bytes()))
+        csum::tcp_pseudo(src, dst, tcp_len)
     }
 }
 
@@ -285,9 +282,6 @@ impl Family for V6 {
             put(ip.add(8).cast::<[u8; 16]>(), src);
             put(ip.add(24).cast::<[u8; 16]>(), dst);
         }
-        csum::words(src)
-            + csum::words(dst)
-            + u64::from(u16::from_ne_bytes([0, PROTO_TCP]))
-            + u64::from(u16::from_ne_bytes(len))
+        csum::tcp_pseudo(src, dst, tcp_len)
     }
 }
