@@ -253,6 +253,12 @@ pub mod flow_flags {
     /// half-open UDP flow whose backend answered: the client's next
     /// datagram promotes it.
     pub const SYNACK_SEEN: u8 = 8;
+    /// Written by the control plane from a peer balancer's list of flows
+    /// its Maglev table no longer explains (see `huddle_user::handoff`):
+    /// the router may move the connection here, and it must keep its
+    /// backend. The first packet that uses it clears the flag and counts
+    /// it taken over; a half-open connection on the same tuple wins over it.
+    pub const ADOPTED: u8 = 16;
 }
 
 /// `Backend::flags` bits.

@@ -122,7 +122,7 @@ fn request<F: Family, const DSR: bool>(
         FLOWS.get_ptr_mut(&sc.nval.flow).filter(|f| {
             // SAFETY: map value pointer, valid for this run.
             let flags = unsafe { (**f).flags };
-            flags & flow_flags::CLOSING == 0
+            flags & (flow_flags::CLOSING | flow_flags::ADOPTED) == 0
                 || !p.is_tcp()
                 || halfopen::find(cfg, &sc.nval.flow).is_none()
         })
@@ -131,7 +131,10 @@ fn request<F: Family, const DSR: bool>(
     // second lookup; `None` for a flow not (yet) in the flow table.
     let (mut flow, mut entry) = match existing {
         // SAFETY: map value pointer, valid for this run.
-        Some(f) => (unsafe { *f }, Some(f)),
+        Some(f) => match unsafe { *f } {
+            v if v.flags & flow_flags::ADOPTED != 0 => (adopt(f, v, service), Some(f)),
+            v => (v, Some(f)),
+        },
         None => match handshake(ctx, cfg, service, sc, p, dsr) {
             Ok(o) => o,
             Err(verdict) => return verdict,
@@ -288,6 +291,21 @@ fn handshake<F: Family>(
     }
     // Early packets: same backend, no promotion.
     Ok((half, None))
+}
+
+/// The first packet of a flow a peer balancer shared (`ADOPTED`): the
+/// connection was moved here, and from now on it is this balancer's.
+#[inline(always)]
+fn adopt(f: *mut FlowValue, mut v: FlowValue, service: u32) -> FlowValue {
+    v.flags &= !flow_flags::ADOPTED;
+    // SAFETY: map value pointer, valid for this run.
+    unsafe { (*f).flags = v.flags };
+    bump(&SERVICE_STATS, service, |s| {
+        s.taken_over += 1;
+        s.flows_new += 1;
+    });
+    bump(&BACKEND_STATS, v.backend, |s| s.flows_new += 1);
+    v
 }
 
 /// Whether `service` picks new flows from its Maglev table.

@@ -189,26 +189,34 @@ fn by_mac(out: &[u8]) -> Ipv4Addr {
         .unwrap_or_else(|| panic!("no backend has MAC {:02x?}", &out[..6]))
 }
 
+/// A client segment of a DSR connection from `CLIENTS[0]`'s `port` to
+/// the VIP's `dport`.
+fn segment(port: u16, dport: u16, flags: u8, payload: &[u8]) -> Vec<u8> {
+    Frame::tcp((CLIENTS[0], port), (VIP, dport))
+        .flags(flags)
+        .seq_ack(1001, 5001)
+        .payload(payload)
+        .macs(mac_of(CLIENTS[0]), BALANCER_MAC)
+        .build()
+}
+
+/// Its SYN.
+fn syn(port: u16, dport: u16) -> Vec<u8> {
+    Frame::tcp((CLIENTS[0], port), (VIP, dport))
+        .syn()
+        .macs(mac_of(CLIENTS[0]), BALANCER_MAC)
+        .build()
+}
+
 #[test]
 fn a_dsr_connection_moved_to_another_balancer_keeps_its_backend() {
     let a = balancer("mg-move-a", &[0, 1, 2, 3, 4, 5]);
     let b = balancer("mg-move-b", &[3, 4, 5, 0, 1, 2]);
-    let (client, port) = (CLIENTS[0], 45000);
-    let frame = |dport: u16, flags: u8, payload: &[u8]| {
-        Frame::tcp((client, port), (VIP, dport))
-            .flags(flags)
-            .seq_ack(1001, 5001)
-            .payload(payload)
-            .macs(mac_of(client), BALANCER_MAC)
-            .build()
-    };
+    let port = 45000;
+    let frame = |dport: u16, flags: u8, payload: &[u8]| segment(port, dport, flags, payload);
     for dport in [DSR_MAGLEV, DSR_RR] {
         // Opened through balancer a: SYN, then the handshake's ACK.
-        let syn = Frame::tcp((client, port), (VIP, dport))
-            .syn()
-            .macs(mac_of(client), BALANCER_MAC)
-            .build();
-        let (v, out) = a.run(&syn).unwrap();
+        let (v, out) = a.run(&syn(port, dport)).unwrap();
         assert_eq!(v, XDP_TX);
         let first = by_mac(&out);
         assert_eq!(a.run(&frame(dport, ACK, b"")).unwrap().0, XDP_TX);
@@ -233,4 +241,120 @@ fn a_dsr_connection_moved_to_another_balancer_keeps_its_backend() {
             assert_eq!((st.taken_over, st.pass_no_flow), (0, 1), "{st:?}");
         }
     }
+}
+
+/// The rings changed after a connection opened (its backend left them:
+/// resting or drained, it still serves what it has), then the router
+/// moves the connection. Its table entry now names another backend; the
+/// flow the first balancer shares (`handoff`) keeps it where it was. A
+/// flow never shared goes by the table; a new connection on a shared
+/// tuple is a new flow.
+#[test]
+fn a_connection_a_peer_shared_keeps_its_backend_after_the_ring_changed() {
+    let mut a = balancer("mg-share-a", &[0, 1, 2, 3, 4, 5]);
+    let mut b = balancer("mg-share-b", &[3, 4, 5, 0, 1, 2]);
+    let client = CLIENTS[0];
+    let frame = |port: u16, flags: u8, payload: &[u8]| segment(port, DSR_MAGLEV, flags, payload);
+    let open = |env: &ProgRun, port: u16| {
+        let (v, out) = env.run(&syn(port, DSR_MAGLEV)).unwrap();
+        assert_eq!(v, XDP_TX);
+        assert_eq!(env.run(&frame(port, ACK, b"")).unwrap().0, XDP_TX);
+        by_mac(&out)
+    };
+    // Connections through a until two share a backend.
+    let mut seen = std::collections::HashMap::new();
+    let (shared, other, first) = (46000..46100)
+        .find_map(|p| {
+            let to = open(&a, p);
+            let pair = seen
+                .iter()
+                .find(|(_, b)| **b == to)
+                .map(|(q, _)| (*q, p, to));
+            seen.insert(p, to);
+            pair
+        })
+        .unwrap();
+    // That backend leaves the rings of both.
+    for env in [&mut a, &mut b] {
+        let slot = &env.dp.services[1];
+        let ring: Vec<u32> = slot
+            .backend_ids
+            .iter()
+            .zip(&slot.service.backends)
+            .filter(|(_, addr)| addr.ip() != first)
+            .map(|(id, _)| *id)
+            .collect();
+        env.dp.swap_ring(1, &ring).unwrap();
+    }
+    // a lists both flows; b takes only the first one's.
+    let (list, truncated) = a.dp.flow_book().unwrap().scan(&a.dp.handoff_tables());
+    assert!(!truncated);
+    assert_eq!(list.len(), 2, "{list:?}");
+    let mut book = b.dp.flow_book().unwrap();
+    let one: Vec<_> = list.iter().filter(|f| f.1 == shared).cloned().collect();
+    let got = book.adopt(
+        "10.0.0.1:9477".parse().unwrap(),
+        &one,
+        &b.dp.handoff_tables(),
+        1,
+    );
+    assert_eq!((got.added, got.held, got.foreign), (1, 1, 0));
+    let sid = b.dp.services[1].id;
+    // Moved to b: the shared one stays on its backend, the other goes by
+    // the table (elsewhere: it breaks, as it would without sharing).
+    let request = frame(shared, ACK | PSH, b"GET / HTTP/1.1\r\n\r\n");
+    let (v, out) = b.run(&request).unwrap();
+    assert_eq!((v, by_mac(&out)), (XDP_TX, first));
+    assert_eq!(out[12..], request[12..]);
+    let (v, out) = b.run(&frame(shared, ACK, b"")).unwrap();
+    assert_eq!((v, by_mac(&out)), (XDP_TX, first));
+    let (v, out) = b.run(&frame(other, ACK, b"")).unwrap();
+    assert_eq!(v, XDP_TX);
+    assert_ne!(
+        by_mac(&out),
+        first,
+        "an unshared flow goes by the new table"
+    );
+    let st = b.dp.service_stats(sid).unwrap();
+    assert_eq!((st.taken_over, st.flows_new), (2, 2), "{st:?}");
+    // b's own list now names the flow it took over (its table would send
+    // it elsewhere too), for the next balancer to lose.
+    let (mine, _) = b.dp.flow_book().unwrap().scan(&b.dp.handoff_tables());
+    assert_eq!(mine, one);
+    // a's next answer no longer lists it: b forgets only what it did not
+    // use.
+    let got = book.adopt(
+        "10.0.0.1:9477".parse().unwrap(),
+        &[],
+        &b.dp.handoff_tables(),
+        2,
+    );
+    assert_eq!(got.held, 0);
+    let (v, out) = b.run(&frame(shared, ACK, b"")).unwrap();
+    assert_eq!((v, by_mac(&out)), (XDP_TX, first), "a used flow stays");
+    // A new connection on a shared tuple that was never used: its SYN
+    // opens a new flow by the table, and its ACK follows the SYN.
+    let fresh = 47001;
+    let f = huddle_user::handoff::SharedFlow(
+        client.into(),
+        fresh,
+        (VIP, DSR_MAGLEV).into(),
+        PROTO_TCP,
+        (first, DSR_MAGLEV).into(),
+    );
+    let got = book.adopt(
+        "10.0.0.2:9477".parse().unwrap(),
+        &[f],
+        &b.dp.handoff_tables(),
+        3,
+    );
+    assert_eq!(got.added, 1);
+    let to = by_mac(&b.run(&syn(fresh, DSR_MAGLEV)).unwrap().1);
+    assert_ne!(to, first);
+    let (v, out) = b.run(&frame(fresh, ACK, b"")).unwrap();
+    assert_eq!(
+        (v, by_mac(&out)),
+        (XDP_TX, to),
+        "the handshake, not the shared flow"
+    );
 }

@@ -908,6 +908,41 @@ impl Dataplane {
         Ok(st)
     }
 
+    /// A handle of its own on the flow table, for sharing flows with the
+    /// other balancers of a cluster (see `handoff`).
+    pub fn flow_book(&self) -> Result<crate::handoff::FlowBook> {
+        Ok(crate::handoff::FlowBook::new(HashMap::try_from(reopen(
+            &self.ebpf,
+            maps::FLOWS,
+        )?)?))
+    }
+
+    /// The live Maglev tables of the DSR services, for `handoff` (a
+    /// takeover needs the client's own address at the backend).
+    pub fn handoff_tables(&self) -> Vec<crate::handoff::Table> {
+        (0..self.services.len())
+            .filter_map(|i| {
+                let slot = &self.services[i];
+                if slot.service.mode == crate::config::Mode::Snat {
+                    return None;
+                }
+                let entries = self.maglev_table(i).ok().filter(|t| !t.is_empty())?;
+                Some(crate::handoff::Table {
+                    service: slot.id,
+                    vip: slot.service.vip,
+                    proto: crate::handoff::proto_number(slot.service.proto),
+                    entries,
+                    backends: slot
+                        .backend_ids
+                        .iter()
+                        .copied()
+                        .zip(slot.service.backends.iter().copied())
+                        .collect(),
+                })
+            })
+            .collect()
+    }
+
     /// The idle sweep's own handles on the maps, for a thread of its own
     /// (a sweep of a large flow table must not hold up the huddle's tick).
     /// Given once.

@@ -41,6 +41,15 @@ pub fn route(shared: &Mutex<Balancer>, path: &str) -> Answer {
                 Err(e) => (500, "text/plain", format!("{e}\n")),
             }
         }
+        // The flows this balancer's Maglev tables no longer explain, for
+        // the other members (see `handoff`).
+        "/flows" => {
+            let flows = crate::daemon::lock(shared).shared_flows.clone();
+            match serde_json::to_string(&*flows) {
+                Ok(j) => (200, "application/json", j),
+                Err(e) => (500, "text/plain", format!("{e}\n")),
+            }
+        }
         "/" => (
             200,
             "text/plain",

@@ -4,6 +4,7 @@
 pub mod agent;
 pub mod bgp;
 pub mod control;
+pub mod handoff;
 pub mod http;
 pub mod metrics;
 pub mod peers;

@@ -70,6 +70,10 @@ pub struct Balancer {
     /// it decides its own), and what the poll last found wrong.
     pub leader: Option<crate::peers::Leader>,
     cluster_note: Option<String>,
+    /// The flows this balancer shares with its cluster (`/flows`), and
+    /// what the last exchange did (see `handoff`).
+    pub shared_flows: Arc<crate::handoff::FlowsAnswer>,
+    handoff_note: Option<String>,
     /// Per service: when it was last seen in panic mode.
     last_panic: std::collections::HashMap<usize, Instant>,
     /// Announces the VIPs through bird (with `[bgp]`); its own lock, so
@@ -132,6 +136,8 @@ impl Balancer {
             last_panic: std::collections::HashMap::new(),
             leader: None,
             cluster_note: None,
+            shared_flows: Arc::default(),
+            handoff_note: None,
             bgp,
         };
         if let Some(saved) = saved {
@@ -805,6 +811,7 @@ impl Balancer {
                 .iter()
                 .chain(&self.notes)
                 .chain(&self.cluster_note)
+                .chain(&self.handoff_note)
                 .cloned()
                 .collect(),
             bgp: self.bgp.as_ref().map(|b| lock(b).status()),
@@ -950,6 +957,76 @@ async fn follower(shared: Arc<Mutex<Balancer>>, cluster: crate::config::Cluster,
         let (leader, problems) =
             crate::peers::find_leader(&cluster.members, cluster.me, timeout).await;
         lock(&shared).follow(leader, &problems);
+    }
+}
+
+/// How often a balancer lists the flows its Maglev tables no longer
+/// explain and takes its peers' lists (see `handoff`). A connection moved
+/// within this much (twice, at worst) of a ring change may still break.
+const HANDOFF_EVERY: Duration = Duration::from_secs(1);
+
+/// Shares flows with the other members of `[cluster]`: lists this
+/// balancer's for `/flows`, and writes each peer's into the flow table.
+/// The flow table is scanned on a blocking thread, off the lock.
+async fn handoff(
+    shared: Arc<Mutex<Balancer>>,
+    cluster: crate::config::Cluster,
+    book: crate::handoff::FlowBook,
+) {
+    let mut t = tokio::time::interval(HANDOFF_EVERY);
+    let timeout = Duration::from_millis(500);
+    let mut book = Some(book);
+    loop {
+        t.tick().await;
+        let tables = lock(&shared).dp.handoff_tables();
+        if tables.is_empty() {
+            continue;
+        }
+        let peers: Vec<SocketAddr> = cluster
+            .members
+            .iter()
+            .enumerate()
+            .filter(|(i, _)| *i != cluster.me)
+            .map(|(_, m)| *m)
+            .collect();
+        let mut answers = Vec::new();
+        for p in &peers {
+            answers.push((*p, crate::handoff::fetch(*p, timeout).await));
+        }
+        let Some(b) = book.take() else { return };
+        let done = tokio::task::spawn_blocking(move || {
+            let (mine, truncated) = b.scan(&tables);
+            let mut b = b;
+            let now = host::monotonic_ns();
+            let mut parts = Vec::new();
+            for (p, a) in answers {
+                match a {
+                    Ok(a) => {
+                        let got = b.adopt(p, &a.flows, &tables, now);
+                        parts.push(format!("{p}: {}", got.held));
+                    }
+                    Err(e) => parts.push(format!("{p}: no answer, its last list kept ({e:#})")),
+                }
+            }
+            (b, mine, truncated, parts)
+        })
+        .await;
+        let Ok((b, mine, truncated, parts)) = done else {
+            warn!("flow sharing with the cluster stopped");
+            return;
+        };
+        book = Some(b);
+        let mut bal = lock(&shared);
+        bal.handoff_note = Some(format!(
+            "handoff: shares {}{} flows its Maglev tables no longer explain; holds peers' ({})",
+            mine.len(),
+            if truncated { " (the first)" } else { "" },
+            parts.join("; ")
+        ));
+        bal.shared_flows = Arc::new(crate::handoff::FlowsAnswer {
+            flows: mine,
+            truncated,
+        });
     }
 }
 
@@ -1203,6 +1280,13 @@ pub async fn run(cfg: Config, reloader: Option<Reloader>) -> Result<()> {
     );
     let stop = balancer.stop.clone();
     let sweeper = balancer.dp.take_sweeper();
+    let flow_book = match balancer.dp.flow_book() {
+        Ok(b) => Some(b),
+        Err(e) => {
+            warn!("no flow sharing with the cluster: {e:#}");
+            None
+        }
+    };
     let bgp = balancer.bgp.clone();
     let shared = Arc::new(Mutex::new(balancer));
 
@@ -1226,7 +1310,14 @@ pub async fn run(cfg: Config, reloader: Option<Reloader>) -> Result<()> {
         )),
     ];
     if let Some(c) = cfg.cluster.clone() {
-        tasks.push(tokio::spawn(follower(shared.clone(), c, cfg.huddle.tick)));
+        tasks.push(tokio::spawn(follower(
+            shared.clone(),
+            c.clone(),
+            cfg.huddle.tick,
+        )));
+        if let Some(book) = flow_book {
+            tasks.push(tokio::spawn(handoff(shared.clone(), c, book)));
+        }
     }
     if let Some(b) = &bgp {
         tasks.push(tokio::spawn(announcer(
