@@ -10,6 +10,9 @@ pub trait Counters: Copy + Default {
     fn accumulate(&mut self, other: &Self);
     /// Calls `f` with each counter's field name and value, in layout order.
     fn for_each(&self, f: impl FnMut(&'static str, u64));
+    /// The counters of `values`, in layout order (as `for_each` gives
+    /// them); `None` unless there are exactly as many.
+    fn from_values(values: &[u64]) -> Option<Self>;
 }
 
 macro_rules! counters {
@@ -28,6 +31,12 @@ macro_rules! counters {
 
             fn for_each(&self, mut f: impl FnMut(&'static str, u64)) {
                 $(f(stringify!($field), self.$field);)+
+            }
+
+            fn from_values(values: &[u64]) -> Option<Self> {
+                let mut it = values.iter().copied();
+                let c = $name { $($field: it.next()?,)+ };
+                it.next().is_none().then_some(c)
             }
         }
     };

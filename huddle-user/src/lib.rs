@@ -12,5 +12,5 @@ pub mod ops;
 
 pub use huddle::{maglev, rotation, state, thermal};
 pub use kernel::{bench, dataplane, decap, link, logs, mmap, object, packet, prog_run};
-pub use net::{agent, bgp, control, handoff, http, metrics, peers, probe, scrape};
+pub use net::{agent, bgp, control, handoff, http, metrics, peers, pooled, probe, scrape};
 pub use ops::{cli, config, daemon, host, netns, status, top};

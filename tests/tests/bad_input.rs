@@ -268,3 +268,76 @@ fn hanging_lying_and_flooding_metrics_endpoints_never_stop_the_daemon() {
     let vip: SocketAddr = (VIP, 80).into();
     in_ns(&bed.client, move || http_get(vip, TIMEOUT)).expect("traffic after bad metrics");
 }
+
+/// Members of a `[cluster]` that answer garbage (a web server that knows
+/// nothing of `/ring`, `/readings` or `/flows`) or nothing at all: the
+/// balancer passes them over, decides its rings alone, pools no readings
+/// and adopts no flows, says each in status, and forwards all along.
+#[test]
+fn cluster_members_that_answer_garbage_or_nothing_leave_the_balancer_deciding_alone() {
+    require_root();
+    let mut bed = Testbed::plain("peers", 2).expect("testbed");
+    bed.start_backends(Path::new(BACKEND)).expect("backends");
+    bed.dsr_backends(Path::new(HUDDLE), false)
+        .expect("DSR backends");
+    // Backend 0's web server answers every path with its name; nothing
+    // is at the other address.
+    let garbage = addr(0);
+    let silent = format!("{}:9477", backend_ip(229));
+    let me = format!("{}:9477", testbed::LB_IP);
+    let file = bed.dir.join("huddle.toml");
+    let text = format!(
+        "[huddle]\nmetrics_listen = \"{me}\"\n\n[cluster]\nmembers = [\"{garbage}\", \"{silent}\", \"{me}\"]\n\n\
+         [[service]]\nvip = \"{VIP}:{HTTP_PORT}\"\nmode = \"dsr-l2\"\nselection = \"maglev\"\nbackends = [\"{}\", \"{}\"]\n",
+        addr(0),
+        addr(1)
+    );
+    std::fs::write(&file, text).unwrap();
+    bed.start_huddle(
+        Path::new(HUDDLE),
+        &["--config", &file.display().to_string()],
+    )
+    .expect("huddle");
+    let notes = |bed: &Testbed| bed.status().map(|st| st.notes).unwrap_or_default();
+    let want = |n: &Vec<String>| {
+        n.iter().any(|l| {
+            l.starts_with("cluster: this balancer decides alone; passed over")
+                && l.contains(&format!("{garbage}: /ring answered no rings"))
+                && l.contains(&silent)
+        }) && n.iter().any(|l| {
+            l.starts_with("readings: this balancer's alone; passed over")
+                && l.contains(&format!("{garbage}: /readings answered no readings"))
+                && l.contains(&silent)
+        }) && n.iter().any(|l| {
+            l.starts_with("handoff: shares 0 flows")
+                && l.contains(&format!("{garbage}: no answer, its last list kept"))
+        })
+    };
+    let t = Instant::now();
+    while !want(&notes(&bed)) {
+        assert!(
+            t.elapsed() < Duration::from_secs(10),
+            "status never said it: {:#?}",
+            notes(&bed)
+        );
+        thread::sleep(Duration::from_millis(100));
+    }
+    for n in notes(&bed).iter().filter(|n| !n.starts_with("xdp")) {
+        println!("{n}");
+    }
+    // It decides alone: a drained backend leaves its ring.
+    let r = huddle_user::control::call(
+        &bed.socket(),
+        &huddle_user::control::Request::Drain {
+            backend: addr(1),
+            vip: None,
+        },
+    )
+    .unwrap();
+    assert!(r.ok, "{:?}", r.error);
+    assert_eq!(bed.status().unwrap().services[0].ring, vec![addr(0)]);
+    let vip: SocketAddr = (VIP, HTTP_PORT).into();
+    for _ in 0..20 {
+        in_ns(&bed.client, move || http_get(vip, TIMEOUT)).expect("traffic with bad peers");
+    }
+}

@@ -41,6 +41,15 @@ pub fn route(shared: &Mutex<Balancer>, path: &str) -> Answer {
                 Err(e) => (500, "text/plain", format!("{e}\n")),
             }
         }
+        // This balancer's own counters per backend, for the other members
+        // (see `pooled`).
+        "/readings" => {
+            let a = crate::daemon::lock(shared).own_readings();
+            match serde_json::to_string(&a) {
+                Ok(j) => (200, "application/json", j),
+                Err(e) => (500, "text/plain", format!("{e}\n")),
+            }
+        }
         // The flows this balancer's Maglev tables no longer explain, for
         // the other members (see `handoff`).
         "/flows" => {

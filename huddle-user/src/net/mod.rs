@@ -8,5 +8,6 @@ pub mod handoff;
 pub mod http;
 pub mod metrics;
 pub mod peers;
+pub mod pooled;
 pub mod probe;
 pub mod scrape;

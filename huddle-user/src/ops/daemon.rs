@@ -74,6 +74,10 @@ pub struct Balancer {
     /// what the last exchange did (see `handoff`).
     pub shared_flows: Arc<crate::handoff::FlowsAnswer>,
     handoff_note: Option<String>,
+    /// The other balancers' readings, added to this one's (see `pooled`),
+    /// and what the last poll found.
+    pool: crate::pooled::Pool,
+    pool_note: Option<String>,
     /// Per service: when it was last seen in panic mode.
     last_panic: std::collections::HashMap<usize, Instant>,
     /// Announces the VIPs through bird (with `[bgp]`); its own lock, so
@@ -138,6 +142,8 @@ impl Balancer {
             cluster_note: None,
             shared_flows: Arc::default(),
             handoff_note: None,
+            pool: crate::pooled::Pool::default(),
+            pool_note: None,
             bgp,
         };
         if let Some(saved) = saved {
@@ -373,6 +379,65 @@ impl Balancer {
         Ok(())
     }
 
+    /// This balancer's own kernel counters, per backend, for the other
+    /// members (`/readings`).
+    pub fn own_readings(&self) -> crate::pooled::ReadingsAnswer {
+        let mut services = std::collections::BTreeMap::new();
+        for (si, slot) in self.dp.services.iter().enumerate() {
+            let readings = slot
+                .backend_ids
+                .iter()
+                .zip(&slot.service.backends)
+                .filter_map(|(id, addr)| {
+                    let st = self.dp.backend_stats(*id).ok()?;
+                    let ttfb = self.dp.latency(*id).ok()?;
+                    let connect = self.dp.connect_latency(*id).unwrap_or_default();
+                    Some(crate::pooled::reading(*addr, &st, &ttfb, &connect))
+                })
+                .collect();
+            services.insert(self.cfg.services[si].name(), readings);
+        }
+        crate::pooled::ReadingsAnswer {
+            fields: crate::pooled::fields(),
+            services,
+        }
+    }
+
+    /// Takes one poll of the other members' readings.
+    pub fn pool_readings(
+        &mut self,
+        answers: Vec<(SocketAddr, Result<crate::pooled::ReadingsAnswer>)>,
+    ) {
+        let mut from = Vec::new();
+        let mut passed = Vec::new();
+        for (peer, a) in answers {
+            match a {
+                Ok(a) => {
+                    let bad = self.pool.take(peer, &a);
+                    if bad == 0 {
+                        from.push(peer.to_string());
+                    } else {
+                        passed.push(format!("{peer}: {bad} unreadable backend readings"));
+                    }
+                }
+                Err(e) => passed.push(format!("{peer}: {e:#}")),
+            }
+        }
+        self.pool_note = Some(format!(
+            "readings: this balancer's{}{}",
+            if from.is_empty() {
+                " alone".to_string()
+            } else {
+                format!(" with {}'s", from.join(", "))
+            },
+            if passed.is_empty() {
+                String::new()
+            } else {
+                format!("; passed over {}", passed.join("; "))
+            }
+        ));
+    }
+
     /// The rings this balancer's own huddle decides, by address.
     #[must_use]
     pub fn own_rings(&self) -> crate::peers::Rings {
@@ -478,14 +543,28 @@ impl Balancer {
                         self.dp.clear_pulse(id)?;
                         pulse = Pulse::default();
                     }
+                    let mut own = crate::pooled::Counts {
+                        stats: self.dp.backend_stats(id)?,
+                        ttfb: self.dp.latency(id)?,
+                        connect: huddle_common::Latency::default(),
+                    };
                     if self.cfg.services[si].mode.is_dsr() {
-                        let connect = self.dp.connect_latency(id)?;
-                        self.huddles[si].trackers[bi].observe_connect(&connect);
+                        own.connect = self.dp.connect_latency(id)?;
                     }
-                    Ok((self.dp.backend_stats(id)?, self.dp.latency(id)?, pulse))
+                    Ok((own, pulse))
                 })();
                 match read {
-                    Ok((st, lat, pulse)) => {
+                    Ok((own, pulse)) => {
+                        let st = own.stats;
+                        // The huddle judges from every balancer's samples.
+                        let mut all = own;
+                        let addr = self.cfg.services[si].backends[bi];
+                        if let Some(peers) = self.pool.sum(&self.cfg.services[si].name(), addr) {
+                            all.add(peers);
+                        }
+                        if self.cfg.services[si].mode.is_dsr() {
+                            self.huddles[si].trackers[bi].observe_connect(&all.connect);
+                        }
                         tx.sent += st.syns;
                         // DSR replies bypass the balancer: a completed
                         // handshake is the proof that SYNs arrived.
@@ -496,8 +575,8 @@ impl Balancer {
                         };
                         self.watch_nat_reuse(si, bi, id, st.nat_reuse_early);
                         self.huddles[si].trackers[bi].observe(
-                            &st,
-                            &lat,
+                            &all.stats,
+                            &all.ttfb,
                             &pulse,
                             now_ns,
                             &self.cfg.huddle,
@@ -812,6 +891,7 @@ impl Balancer {
                 .chain(&self.notes)
                 .chain(&self.cluster_note)
                 .chain(&self.handoff_note)
+                .chain(&self.pool_note)
                 .cloned()
                 .collect(),
             bgp: self.bgp.as_ref().map(|b| lock(b).status()),
@@ -957,6 +1037,32 @@ async fn follower(shared: Arc<Mutex<Balancer>>, cluster: crate::config::Cluster,
         let (leader, problems) =
             crate::peers::find_leader(&cluster.members, cluster.me, timeout).await;
         lock(&shared).follow(leader, &problems);
+    }
+}
+
+/// Polls every other member of `[cluster]` for its readings once a tick,
+/// all at once and off the lock (a dead member costs a timeout, not a
+/// tick).
+async fn pool(shared: Arc<Mutex<Balancer>>, cluster: crate::config::Cluster, every: Duration) {
+    let mut t = tokio::time::interval(every);
+    let timeout = every.min(Duration::from_millis(200));
+    loop {
+        t.tick().await;
+        let mut set = tokio::task::JoinSet::new();
+        for (i, m) in cluster.members.iter().enumerate() {
+            if i != cluster.me {
+                let m = *m;
+                set.spawn(async move { (m, crate::pooled::fetch(m, timeout).await) });
+            }
+        }
+        let mut answers = Vec::new();
+        while let Some(r) = set.join_next().await {
+            if let Ok(a) = r {
+                answers.push(a);
+            }
+        }
+        answers.sort_by_key(|(m, _)| *m);
+        lock(&shared).pool_readings(answers);
     }
 }
 
@@ -1311,6 +1417,11 @@ pub async fn run(cfg: Config, reloader: Option<Reloader>) -> Result<()> {
     ];
     if let Some(c) = cfg.cluster.clone() {
         tasks.push(tokio::spawn(follower(
+            shared.clone(),
+            c.clone(),
+            cfg.huddle.tick,
+        )));
+        tasks.push(tokio::spawn(pool(
             shared.clone(),
             c.clone(),
             cfg.huddle.tick,
