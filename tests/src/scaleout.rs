@@ -284,6 +284,44 @@ impl ScaleOut {
             .collect()
     }
 
+    /// The balancer the router's FIB picks for a TCP connection from the
+    /// client's `ports` to the VIP, port by port (`None`: no route);
+    /// one `ip -batch` of `route get`.
+    pub fn balancer_of(&self, ports: std::ops::Range<u16>) -> Result<Vec<Option<Ipv4Addr>>> {
+        let batch = self.dir.join("route-get.batch");
+        let lines: String = ports
+            .clone()
+            .map(|p| {
+                format!(
+                    "route get {SCALE_VIP} from {SCALE_CLIENT_IP} iif eth1 ipproto tcp sport {p} dport {HTTP_PORT}\n"
+                )
+            })
+            .collect();
+        std::fs::write(&batch, lines)?;
+        let out = self
+            .router
+            .output("ip", &["-batch", &batch.display().to_string()])?;
+        let hops: Vec<Option<Ipv4Addr>> = out
+            .lines()
+            .filter(|l| l.starts_with(&SCALE_VIP.to_string()))
+            .map(|l| {
+                l.split_whitespace()
+                    .collect::<Vec<_>>()
+                    .windows(2)
+                    .find(|w| w[0] == "via")
+                    .and_then(|w| w[1].parse().ok())
+            })
+            .collect();
+        if hops.len() != ports.len() {
+            anyhow::bail!(
+                "{} answers to {} route lookups:\n{out}",
+                hops.len(),
+                ports.len()
+            );
+        }
+        Ok(hops)
+    }
+
     /// Sends backend `i`'s server an admin query (`delay_ms=50`...).
     pub fn backend_admin(&self, i: usize, query: &str) -> Result<String> {
         crate::backend_admin(&self.backends[i], scale_backend_ip(i), query)

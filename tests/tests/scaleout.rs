@@ -31,10 +31,15 @@ fn taken_over(s: &ScaleOut, i: usize) -> u64 {
         .unwrap_or(0)
 }
 
-/// Rings that cannot change (rotation off): the failover itself.
+/// The huddle rotating (as by default), the rings agreed through
+/// `[cluster]`, flows handed off: measured, 0 broken in each of 10 runs,
+/// among them runs where the leader rested a backend in the first second
+/// and took it back after the cut. Before the hand-off, 1 run in 15 broke
+/// 82 connections that way (a balancer taking a connection over picked by
+/// the ring of now).
 #[test]
 fn connections_a_lost_balancer_had_carry_on_through_the_others() {
-    failover(false, false);
+    failover(true, false);
 }
 
 /// The rings change after the connections opened (backend 0 drained on
@@ -42,21 +47,10 @@ fn connections_a_lost_balancer_had_carry_on_through_the_others() {
 /// longer name it), then a balancer is lost. A balancer taking a
 /// connection over cannot find its backend in its table; the flows the
 /// lost one shared (`handoff`) give it. Without the sharing, every moved
-/// connection on backend 0 broke (about a quarter of them).
+/// connection on backend 0 would break (about a quarter of them).
 #[test]
 fn connections_keep_their_backend_across_a_ring_change_and_a_failover() {
     failover(false, true);
-}
-
-/// The huddle rotating, the rings agreed through `[cluster]`. Not in the
-/// suite yet: 1 run in 15 broke 82 connections. The likely cause (not
-/// confirmed): the leader's ring changed between a connection's opening
-/// and the cut, and a balancer taking a connection over can only pick by
-/// the ring of now. Run it with `-- --ignored`.
-#[test]
-#[ignore = "flaky: a ring change between a connection's opening and the failover breaks it"]
-fn connections_a_lost_balancer_had_carry_on_while_the_huddle_rotates() {
-    failover(true, false);
 }
 
 fn failover(rotation: bool, drain_first: bool) {
@@ -130,6 +124,9 @@ fn failover(rotation: bool, drain_first: bool) {
     }
     let before: Vec<u64> = (0..3).map(|i| taken_over(&s, i)).collect();
 
+    // New flows' balancers, from the router's FIB: 3,000 client ports.
+    let sample = 20000..23000;
+    let hops_before = s.balancer_of(sample.clone()).unwrap();
     let cut = Instant::now();
     let cut_at = cut - load.start;
     s.cut_link(1).unwrap();
@@ -139,6 +136,7 @@ fn failover(rotation: bool, drain_first: bool) {
     .expect("the router kept the cut balancer");
     let withdrawn = cut.elapsed();
     println!("next hops after the cut: {:?}", s.next_hops());
+    let hops_cut = s.balancer_of(sample.clone()).unwrap();
     thread::sleep(Duration::from_secs(5));
     let moved: u64 = [0, 2].iter().map(|i| taken_over(&s, *i) - before[*i]).sum();
 
@@ -155,6 +153,18 @@ fn failover(rotation: bool, drain_first: bool) {
         );
     }
     let returned = back.elapsed();
+    let hops_back = s.balancer_of(sample.clone()).unwrap();
+    let share = |a: &[Option<std::net::Ipv4Addr>], b: &[Option<std::net::Ipv4Addr>]| {
+        a.iter().zip(b).filter(|(x, y)| x != y).count() as f64 / a.len() as f64
+    };
+    let (by_cut, by_return) = (share(&hops_before, &hops_cut), share(&hops_cut, &hops_back));
+    println!(
+        "new flows whose balancer changed ({} sampled client ports): {:.1}% when balancer 1 left, {:.1}% when it came back; {:.1}% back where they were before",
+        sample.len(),
+        100.0 * by_cut,
+        100.0 * by_return,
+        100.0 * (1.0 - share(&hops_before, &hops_back))
+    );
     thread::sleep(Duration::from_secs(5));
     let moved_back = taken_over(&s, 1) - before[1];
     let held_slowest = held.slowest_us.load(std::sync::atomic::Ordering::Relaxed);
@@ -220,6 +230,12 @@ fn failover(rotation: bool, drain_first: bool) {
         );
     }
     assert!(moved > 0, "nothing moved");
+    // About 1/3: Linux ECMP is hash-threshold, and balancer 1 is the
+    // middle next hop (an edge one also moves a quarter of the others').
+    assert!(
+        by_return <= 0.40,
+        "the return moved {by_return:.3} of new flows"
+    );
     assert!(
         errors.len() as f64 <= 0.01 * moved as f64,
         "{} broken of {moved} moved",
