@@ -259,6 +259,11 @@ pub mod flow_flags {
     /// backend. The first packet that uses it clears the flag and counts
     /// it taken over; a half-open connection on the same tuple wins over it.
     pub const ADOPTED: u8 = 16;
+    /// Source NAT: the backend sent its FIN first, so it holds the tuple
+    /// in TIME_WAIT for 60 s after the close; `FlowValue::synack_seq`
+    /// then keeps the client's latest TCP timestamp, which that TIME_WAIT
+    /// holds too (see `nat::allocate` in the XDP program).
+    pub const BACKEND_TIME_WAIT: u8 = 32;
 }
 
 /// `Backend::flags` bits.
@@ -410,7 +415,10 @@ pub struct FlowValue {
     pub flags: u8,
     /// Index of the flow's SNAT address in `Config::snat_addrs`.
     pub snat: u8,
-    /// Sequence number of the backend's SYN-ACK (half-open flows).
+    /// Sequence number of the backend's SYN-ACK (half-open flows); in DSR
+    /// the client's ACK number during a turn (`ackclock`); for a closed
+    /// source-NAT flow with `BACKEND_TIME_WAIT`, the client's latest TCP
+    /// timestamp value (0: none seen).
     pub synack_seq: u32,
     /// `bpf_ktime_get_ns()` when the flow was created, then when it started
     /// closing; for an established UDP flow, its last datagram either way

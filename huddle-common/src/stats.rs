@@ -84,6 +84,10 @@ counters!(
         /// second toward this backend than the port space holds); the
         /// backend may still hold the old connection in TIME_WAIT.
         nat_reuse_early,
+        /// NAT tuples passed over for a new connection because the
+        /// backend's TIME_WAIT of their last one would refuse its SYN (its
+        /// timestamp not newer than the last one the backend saw).
+        nat_tw_skipped,
         /// Client SYNs this backend refused (RST) that the balancer sent to
         /// another backend itself: the client never saw the refusal.
         retried_refused,

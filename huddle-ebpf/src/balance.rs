@@ -20,7 +20,7 @@ use crate::{
     parse::{Packet, TCP_ACK, TCP_FIN, TCP_RST, TCP_SYN},
     pick, retry,
     rewrite::Tuple,
-    timing,
+    timewait, timing,
 };
 use aya_ebpf::{
     bindings::xdp_action,
@@ -169,6 +169,9 @@ fn request<F: Family, const DSR: bool>(
                 ackclock::request(f, p, flow.backend);
             } else {
                 timing::request(f, p, flow.backend);
+                if flow.flags & flow_flags::BACKEND_TIME_WAIT != 0 && p.is_tcp() {
+                    timewait::note_client(ctx, p, f);
+                }
             }
         }
     }
@@ -472,10 +475,21 @@ fn new_flow<F: Family>(
     sc.nval.backend = backend_id;
     sc.nval._pad = 0;
     let proto = sc.nval.flow.proto;
+    let tcp_half = half && p.is_tcp() && !dsr;
     let (nat_port_be, snat) = if dsr {
         (0, 0)
     } else {
-        let Some(tuple) = nat::allocate::<F>(cfg, backend_id, backend, proto, sc, half, now) else {
+        // The SYN's options, for its half-open slot and its timestamp,
+        // which picks a tuple whose TIME_WAIT (if any) will accept it.
+        let syn_ts = if tcp_half {
+            retry::keep_syn(ctx, p, core::ptr::addr_of_mut!(sc.syn), retries);
+            timewait::tsval(&sc.syn)
+        } else {
+            0
+        };
+        let Some(tuple) =
+            nat::allocate::<F>(cfg, backend_id, backend, proto, sc, half, now, syn_ts)
+        else {
             // Rare (every tuple tried is held by a live flow): worth a record.
             warn!(
                 ctx,
@@ -510,8 +524,8 @@ fn new_flow<F: Family>(
             }
             put(&mut (*s).key, &sc.nval.flow);
             put(&mut (*s).flow, &flow);
-            if p.is_tcp() && !dsr {
-                retry::keep_syn(ctx, p, core::ptr::addr_of_mut!((*s).syn), retries);
+            if tcp_half {
+                put(&mut (*s).syn, &sc.syn);
             }
             (*s).tag = slot_tag(h);
         }
@@ -650,7 +664,7 @@ fn reply<F: Family>(ctx: &XdpContext, p: &Packet<F>, cfg: &Config) -> u32 {
             return RETRY;
         }
         if ours && closing && !half {
-            nat::close(flow, backend);
+            nat::close_by_backend(flow, backend, p.has_flag(TCP_FIN));
         }
     }
     to_client(ctx, p, cfg, sc)

@@ -25,6 +25,7 @@ mod pick;
 mod retry;
 mod rewrite;
 mod ring;
+mod timewait;
 mod timing;
 
 use aya_ebpf::{bindings::xdp_action, macros::xdp, programs::XdpContext};

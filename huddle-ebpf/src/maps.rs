@@ -8,7 +8,7 @@ use aya_ebpf::{
 use huddle_common::{
     maglev_elements, Backend, BackendStats, Config, FlowKey, FlowValue, GlobalStats, HalfOpen,
     HalfOpenNat, Latency, NatCursor, NatKey, NatValue, NextHop, Pulse, Ring, ServiceKey,
-    ServiceKey6, ServiceStats, ServiceValue, Tuning, DEFAULT_FLOW_TABLE_SIZE,
+    ServiceKey6, ServiceStats, ServiceValue, SynCopy, Tuning, DEFAULT_FLOW_TABLE_SIZE,
     DEFAULT_HALF_OPEN_SIZE, DEFAULT_MAGLEV_SIZE, MAGLEV_MAP_FLAGS, MAX_BACKENDS, MAX_SERVICES,
     MAX_SNAT,
 };
@@ -87,6 +87,9 @@ pub struct Scratch {
     /// as it arrived and the MTU to name (see `icmp6::too_big`).
     pub macs: [u8; 12],
     pub mtu: u32,
+    /// A TCP segment's options (a SYN's, kept for its half-open slot, or a
+    /// closing flow's, for its timestamp; see `timewait`).
+    pub syn: SynCopy,
 }
 
 /// Backend id -> this CPU's cached next hop toward it.

@@ -15,6 +15,7 @@
 use crate::{
     family::Family,
     maps::{bump, Scratch, BACKEND_STATS, FLOWS, NAT, NAT_CURSOR},
+    timewait,
 };
 use aya_ebpf::{
     bindings::BPF_NOEXIST,
@@ -63,7 +64,11 @@ pub fn snat_addr(cfg: &Config, i: u8) -> &Addr {
 /// leaving its NAT key in `sc.nkey`. Outside a handshake (`half` false:
 /// UDP, a moved flow) it is recorded at once for `sc.nval`'s flow in the
 /// NAT table; a half-open flow's goes to its half-open slot. `now` is the
-/// clock. `None`: every tuple tried is held by a live flow.
+/// clock. `syn_ts`: the new SYN's timestamp (0: none, or not a SYN); a
+/// tuple whose last connection the backend holds in TIME_WAIT with a
+/// timestamp not older is passed over (`timewait`), except on the last
+/// tries. `None`: every tuple tried is held by a live flow.
+#[allow(clippy::too_many_arguments)]
 #[inline(always)]
 pub fn allocate<F: Family>(
     cfg: &Config,
@@ -73,6 +78,7 @@ pub fn allocate<F: Family>(
     sc: &mut Scratch,
     half: bool,
     now: u64,
+    syn_ts: u32,
 ) -> Option<Tuple> {
     let cursor = NAT_CURSOR.get_ptr_mut(id)?;
     // SAFETY: plain helper call.
@@ -104,7 +110,7 @@ pub fn allocate<F: Family>(
         proto,
         F::FAMILY,
     );
-    for _ in 0..NAT_PORT_TRIES {
+    for i in 0..NAT_PORT_TRIES {
         // Whether this tuple's last use was less than TIME_WAIT ago: the
         // round it was last handed out in was that short.
         let early = c.early;
@@ -128,8 +134,20 @@ pub fn allocate<F: Family>(
         nkey.nat_port_be = ((base + off) as u16).to_be();
         // Never a tuple an established flow still holds (`reclaim` looks
         // it up once and frees it if its flow is over).
-        if !reclaim(nkey) {
-            continue;
+        // The last tries take a tuple whatever its TIME_WAIT says: a
+        // SYN that may wait a retransmission beats one dropped.
+        let ts = if i + TW_LENIENT_TRIES < NAT_PORT_TRIES {
+            syn_ts
+        } else {
+            0
+        };
+        match reclaim(nkey, ts, now) {
+            Reclaim::Free => {}
+            Reclaim::Held => continue,
+            Reclaim::TimeWait => {
+                bump(&BACKEND_STATS, id, |s| s.nat_tw_skipped += 1);
+                continue;
+            }
         }
         if !half && NAT.insert(&*nkey, nval, u64::from(BPF_NOEXIST)).is_err() {
             continue;
@@ -146,17 +164,32 @@ pub fn allocate<F: Family>(
     None
 }
 
+/// Tries at the end of `allocate` that ignore TIME_WAIT.
+const TW_LENIENT_TRIES: u32 = 1;
+
+/// What `reclaim` found of a tuple.
+enum Reclaim {
+    /// Free now.
+    Free,
+    /// A live flow holds it.
+    Held,
+    /// Its last connection's TIME_WAIT on the backend would refuse the SYN.
+    TimeWait,
+}
+
 /// Frees the NAT entry `key` if the flow holding it is over: gone from
 /// the flow table, closing (FIN or RST seen) for `NAT_LINGER_NS`, or no
 /// longer using this port. NAT entries are not removed when flows end (the
 /// last packets of a close still need translating), so without this a
 /// backend's ports would fill with finished flows long before the LRU
-/// tables evict them. Returns whether the tuple is free now.
+/// tables evict them. A tuple whose last flow the backend closed first
+/// less than `TIME_WAIT_NS` ago, with a client timestamp not older than
+/// `syn_ts` (non-zero), stays as it is.
 #[inline(always)]
-fn reclaim(key: &NatKey) -> bool {
+fn reclaim(key: &NatKey, syn_ts: u32, now: u64) -> Reclaim {
     // SAFETY: copied out at once.
     let Some(old) = (unsafe { NAT.get(key) }).copied() else {
-        return true;
+        return Reclaim::Free;
     };
     // The flow the entry names, if it still holds this tuple (its client
     // tuple may since have been reused by a flow with another one).
@@ -166,17 +199,22 @@ fn reclaim(key: &NatKey) -> bool {
         .filter(|f| f.nat_port_be == key.nat_port_be && f.backend == old.backend);
     if let Some(f) = owner {
         if f.flags & flow_flags::CLOSING == 0 {
-            return false;
+            return Reclaim::Held;
         }
-        // SAFETY: plain helper call.
-        let now = unsafe { bpf_ktime_get_ns() };
-        if now.wrapping_sub(f.stamp_ns) < NAT_LINGER_NS {
-            return false;
+        let closed = now.wrapping_sub(f.stamp_ns);
+        if closed < NAT_LINGER_NS {
+            return Reclaim::Held;
+        }
+        if f.flags & flow_flags::BACKEND_TIME_WAIT != 0
+            && closed < TIME_WAIT_NS
+            && !timewait::accepts(syn_ts, f.synack_seq)
+        {
+            return Reclaim::TimeWait;
         }
         let _ = FLOWS.remove(&old.flow);
     }
     let _ = NAT.remove(key);
-    true
+    Reclaim::Free
 }
 
 /// The NAT key of an existing flow toward backend `addr`:`port_be`.
@@ -205,6 +243,20 @@ pub fn close(f: *mut FlowValue, backend: u32) {
             bump(&BACKEND_STATS, backend, |s| s.flows_closed += 1);
         }
     }
+}
+
+/// `close` for a FIN or RST from the backend (`fin`: a FIN): a backend
+/// that closes first keeps the tuple in TIME_WAIT.
+#[inline(always)]
+pub fn close_by_backend(f: *mut FlowValue, backend: u32, fin: bool) {
+    // SAFETY: a map value pointer from a lookup in this run.
+    unsafe {
+        if fin && (*f).flags & flow_flags::CLOSING == 0 {
+            (*f).flags |= flow_flags::BACKEND_TIME_WAIT;
+            (*f).synack_seq = 0;
+        }
+    }
+    close(f, backend);
 }
 
 /// Removes NAT entry `key` (of a flow that could not be recorded, or that

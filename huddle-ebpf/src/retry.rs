@@ -16,7 +16,7 @@ use crate::{
     maps::{bump, put, BACKENDS, BACKEND_STATS, SCRATCH},
     nat,
     parse::{Packet, TCP_SYN},
-    pick, timing,
+    pick, timewait, timing,
 };
 use aya_ebpf::{
     bindings::xdp_action,
@@ -98,7 +98,8 @@ pub fn plan<F: Family>(cfg: &Config) -> *mut HalfOpen {
     halfopen::forget_nat(cfg, &sc.nkey);
     sc.nval.backend = id;
     sc.nval._pad = 0;
-    let Some(tuple) = nat::allocate::<F>(cfg, id, backend, PROTO_TCP, sc, true, now) else {
+    let syn_ts = timewait::tsval(&s.syn);
+    let Some(tuple) = nat::allocate::<F>(cfg, id, backend, PROTO_TCP, sc, true, now, syn_ts) else {
         return none;
     };
     s.flow.backend = id;

@@ -734,6 +734,74 @@ fn a_tuple_an_established_flow_holds_is_skipped_when_the_slice_comes_round() {
     assert_eq!(endpoints(&out).1, (CLIENT, 43000));
 }
 
+/// TCP options carrying timestamp `ts`: a SYN's as Linux lays them out
+/// (MSS, SACK permitted, timestamps, window scale), or a later segment's
+/// (two NOPs, timestamps).
+fn ts_options(syn: bool, ts: u32) -> Vec<u8> {
+    let mut o = if syn {
+        vec![2, 4, 5, 0xb4, 4, 2, 8, 10]
+    } else {
+        vec![1, 1, 8, 10]
+    };
+    o.extend(ts.to_be_bytes());
+    o.extend(7u32.to_be_bytes());
+    if syn {
+        o.extend([1, 3, 3, 7]);
+    }
+    o
+}
+
+/// The backend closed first, so it holds the tuple in TIME_WAIT with the
+/// client's last timestamp: when the slice comes round, a SYN whose own
+/// timestamp is older (the backend would answer it with an ACK of the old
+/// connection, and the client wait a retransmission) is given another
+/// tuple; a newer one takes it.
+#[test]
+fn a_tuple_whose_time_wait_would_refuse_the_syn_is_passed_over() {
+    let n = cpus() as u16;
+    let env = nat_env("pr-tw", 2 * n, &[BALANCER_IP]);
+    pin_to(0);
+    let (_, held) = establish(&env, 48000, &[backend(0)]);
+    let other = if held == 20000 { 20001 } else { 20000 };
+    // The backend's FIN, then the client's FIN with its latest timestamp.
+    let fin = Frame::tcp((backend(0), 8080), (BALANCER_IP, held))
+        .flags(FIN | ACK)
+        .seq_ack(7001, 1001)
+        .macs(mac_of(backend(0)), BALANCER_MAC);
+    assert_eq!(env.run(&fin.build()).unwrap().0, XDP_TX);
+    let last = 3_000_000_000u32;
+    let client_fin = client_frame(48000)
+        .flags(FIN | ACK)
+        .seq_ack(1001, 7002)
+        .options(&ts_options(false, last));
+    let (v, out) = env.run(&client_fin.build()).unwrap();
+    assert_eq!(v, XDP_TX);
+    assert_eq!(endpoints(&out).0, (BALANCER_IP, held));
+    std::thread::sleep(std::time::Duration::from_nanos(
+        huddle_common::NAT_LINGER_NS + 100_000_000,
+    ));
+    let syn = |sport: u16, ts: Option<u32>| {
+        let f = client_frame(sport).syn();
+        let f = match ts {
+            Some(t) => f.options(&ts_options(true, t)),
+            None => f,
+        };
+        let (v, out) = env.run(&f.build()).unwrap();
+        assert_eq!(v, XDP_TX);
+        endpoints(&out).0 .1
+    };
+    let id = env.dp.services[0].backend_ids[0];
+    let skipped = || env.dp.backend_stats(id).unwrap().nat_tw_skipped;
+    assert_eq!(syn(48001, None), other);
+    // Round again: older by the wrapping comparison TCP uses.
+    assert_eq!(syn(48002, Some(last.wrapping_add(1u32 << 31))), other);
+    assert_eq!(skipped(), 1);
+    assert_eq!(syn(48003, Some(last - 5)), other);
+    assert_eq!(skipped(), 2);
+    assert_eq!(syn(48004, Some(last.wrapping_add(1000))), held);
+    assert_eq!(skipped(), 2);
+}
+
 #[test]
 fn a_second_snat_address_doubles_the_tuples_and_its_replies_come_back() {
     let second = Ipv4Addr::new(10, 213, 0, 3);
