@@ -85,6 +85,52 @@ pub fn save(path: &Path, s: &Saved) -> Result<()> {
     std::fs::rename(&tmp, path).with_context(|| format!("replacing {}", path.display()))
 }
 
+/// Where each backend's NAT tuple walk stood, per CPU, kept beside the
+/// state file and outliving `huddle stop`: the backends hold the tuples a
+/// run used in TIME_WAIT for 60 s whatever the balancer does, so the next
+/// run carries on from there instead of from where the clock says (which
+/// a run that walked faster than one round a minute has passed).
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct NatWalk {
+    /// The slice geometry the positions belong to: ports per CPU slice,
+    /// SNAT addresses, possible CPUs. Another geometry starts afresh.
+    pub slice_ports: u32,
+    pub snat_count: u32,
+    pub cpus: usize,
+    /// Backend address -> per CPU (port offset, SNAT address index).
+    pub backends: std::collections::BTreeMap<String, Vec<(u32, u32)>>,
+}
+
+/// The NAT walk file beside `state_file`.
+#[must_use]
+pub fn nat_walk_file(state_file: &Path) -> PathBuf {
+    state_file.with_extension("nat")
+}
+
+/// Reads a NAT walk file; `None` if absent or unreadable (said once).
+pub fn load_nat_walk(path: &Path) -> Option<NatWalk> {
+    let text = std::fs::read_to_string(path).ok()?;
+    serde_json::from_str(&text)
+        .map_err(|e| {
+            warn!(
+                "NAT walk file {} is unreadable ({e}): ignored",
+                path.display()
+            )
+        })
+        .ok()
+}
+
+/// Writes a NAT walk file atomically.
+pub fn save_nat_walk(path: &Path, w: &NatWalk) -> Result<()> {
+    if let Some(dir) = path.parent() {
+        std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+    }
+    let tmp = path.with_extension("nat.tmp");
+    std::fs::write(&tmp, serde_json::to_vec(w)?)
+        .with_context(|| format!("writing {}", tmp.display()))?;
+    std::fs::rename(&tmp, path).with_context(|| format!("replacing {}", path.display()))
+}
+
 /// Inode of the calling thread's network namespace (0 if unknown).
 #[must_use]
 pub fn netns_inode() -> u64 {

@@ -147,6 +147,8 @@ pub struct Dataplane {
     nat_cursor: PerCpuArray<MapData, NatCursor>,
     /// `NAT_CURSOR` was made by this load: every backend's cursor starts.
     fresh_cursors: bool,
+    /// Where an earlier run's NAT walk stood (`start_cursor`).
+    resume: Option<crate::state::NatWalk>,
     /// Possible CPUs: per-CPU map values have one entry each.
     cpus: usize,
     pub services: Vec<ServiceSlot>,
@@ -264,6 +266,7 @@ impl Dataplane {
         snat: &[Ipv4Addr],
         snat6: &[std::net::Ipv6Addr],
         pins: Option<&Path>,
+        resume: Option<crate::state::NatWalk>,
     ) -> Result<Dataplane> {
         if snat.len() + snat6.len() > MAX_SNAT {
             bail!(
@@ -419,6 +422,7 @@ impl Dataplane {
             connect: take(&mut ebpf, maps::CONNECT)?,
             nat_cursor: take(&mut ebpf, maps::NAT_CURSOR)?,
             fresh_cursors,
+            resume,
             cpus,
             pulse: take(&mut ebpf, maps::PULSE)?,
             tuning: take(&mut ebpf, maps::TUNING)?,
@@ -450,19 +454,51 @@ impl Dataplane {
     /// backend given a new slot) then does not hand out the tuples a
     /// previous run used moments ago, which the backends still hold in
     /// TIME_WAIT, as long as that run stayed within the capacity.
-    fn start_cursor(&mut self, id: u32) -> Result<()> {
+    fn start_cursor(&mut self, id: u32, addr: SocketAddr) -> Result<()> {
         let cursor = cursor_at(
             crate::host::monotonic_ns(),
             u64::from(self.kernel_config.slice_ports),
             u64::from(self.kernel_config.snat_count),
         );
+        let mut per_cpu = vec![cursor; self.cpus];
+        // An earlier run's walk, if it walked the same slices: carry on.
+        if let Some(saved) = self.resume.as_ref().filter(|w| {
+            w.slice_ports == u32::from(self.kernel_config.slice_ports)
+                && w.snat_count == u32::from(self.kernel_config.snat_count)
+                && w.cpus == self.cpus
+        }) {
+            if let Some(pos) = saved.backends.get(&addr.to_string()) {
+                for (c, (port, a)) in per_cpu.iter_mut().zip(pos) {
+                    c.port = *port;
+                    c.addr = *a;
+                }
+            }
+        }
         self.nat_cursor
-            .set(
-                id,
-                aya::maps::PerCpuValues::try_from(vec![cursor; self.cpus])?,
-                0,
-            )
+            .set(id, aya::maps::PerCpuValues::try_from(per_cpu)?, 0)
             .with_context(|| format!("setting the NAT cursor of backend id {id}"))
+    }
+
+    /// Where each backend's NAT walk stands now, per CPU (for the next
+    /// run: `start_cursor`).
+    pub fn nat_walk(&self) -> crate::state::NatWalk {
+        let mut w = crate::state::NatWalk {
+            slice_ports: u32::from(self.kernel_config.slice_ports),
+            snat_count: u32::from(self.kernel_config.snat_count),
+            cpus: self.cpus,
+            backends: std::collections::BTreeMap::new(),
+        };
+        for slot in &self.services {
+            for (id, addr) in slot.backend_ids.iter().zip(&slot.service.backends) {
+                if let Ok(v) = self.nat_cursor.get(id, 0) {
+                    w.backends.insert(
+                        addr.to_string(),
+                        v.iter().map(|c| (c.port, c.addr)).collect(),
+                    );
+                }
+            }
+        }
+        w
     }
 
     /// Makes `SERVICES` name exactly this run's SNAT addresses, so replies
@@ -644,7 +680,7 @@ impl Dataplane {
                 // A backend new to this slot walks its NAT tuples from where
                 // the clock says, not from where a slot's last run stopped.
                 if known.is_none() || self.fresh_cursors {
-                    self.start_cursor(id)?;
+                    self.start_cursor(id, *addr)?;
                 }
                 kept.insert(id);
                 let mut v = backend_value(*addr);

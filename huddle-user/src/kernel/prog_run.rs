@@ -136,7 +136,7 @@ impl ProgRun {
         } else {
             cfg.snat_ips.clone()
         };
-        let dp = Dataplane::load(cfg, &snat, &cfg.snat_ips6, None)?;
+        let dp = Dataplane::load(cfg, &snat, &cfg.snat_ips6, None, None)?;
         Ok(ProgRun { dp, ifindex, ns })
     }
 

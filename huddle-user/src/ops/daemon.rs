@@ -264,6 +264,16 @@ impl Balancer {
         if let Err(e) = state::save(&self.cfg.state_file, &self.snapshot()) {
             warn!("{e:#}");
         }
+        self.save_nat_walk();
+    }
+
+    /// Writes where the NAT walks stand (kept after `huddle stop`: see
+    /// `state::NatWalk`).
+    pub fn save_nat_walk(&self) {
+        let path = state::nat_walk_file(&self.cfg.state_file);
+        if let Err(e) = state::save_nat_walk(&path, &self.dp.nat_walk()) {
+            warn!("{e:#}");
+        }
     }
 
     /// Temperatures and places, for the state file.
@@ -1294,7 +1304,8 @@ pub async fn run(cfg: Config, reloader: Option<Reloader>) -> Result<()> {
     // A start that fails must leave nothing behind: pins it created go.
     let existed = pins.join(huddle_common::maps::FLOWS).exists();
     let started = (|| -> Result<_> {
-        let mut dp = Dataplane::load(&cfg, &snat, &snat6, Some(&pins))?;
+        let resume = state::load_nat_walk(&state::nat_walk_file(&cfg.state_file));
+        let mut dp = Dataplane::load(&cfg, &snat, &snat6, Some(&pins), resume)?;
         let ipip6 = cfg
             .services
             .iter()
@@ -1505,6 +1516,7 @@ pub async fn run(cfg: Config, reloader: Option<Reloader>) -> Result<()> {
             Err(e) => warn!(event = "bgp", "bgp: withdrawing before removal: {e:#}"),
         }
     }
+    lock(&shared).save_nat_walk();
     // Unpin first, then close our descriptors: the link goes with the last.
     match dataplane::unpin(&pins) {
         Ok(n) => info!("removed {n} pinned objects under {}", shown.display()),
