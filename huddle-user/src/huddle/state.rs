@@ -76,12 +76,18 @@ pub fn load(path: &Path) -> Option<Saved> {
 
 /// Writes a state file atomically (a crash mid-write leaves the old one).
 pub fn save(path: &Path, s: &Saved) -> Result<()> {
+    write_atomic(path, &serde_json::to_vec(s)?)
+}
+
+/// Writes `bytes` to `path` through a temporary file beside it.
+fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
     if let Some(dir) = path.parent() {
         std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
     }
-    let tmp = path.with_extension("state.tmp");
-    std::fs::write(&tmp, serde_json::to_vec(s)?)
-        .with_context(|| format!("writing {}", tmp.display()))?;
+    let mut tmp = path.as_os_str().to_owned();
+    tmp.push(".tmp");
+    let tmp = PathBuf::from(tmp);
+    std::fs::write(&tmp, bytes).with_context(|| format!("writing {}", tmp.display()))?;
     std::fs::rename(&tmp, path).with_context(|| format!("replacing {}", path.display()))
 }
 
@@ -122,13 +128,7 @@ pub fn load_nat_walk(path: &Path) -> Option<NatWalk> {
 
 /// Writes a NAT walk file atomically.
 pub fn save_nat_walk(path: &Path, w: &NatWalk) -> Result<()> {
-    if let Some(dir) = path.parent() {
-        std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
-    }
-    let tmp = path.with_extension("nat.tmp");
-    std::fs::write(&tmp, serde_json::to_vec(w)?)
-        .with_context(|| format!("writing {}", tmp.display()))?;
-    std::fs::rename(&tmp, path).with_context(|| format!("replacing {}", path.display()))
+    write_atomic(path, &serde_json::to_vec(w)?)
 }
 
 /// Inode of the calling thread's network namespace (0 if unknown).
