@@ -80,6 +80,13 @@ pub mod maps {
     /// control plane removed after their idle timeout (closes the program
     /// never saw), written by the control plane only.
     pub const SWEPT: &str = "SWEPT";
+    /// `HashMap<NatKey, TwHint>`: the last run's tuples the backends may
+    /// still hold in TIME_WAIT, with the client's last timestamp, written
+    /// by the control plane at a fresh start (see `TwHint`).
+    pub const TW_HINTS: &str = "TW_HINTS";
+    /// `Array<u64>` of one element: until when (`bpf_ktime_get_ns`) any
+    /// of `TW_HINTS` can matter; 0: none loaded.
+    pub const TW_HINTS_UNTIL: &str = "TW_HINTS_UNTIL";
 
     /// Every map the control plane opens, for checks against the object.
     /// `Array<u64>` (mmapable) of two Maglev lookup tables per service,
@@ -88,7 +95,7 @@ pub mod maps {
     /// written by the control plane with the ring, in the same double
     /// buffer.
     pub const MAGLEV: &str = "MAGLEV";
-    pub const ALL: [&str; 23] = [
+    pub const ALL: [&str; 25] = [
         SERVICES,
         SERVICES6,
         TAILS,
@@ -112,6 +119,8 @@ pub mod maps {
         TUNING,
         SWEPT,
         MAGLEV,
+        TW_HINTS,
+        TW_HINTS_UNTIL,
     ];
 }
 
@@ -428,6 +437,22 @@ pub struct FlowValue {
     pub turn_ns: u64,
 }
 
+/// Value of `TW_HINTS`: a tuple whose last connection the backend closed
+/// first, in the run before a fresh start: the client's last timestamp
+/// and when the flow closed. A fresh data plane has no flows to ask, so
+/// without these it would hand such a tuple to a SYN the backend's
+/// TIME_WAIT refuses.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct TwHint {
+    pub tsval: u32,
+    pub _pad: u32,
+    pub closed_ns: u64,
+}
+
+/// Most `TW_HINTS` entries.
+pub const MAX_TW_HINTS: u32 = 65_536;
+
 /// Key of `NAT`: a reply as the backend sends it.
 #[repr(C, align(8))]
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -733,6 +758,7 @@ mod pod {
     unsafe impl aya::Pod for GenConfig {}
     unsafe impl aya::Pod for NextHop {}
     unsafe impl aya::Pod for NatCursor {}
+    unsafe impl aya::Pod for TwHint {}
     unsafe impl aya::Pod for HalfOpen {}
     unsafe impl aya::Pod for HalfOpenNat {}
     unsafe impl aya::Pod for Tuning {}

@@ -8,9 +8,9 @@ use aya_ebpf::{
 use huddle_common::{
     maglev_elements, Backend, BackendStats, Config, FlowKey, FlowValue, GlobalStats, HalfOpen,
     HalfOpenNat, Latency, NatCursor, NatKey, NatValue, NextHop, Pulse, Ring, ServiceKey,
-    ServiceKey6, ServiceStats, ServiceValue, SynCopy, Tuning, DEFAULT_FLOW_TABLE_SIZE,
+    ServiceKey6, ServiceStats, ServiceValue, SynCopy, Tuning, TwHint, DEFAULT_FLOW_TABLE_SIZE,
     DEFAULT_HALF_OPEN_SIZE, DEFAULT_MAGLEV_SIZE, MAGLEV_MAP_FLAGS, MAX_BACKENDS, MAX_SERVICES,
-    MAX_SNAT,
+    MAX_SNAT, MAX_TW_HINTS,
 };
 
 /// VIP:port/proto -> service id, and SNAT address -> its index. Written
@@ -110,6 +110,15 @@ pub static TUNING: Array<Tuning> = Array::with_max_entries(MAX_SERVICES, 0);
 /// so it is pinned and outlives a daemon with the other counters.
 #[map]
 pub static SWEPT: Array<u64> = Array::with_max_entries(MAX_BACKENDS, 0);
+
+/// The last run's tuples in TIME_WAIT (`huddle_common::maps::TW_HINTS`),
+/// written by the control plane at a fresh start.
+#[map]
+pub static TW_HINTS: HashMap<NatKey, TwHint> = HashMap::with_max_entries(MAX_TW_HINTS, 0);
+
+/// Until when any of `TW_HINTS` matters (0: none).
+#[map]
+pub static TW_HINTS_UNTIL: Array<u64> = Array::with_max_entries(1, 0);
 
 /// Data plane settings (SNAT addresses, NAT port range and slices).
 #[map]

@@ -14,7 +14,7 @@
 
 use crate::{
     family::Family,
-    maps::{bump, Scratch, BACKEND_STATS, FLOWS, NAT, NAT_CURSOR},
+    maps::{bump, Scratch, BACKEND_STATS, FLOWS, NAT, NAT_CURSOR, TW_HINTS, TW_HINTS_UNTIL},
     timewait,
 };
 use aya_ebpf::{
@@ -189,7 +189,11 @@ enum Reclaim {
 fn reclaim(key: &NatKey, syn_ts: u32, now: u64) -> Reclaim {
     // SAFETY: copied out at once.
     let Some(old) = (unsafe { NAT.get(key) }).copied() else {
-        return Reclaim::Free;
+        return if syn_ts != 0 && hinted_refusal(key, syn_ts, now) {
+            Reclaim::TimeWait
+        } else {
+            Reclaim::Free
+        };
     };
     // The flow the entry names, if it still holds this tuple (its client
     // tuple may since have been reused by a flow with another one).
@@ -242,6 +246,25 @@ pub fn close(f: *mut FlowValue, backend: u32) {
             (*f).stamp_ns = bpf_ktime_get_ns();
             bump(&BACKEND_STATS, backend, |s| s.flows_closed += 1);
         }
+    }
+}
+
+/// Whether the last run, before a fresh start, left `key`'s tuple in a
+/// TIME_WAIT that refuses a SYN with timestamp `syn_ts` (`TW_HINTS`; only
+/// looked up in the minute after such a start).
+#[inline(always)]
+fn hinted_refusal(key: &NatKey, syn_ts: u32, now: u64) -> bool {
+    // SAFETY: a map value pointer, read at once.
+    let until = TW_HINTS_UNTIL.get_ptr(0).map_or(0, |u| unsafe { *u });
+    if now >= until {
+        return false;
+    }
+    // SAFETY: copied out at once.
+    match unsafe { TW_HINTS.get(key) }.copied() {
+        Some(h) => {
+            now.wrapping_sub(h.closed_ns) < TIME_WAIT_NS && !timewait::accepts(syn_ts, h.tsval)
+        }
+        None => false,
     }
 }
 

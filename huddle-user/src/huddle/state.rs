@@ -105,7 +105,25 @@ pub struct NatWalk {
     pub cpus: usize,
     /// Backend address -> per CPU (port offset, SNAT address index).
     pub backends: std::collections::BTreeMap<String, Vec<(u32, u32)>>,
+    /// Tuples the backends may still hold in TIME_WAIT, with the client's
+    /// last timestamp (see `huddle_common::TwHint`).
+    #[serde(default)]
+    pub hints: Vec<TimeWaitHint>,
 }
+
+/// A tuple a backend holds in TIME_WAIT after a connection it closed
+/// first: the balancer's SNAT address and port, the backend, the
+/// protocol number, the client's last TCP timestamp, and when the flow
+/// closed (CLOCK_MONOTONIC ns; the same clock as the kernel's).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct TimeWaitHint(
+    pub std::net::IpAddr,
+    pub u16,
+    pub std::net::SocketAddr,
+    pub u8,
+    pub u32,
+    pub u64,
+);
 
 /// The NAT walk file beside `state_file`.
 #[must_use]

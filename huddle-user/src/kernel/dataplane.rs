@@ -142,6 +142,8 @@ pub struct Dataplane {
     maglev: MappedArray,
     pub maglev_size: u32,
     swept: Array<MapData, u64>,
+    tw_hints: HashMap<MapData, NatKey, huddle_common::TwHint>,
+    tw_hints_until: Array<MapData, u64>,
     /// Handles of its own on the maps the idle sweep needs (see `Sweeper`).
     sweeper: Option<Sweeper>,
     nat_cursor: PerCpuArray<MapData, NatCursor>,
@@ -428,6 +430,8 @@ impl Dataplane {
             tuning: take(&mut ebpf, maps::TUNING)?,
             sweeper: Some(sweeper),
             swept: take(&mut ebpf, maps::SWEPT)?,
+            tw_hints: take(&mut ebpf, maps::TW_HINTS)?,
+            tw_hints_until: take(&mut ebpf, maps::TW_HINTS_UNTIL)?,
             ebpf,
             link: None,
             pinned_link: None,
@@ -444,6 +448,17 @@ impl Dataplane {
         };
         dp.program_snat()?;
         dp.reconcile(cfg)?;
+        if dp.fresh_cursors {
+            let hints = dp
+                .resume
+                .as_ref()
+                .map(|w| w.hints.clone())
+                .unwrap_or_default();
+            let n = dp.load_tw_hints(&hints, crate::host::monotonic_ns())?;
+            if n > 0 {
+                info!("{n} NAT tuples the backends may still hold in TIME_WAIT, from the last run, are checked against new SYNs for a minute");
+            }
+        }
         dp.fresh_cursors = false;
         Ok(dp)
     }
@@ -479,6 +494,110 @@ impl Dataplane {
             .with_context(|| format!("setting the NAT cursor of backend id {id}"))
     }
 
+    /// Writes the last run's TIME_WAIT tuples (those still under a minute
+    /// old at `now_ns`) for the kernel to check new SYNs against; returns
+    /// how many.
+    fn load_tw_hints(
+        &mut self,
+        hints: &[crate::state::TimeWaitHint],
+        now_ns: u64,
+    ) -> Result<usize> {
+        let mut until = 0;
+        let mut n = 0;
+        for h in hints.iter().take(huddle_common::MAX_TW_HINTS as usize) {
+            let crate::state::TimeWaitHint(local, port, backend, proto, tsval, closed_ns) = *h;
+            if now_ns.saturating_sub(closed_ns) >= huddle_common::TIME_WAIT_NS || tsval == 0 {
+                continue;
+            }
+            let key = NatKey {
+                backend: ip_bytes(backend.ip()),
+                local: ip_bytes(local),
+                backend_port_be: backend.port().to_be(),
+                nat_port_be: port.to_be(),
+                proto,
+                family: if backend.is_ipv4() {
+                    huddle_common::FAMILY_V4
+                } else {
+                    huddle_common::FAMILY_V6
+                },
+                _pad: [0; 2],
+            };
+            let v = huddle_common::TwHint {
+                tsval,
+                _pad: 0,
+                closed_ns,
+            };
+            if self.tw_hints.insert(key, v, 0).is_ok() {
+                n += 1;
+                until = until.max(closed_ns + huddle_common::TIME_WAIT_NS);
+            }
+        }
+        if n > 0 {
+            self.tw_hints_until.set(0, until, 0)?;
+        }
+        Ok(n)
+    }
+
+    /// The tuples the backends may hold in TIME_WAIT at `now_ns`: closed
+    /// source-NAT flows whose backend sent the first FIN, with the
+    /// client's last timestamp, and the hints still loaded from the run
+    /// before. Scans the flow table (for the exit, not every tick).
+    pub fn tw_hints(&self, now_ns: u64) -> Vec<crate::state::TimeWaitHint> {
+        use huddle_common::{flow_flags, FAMILY_V4, TIME_WAIT_NS};
+        let mut out = Vec::new();
+        let addr_of = |a: &huddle_common::Addr, family: u8| -> IpAddr {
+            if family == FAMILY_V4 {
+                IpAddr::from([a[0], a[1], a[2], a[3]])
+            } else {
+                IpAddr::from(*a)
+            }
+        };
+        let fresh = |closed: u64| now_ns.saturating_sub(closed) < TIME_WAIT_NS;
+        if let Ok(flows) = reopen(&self.ebpf, maps::FLOWS)
+            .and_then(|m| Ok(HashMap::<MapData, FlowKey, FlowValue>::try_from(m)?))
+        {
+            for (_, v) in flows.iter().flatten() {
+                let tw = flow_flags::BACKEND_TIME_WAIT | flow_flags::CLOSING;
+                if v.flags & tw != tw || v.synack_seq == 0 || !fresh(v.stamp_ns) {
+                    continue;
+                }
+                let Ok(b) = self.backends_map.get(&v.backend, 0) else {
+                    continue;
+                };
+                let local = self.kernel_config.snat_addrs[usize::from(v.snat) % MAX_SNAT];
+                out.push(crate::state::TimeWaitHint(
+                    addr_of(&local, b.family),
+                    u16::from_be(v.nat_port_be),
+                    backend_addr(&b),
+                    huddle_common::PROTO_TCP,
+                    v.synack_seq,
+                    v.stamp_ns,
+                ));
+                if out.len() >= huddle_common::MAX_TW_HINTS as usize {
+                    return out;
+                }
+            }
+        }
+        for (k, h) in self.tw_hints.iter().flatten() {
+            if !fresh(h.closed_ns) || out.len() >= huddle_common::MAX_TW_HINTS as usize {
+                continue;
+            }
+            let backend = SocketAddr::new(
+                addr_of(&k.backend, k.family),
+                u16::from_be(k.backend_port_be),
+            );
+            out.push(crate::state::TimeWaitHint(
+                addr_of(&k.local, k.family),
+                u16::from_be(k.nat_port_be),
+                backend,
+                k.proto,
+                h.tsval,
+                h.closed_ns,
+            ));
+        }
+        out
+    }
+
     /// Where each backend's NAT walk stands now, per CPU (for the next
     /// run: `start_cursor`).
     pub fn nat_walk(&self) -> crate::state::NatWalk {
@@ -487,6 +606,7 @@ impl Dataplane {
             snat_count: u32::from(self.kernel_config.snat_count),
             cpus: self.cpus,
             backends: std::collections::BTreeMap::new(),
+            hints: Vec::new(),
         };
         for slot in &self.services {
             for (id, addr) in slot.backend_ids.iter().zip(&slot.service.backends) {

@@ -264,14 +264,20 @@ impl Balancer {
         if let Err(e) = state::save(&self.cfg.state_file, &self.snapshot()) {
             warn!("{e:#}");
         }
-        self.save_nat_walk();
+        self.save_nat_walk(false);
     }
 
     /// Writes where the NAT walks stand (kept after `huddle stop`: see
-    /// `state::NatWalk`).
-    pub fn save_nat_walk(&self) {
+    /// `state::NatWalk`); on the way out (`last`) also the tuples the
+    /// backends hold in TIME_WAIT, with their timestamps, for a fresh
+    /// start to check new SYNs against (a scan of the flow table).
+    pub fn save_nat_walk(&self, last: bool) {
         let path = state::nat_walk_file(&self.cfg.state_file);
-        if let Err(e) = state::save_nat_walk(&path, &self.dp.nat_walk()) {
+        let mut walk = self.dp.nat_walk();
+        if last {
+            walk.hints = self.dp.tw_hints(host::monotonic_ns());
+        }
+        if let Err(e) = state::save_nat_walk(&path, &walk) {
             warn!("{e:#}");
         }
     }
@@ -1486,6 +1492,7 @@ pub async fn run(cfg: Config, reloader: Option<Reloader>) -> Result<()> {
     let remove = cfg.detach_on_exit || lock(&shared).remove_on_exit;
     if !remove && place.survives {
         lock(&shared).save_state();
+        lock(&shared).save_nat_walk(true);
         sysctls.keep();
         info!(
             "exiting; the data plane keeps running on {} (pinned under {}); `huddle run` again takes it over, `huddle stop --iface {}` removes it",
@@ -1516,7 +1523,7 @@ pub async fn run(cfg: Config, reloader: Option<Reloader>) -> Result<()> {
             Err(e) => warn!(event = "bgp", "bgp: withdrawing before removal: {e:#}"),
         }
     }
-    lock(&shared).save_nat_walk();
+    lock(&shared).save_nat_walk(true);
     // Unpin first, then close our descriptors: the link goes with the last.
     match dataplane::unpin(&pins) {
         Ok(n) => info!("removed {n} pinned objects under {}", shown.display()),
