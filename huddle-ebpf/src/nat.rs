@@ -276,6 +276,7 @@ pub fn close_by_backend(f: *mut FlowValue, backend: u32, fin: bool) {
     unsafe {
         if fin && (*f).flags & flow_flags::CLOSING == 0 {
             (*f).flags |= flow_flags::BACKEND_TIME_WAIT;
+            // Until now the SYN-ACK's sequence number: no timestamp yet.
             (*f).synack_seq = 0;
         }
     }

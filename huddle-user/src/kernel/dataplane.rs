@@ -544,7 +544,7 @@ impl Dataplane {
     /// before. Scans the flow table (for the exit, not every tick).
     pub fn tw_hints(&self, now_ns: u64) -> Vec<crate::state::TimeWaitHint> {
         use huddle_common::{flow_flags, FAMILY_V4, TIME_WAIT_NS};
-        let mut out = Vec::new();
+        type Tuple = (IpAddr, u16, SocketAddr, u8);
         let addr_of = |a: &huddle_common::Addr, family: u8| -> IpAddr {
             if family == FAMILY_V4 {
                 IpAddr::from([a[0], a[1], a[2], a[3]])
@@ -553,6 +553,15 @@ impl Dataplane {
             }
         };
         let fresh = |closed: u64| now_ns.saturating_sub(closed) < TIME_WAIT_NS;
+        // Per tuple, its latest close: a hint loaded from the run before
+        // is stale once a flow of this run used the tuple.
+        let mut latest: StdHashMap<Tuple, (u32, u64)> = StdHashMap::new();
+        let mut keep = |t: Tuple, ts: u32, at: u64| {
+            let e = latest.entry(t).or_insert((ts, at));
+            if at > e.1 {
+                *e = (ts, at);
+            }
+        };
         if let Ok(flows) = reopen(&self.ebpf, maps::FLOWS)
             .and_then(|m| Ok(HashMap::<MapData, FlowKey, FlowValue>::try_from(m)?))
         {
@@ -565,36 +574,39 @@ impl Dataplane {
                     continue;
                 };
                 let local = self.kernel_config.snat_addrs[usize::from(v.snat) % MAX_SNAT];
-                out.push(crate::state::TimeWaitHint(
+                let t = (
                     addr_of(&local, b.family),
                     u16::from_be(v.nat_port_be),
                     backend_addr(&b),
                     huddle_common::PROTO_TCP,
-                    v.synack_seq,
-                    v.stamp_ns,
-                ));
-                if out.len() >= huddle_common::MAX_TW_HINTS as usize {
-                    return out;
-                }
+                );
+                keep(t, v.synack_seq, v.stamp_ns);
             }
         }
         for (k, h) in self.tw_hints.iter().flatten() {
-            if !fresh(h.closed_ns) || out.len() >= huddle_common::MAX_TW_HINTS as usize {
-                continue;
+            if fresh(h.closed_ns) {
+                let backend = SocketAddr::new(
+                    addr_of(&k.backend, k.family),
+                    u16::from_be(k.backend_port_be),
+                );
+                let t = (
+                    addr_of(&k.local, k.family),
+                    u16::from_be(k.nat_port_be),
+                    backend,
+                    k.proto,
+                );
+                keep(t, h.tsval, h.closed_ns);
             }
-            let backend = SocketAddr::new(
-                addr_of(&k.backend, k.family),
-                u16::from_be(k.backend_port_be),
-            );
-            out.push(crate::state::TimeWaitHint(
-                addr_of(&k.local, k.family),
-                u16::from_be(k.nat_port_be),
-                backend,
-                k.proto,
-                h.tsval,
-                h.closed_ns,
-            ));
         }
+        let mut out: Vec<crate::state::TimeWaitHint> = latest
+            .into_iter()
+            .map(|((local, port, backend, proto), (ts, at))| {
+                crate::state::TimeWaitHint(local, port, backend, proto, ts, at)
+            })
+            .collect();
+        // The newest first, if there are more than the map holds.
+        out.sort_by_key(|h| std::cmp::Reverse(h.5));
+        out.truncate(huddle_common::MAX_TW_HINTS as usize);
         out
     }
 
