@@ -18,8 +18,8 @@
 //! answers drops those it no longer lists (closed, or explained again). A
 //! garbage answer is passed over like no answer.
 
-use crate::{config::Proto, dataplane::ip_bytes, http};
-use anyhow::{bail, Context, Result};
+use crate::{config::Proto, dataplane::ip_bytes};
+use anyhow::Result;
 use aya::maps::{HashMap, MapData};
 use huddle_common::{
     flow_flags, FlowKey, FlowValue, FAMILY_V4, FAMILY_V6, MAGLEV_SEED, PROTO_TCP, PROTO_UDP,
@@ -141,11 +141,7 @@ pub fn entry(f: &SharedFlow, tables: &[Table], now_ns: u64) -> Option<(FlowKey, 
 
 /// Asks member `addr` for the flows it shares.
 pub async fn fetch(addr: SocketAddr, timeout: Duration) -> Result<FlowsAnswer> {
-    let r = http::get(addr, &addr.to_string(), "/flows", timeout, MAX_ANSWER).await?;
-    if r.status != 200 {
-        bail!("/flows answered HTTP {}", r.status);
-    }
-    serde_json::from_slice(&r.body).context("/flows answered no flows")
+    crate::peers::get_json(addr, "/flows", "flows", timeout, MAX_ANSWER).await
 }
 
 /// This balancer's flow table, through a handle of its own: scanned for

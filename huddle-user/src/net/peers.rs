@@ -57,12 +57,25 @@ pub async fn find_leader(
 }
 
 async fn fetch(addr: SocketAddr, timeout: Duration) -> Result<Rings> {
-    let r = http::get(addr, &addr.to_string(), "/ring", timeout, MAX_ANSWER).await?;
-    if r.status != 200 {
-        bail!("/ring answered HTTP {}", r.status);
-    }
-    let a: RingsAnswer = serde_json::from_slice(&r.body).context("/ring answered no rings")?;
+    let a: RingsAnswer = get_json(addr, "/ring", "rings", timeout, MAX_ANSWER).await?;
     Ok(a.rings)
+}
+
+/// GETs `path` of member `addr` (at most `max` bytes within `timeout`)
+/// and reads its JSON answer; the error names the path and, for an
+/// answer that is not one, `what` was expected.
+pub async fn get_json<T: serde::de::DeserializeOwned>(
+    addr: SocketAddr,
+    path: &str,
+    what: &str,
+    timeout: Duration,
+    max: usize,
+) -> Result<T> {
+    let r = http::get(addr, &addr.to_string(), path, timeout, max).await?;
+    if r.status != 200 {
+        bail!("{path} answered HTTP {}", r.status);
+    }
+    serde_json::from_slice(&r.body).with_context(|| format!("{path} answered no {what}"))
 }
 
 #[cfg(test)]

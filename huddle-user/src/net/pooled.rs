@@ -11,8 +11,7 @@
 //! stops answering simply stops adding. Own counters are served raw,
 //! never with the peers' added, so nothing is counted twice.
 
-use crate::http;
-use anyhow::{bail, Context, Result};
+use anyhow::{bail, Result};
 use huddle_common::{stats::Counters, BackendStats, Latency, LATENCY_BUCKETS};
 use serde::{Deserialize, Serialize};
 use std::{
@@ -135,12 +134,8 @@ fn add_hist(a: &mut Latency, b: &Latency) {
 
 /// Asks member `addr` for its readings.
 pub async fn fetch(addr: SocketAddr, timeout: Duration) -> Result<ReadingsAnswer> {
-    let r = http::get(addr, &addr.to_string(), "/readings", timeout, MAX_ANSWER).await?;
-    if r.status != 200 {
-        bail!("/readings answered HTTP {}", r.status);
-    }
     let a: ReadingsAnswer =
-        serde_json::from_slice(&r.body).context("/readings answered no readings")?;
+        crate::peers::get_json(addr, "/readings", "readings", timeout, MAX_ANSWER).await?;
     if a.fields != fields() {
         bail!("/readings counts other counters (another huddle version?)");
     }
