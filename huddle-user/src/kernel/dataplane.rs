@@ -543,15 +543,8 @@ impl Dataplane {
     /// client's last timestamp, and the hints still loaded from the run
     /// before. Scans the flow table (for the exit, not every tick).
     pub fn tw_hints(&self, now_ns: u64) -> Vec<crate::state::TimeWaitHint> {
-        use huddle_common::{flow_flags, FAMILY_V4, TIME_WAIT_NS};
+        use huddle_common::{flow_flags, TIME_WAIT_NS};
         type Tuple = (IpAddr, u16, SocketAddr, u8);
-        let addr_of = |a: &huddle_common::Addr, family: u8| -> IpAddr {
-            if family == FAMILY_V4 {
-                IpAddr::from([a[0], a[1], a[2], a[3]])
-            } else {
-                IpAddr::from(*a)
-            }
-        };
         let fresh = |closed: u64| now_ns.saturating_sub(closed) < TIME_WAIT_NS;
         // Per tuple, its latest close: a hint loaded from the run before
         // is stale once a flow of this run used the tuple.
@@ -575,7 +568,7 @@ impl Dataplane {
                 };
                 let local = self.kernel_config.snat_addrs[usize::from(v.snat) % MAX_SNAT];
                 let t = (
-                    addr_of(&local, b.family),
+                    ip_of(&local, b.family),
                     u16::from_be(v.nat_port_be),
                     backend_addr(&b),
                     huddle_common::PROTO_TCP,
@@ -586,11 +579,11 @@ impl Dataplane {
         for (k, h) in self.tw_hints.iter().flatten() {
             if fresh(h.closed_ns) {
                 let backend = SocketAddr::new(
-                    addr_of(&k.backend, k.family),
+                    ip_of(&k.backend, k.family),
                     u16::from_be(k.backend_port_be),
                 );
                 let t = (
-                    addr_of(&k.local, k.family),
+                    ip_of(&k.local, k.family),
                     u16::from_be(k.nat_port_be),
                     backend,
                     k.proto,
@@ -1443,12 +1436,18 @@ pub fn backend_value(addr: SocketAddr) -> Backend {
 
 /// The address of a backend entry.
 fn backend_addr(b: &Backend) -> SocketAddr {
-    let ip = if b.family == FAMILY_V6 {
-        IpAddr::V6(std::net::Ipv6Addr::from(b.addr))
+    SocketAddr::from((ip_of(&b.addr, b.family), u16::from_be(b.port_be)))
+}
+
+/// The address a 16-byte map form holds (`ip_bytes` the other way):
+/// IPv6 for `FAMILY_V6`, else IPv4 in its first bytes.
+#[must_use]
+pub fn ip_of(a: &[u8; 16], family: u8) -> IpAddr {
+    if family == FAMILY_V6 {
+        IpAddr::from(*a)
     } else {
-        IpAddr::V4(Ipv4Addr::new(b.addr[0], b.addr[1], b.addr[2], b.addr[3]))
-    };
-    SocketAddr::from((ip, u16::from_be(b.port_be)))
+        IpAddr::from([a[0], a[1], a[2], a[3]])
+    }
 }
 
 /// An address in the 16-byte form map keys hold.

@@ -92,11 +92,7 @@ pub fn unexplained(key: &FlowKey, value: &FlowValue, tables: &[Table]) -> Option
 }
 
 fn addr(a: [u8; 16], family: u8) -> Option<IpAddr> {
-    match family {
-        FAMILY_V4 => Some(IpAddr::from([a[0], a[1], a[2], a[3]])),
-        FAMILY_V6 => Some(IpAddr::from(a)),
-        _ => None,
-    }
+    matches!(family, FAMILY_V4 | FAMILY_V6).then(|| crate::dataplane::ip_of(&a, family))
 }
 
 /// The flow-table entry this balancer writes for a peer's flow: its own

@@ -36,28 +36,17 @@ pub fn route(shared: &Mutex<Balancer>, path: &str) -> Answer {
         // of its cluster (see `peers`).
         "/ring" => {
             let rings = crate::daemon::lock(shared).own_rings();
-            match serde_json::to_string(&crate::peers::RingsAnswer { rings }) {
-                Ok(j) => (200, "application/json", j),
-                Err(e) => (500, "text/plain", format!("{e}\n")),
-            }
+            json(&crate::peers::RingsAnswer { rings })
         }
         // This balancer's own counters per backend, for the other members
         // (see `pooled`).
-        "/readings" => {
-            let a = crate::daemon::lock(shared).own_readings();
-            match serde_json::to_string(&a) {
-                Ok(j) => (200, "application/json", j),
-                Err(e) => (500, "text/plain", format!("{e}\n")),
-            }
-        }
+        "/readings" => json(&crate::daemon::lock(shared).own_readings()),
         // The flows this balancer's Maglev tables no longer explain, for
         // the other members (see `handoff`).
         "/flows" => {
+            // Serialised off the lock: the list may be long.
             let flows = crate::daemon::lock(shared).shared_flows.clone();
-            match serde_json::to_string(&*flows) {
-                Ok(j) => (200, "application/json", j),
-                Err(e) => (500, "text/plain", format!("{e}\n")),
-            }
+            json(&*flows)
         }
         "/" => (
             200,
@@ -65,6 +54,14 @@ pub fn route(shared: &Mutex<Balancer>, path: &str) -> Answer {
             "HuddleCluster balancer: metrics at /metrics\n".into(),
         ),
         _ => (404, "text/plain", "not found: try /metrics\n".into()),
+    }
+}
+
+/// `v` as a JSON answer.
+fn json(v: &impl serde::Serialize) -> Answer {
+    match serde_json::to_string(v) {
+        Ok(j) => (200, "application/json", j),
+        Err(e) => (500, "text/plain", format!("{e}\n")),
     }
 }
 
