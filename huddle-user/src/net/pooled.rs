@@ -148,8 +148,9 @@ pub async fn fetch(addr: SocketAddr, timeout: Duration) -> Result<ReadingsAnswer
 pub struct Pool {
     /// Per (peer, service name, backend): its last counters.
     last: HashMap<(SocketAddr, String, SocketAddr), Counts>,
-    /// Per (service name, backend): everything the peers added.
-    sums: HashMap<(String, SocketAddr), Counts>,
+    /// Per service name, per backend: everything the peers added (looked
+    /// up by the tick for every backend, without building a key).
+    sums: HashMap<String, HashMap<SocketAddr, Counts>>,
 }
 
 impl Pool {
@@ -166,7 +167,9 @@ impl Pool {
                 let key = (peer, service.clone(), r.backend);
                 if let Some(g) = self.last.get(&key).and_then(|b| c.growth(b)) {
                     self.sums
-                        .entry((service.clone(), r.backend))
+                        .entry(service.clone())
+                        .or_default()
+                        .entry(r.backend)
                         .or_default()
                         .add(&g);
                 }
@@ -179,7 +182,7 @@ impl Pool {
     /// What the peers added for `backend` of `service`.
     #[must_use]
     pub fn sum(&self, service: &str, backend: SocketAddr) -> Option<&Counts> {
-        self.sums.get(&(service.to_string(), backend))
+        self.sums.get(service)?.get(&backend)
     }
 }
 

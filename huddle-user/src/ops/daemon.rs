@@ -551,6 +551,7 @@ impl Balancer {
         };
         for si in 0..self.huddles.len() {
             let hung_after = self.huddles[si].hung_after(&self.cfg.huddle);
+            let service = self.cfg.services[si].name();
             for bi in 0..self.huddles[si].trackers.len() {
                 let id = self.huddles[si].trackers[bi].id;
                 let read = (|| -> Result<_> {
@@ -575,7 +576,7 @@ impl Balancer {
                         // The huddle judges from every balancer's samples.
                         let mut all = own;
                         let addr = self.cfg.services[si].backends[bi];
-                        if let Some(peers) = self.pool.sum(&self.cfg.services[si].name(), addr) {
+                        if let Some(peers) = self.pool.sum(&service, addr) {
                             all.add(peers);
                         }
                         if self.cfg.services[si].mode.is_dsr() {
@@ -605,7 +606,6 @@ impl Balancer {
             let was_panic = self.huddles[si].engine.panic;
             let moves = self.huddles[si].step(&self.cfg.huddle, now);
             rotated |= !moves.is_empty();
-            let service = self.cfg.services[si].name();
             for m in moves {
                 let backend = self.cfg.services[si].backends[m.member];
                 let ev = RotationEvent {
