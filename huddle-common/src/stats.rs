@@ -13,6 +13,8 @@ pub trait Counters: Copy + Default {
     /// The counters of `values`, in layout order (as `for_each` gives
     /// them); `None` unless there are exactly as many.
     fn from_values(values: &[u64]) -> Option<Self>;
+    /// What grew from `before` to these; `None` if any counter went back.
+    fn checked_sub(&self, before: &Self) -> Option<Self>;
 }
 
 macro_rules! counters {
@@ -31,6 +33,10 @@ macro_rules! counters {
 
             fn for_each(&self, mut f: impl FnMut(&'static str, u64)) {
                 $(f(stringify!($field), self.$field);)+
+            }
+
+            fn checked_sub(&self, before: &Self) -> Option<Self> {
+                Some($name { $($field: self.$field.checked_sub(before.$field)?,)+ })
             }
 
             fn from_values(values: &[u64]) -> Option<Self> {

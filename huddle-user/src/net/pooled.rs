@@ -102,15 +102,6 @@ impl Counts {
 
     /// What grew from `before` to these; `None` if any counter went back.
     fn growth(&self, before: &Counts) -> Option<Counts> {
-        let mut now = Vec::new();
-        let mut was = Vec::new();
-        self.stats.for_each(|_, v| now.push(v));
-        before.stats.for_each(|_, v| was.push(v));
-        let d: Vec<u64> = now
-            .iter()
-            .zip(&was)
-            .map(|(n, w)| n.checked_sub(*w))
-            .collect::<Option<_>>()?;
         let dh = |n: &Latency, w: &Latency| -> Option<Latency> {
             let mut out = Latency::default();
             for i in 0..LATENCY_BUCKETS {
@@ -119,7 +110,7 @@ impl Counts {
             Some(out)
         };
         Some(Counts {
-            stats: BackendStats::from_values(&d)?,
+            stats: self.stats.checked_sub(&before.stats)?,
             ttfb: dh(&self.ttfb, &before.ttfb)?,
             connect: dh(&self.connect, &before.connect)?,
         })
