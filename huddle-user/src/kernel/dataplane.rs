@@ -1091,7 +1091,7 @@ impl Dataplane {
                 Some(crate::handoff::Table {
                     service: slot.id,
                     vip: slot.service.vip,
-                    proto: crate::handoff::proto_number(slot.service.proto),
+                    proto: slot.service.proto.number(),
                     entries,
                     backends: slot
                         .backend_ids

@@ -18,7 +18,7 @@
 //! answers drops those it no longer lists (closed, or explained again). A
 //! garbage answer is passed over like no answer.
 
-use crate::{config::Proto, dataplane::ip_bytes};
+use crate::dataplane::ip_bytes;
 use anyhow::Result;
 use aya::maps::{HashMap, MapData};
 use huddle_common::{
@@ -230,15 +230,6 @@ impl FlowBook {
         a.held = now.len();
         self.adopted.insert(peer, now);
         a
-    }
-}
-
-/// The protocol number of `p`.
-#[must_use]
-pub fn proto_number(p: Proto) -> u8 {
-    match p {
-        Proto::Tcp => PROTO_TCP,
-        Proto::Udp => PROTO_UDP,
     }
 }
 
