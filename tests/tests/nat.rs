@@ -86,16 +86,37 @@ fn narrow(tag: &str, ports: u16) -> Testbed {
     bed
 }
 
+/// Two load phases of 4 s with a stop (the data plane removed) and a
+/// fresh start between them; prints both.
+fn stop_and_start(bed: &mut Testbed) -> (Phase, Phase) {
+    let first = phase(bed, 4);
+    bed.stop_huddle();
+    bed.restart_huddle().expect("start again");
+    let second = phase(bed, 4);
+    for (run, p) in [("first", &first), ("second", &second)] {
+        println!(
+            "{run} run: {} requests, {} failed; {} SYNs refused by a backend's TIME_WAIT, {} sent again",
+            p.requests, p.failed, p.refused, p.resent
+        );
+    }
+    (first, second)
+}
+
+/// Backend counter `k` summed over the service's backends.
+fn backends_total(st: &huddle_user::status::Status, k: &str) -> u64 {
+    st.services[0]
+        .backends
+        .iter()
+        .map(|b| b.counters.get(k).copied().unwrap_or(0))
+        .sum()
+}
+
 #[test]
 fn a_narrow_nat_range_never_hands_out_a_tuple_in_time_wait() {
     let bed = narrow("nat", 2000);
     let p = phase(&bed, 7);
     let st = bed.status().expect("status");
-    let early: u64 = st.services[0]
-        .backends
-        .iter()
-        .map(|b| b.counters.get("nat_reuse_early").copied().unwrap_or(0))
-        .sum();
+    let early = backends_total(&st, "nat_reuse_early");
     println!(
         "2,000 NAT ports, 200 new connections/s for 7 s: {} requests, {} failed; \
          {} SYNs refused by a backend's TIME_WAIT, {} SYNs the client sent again; \
@@ -120,16 +141,7 @@ fn a_narrow_nat_range_never_hands_out_a_tuple_in_time_wait() {
 #[test]
 fn a_fresh_start_carries_on_the_nat_walk_of_the_last_run() {
     let mut bed = narrow("natre", 2000);
-    let first = phase(&bed, 4);
-    bed.stop_huddle();
-    bed.restart_huddle().expect("start again");
-    let second = phase(&bed, 4);
-    for (run, p) in [("first", &first), ("second", &second)] {
-        println!(
-            "{run} run: {} requests, {} failed; {} SYNs refused by a backend's TIME_WAIT, {} sent again",
-            p.requests, p.failed, p.refused, p.resent
-        );
-    }
+    let (first, second) = stop_and_start(&mut bed);
     assert_eq!(first.failed + second.failed, 0);
     assert_eq!(
         (first.refused, second.refused),
@@ -150,25 +162,10 @@ fn a_fresh_start_carries_on_the_nat_walk_of_the_last_run() {
 #[test]
 fn past_the_capacity_a_fresh_start_passes_over_the_last_runs_time_waits() {
     let mut bed = narrow("nattw", 400);
-    let first = phase(&bed, 4);
-    bed.stop_huddle();
-    bed.restart_huddle().expect("start again");
-    let second = phase(&bed, 4);
+    let (first, second) = stop_and_start(&mut bed);
     let st = bed.status().expect("status");
-    let counter = |k: &str| -> u64 {
-        st.services[0]
-            .backends
-            .iter()
-            .map(|b| b.counters.get(k).copied().unwrap_or(0))
-            .sum()
-    };
-    let (early, skipped) = (counter("nat_reuse_early"), counter("nat_tw_skipped"));
-    for (run, p) in [("first", &first), ("second", &second)] {
-        println!(
-            "{run} run: {} requests, {} failed; {} SYNs refused by a backend's TIME_WAIT, {} sent again",
-            p.requests, p.failed, p.refused, p.resent
-        );
-    }
+    let early = backends_total(&st, "nat_reuse_early");
+    let skipped = backends_total(&st, "nat_tw_skipped");
     // `nat_reuse_early` counts from a walk's second round after a start,
     // so the resumed walk's first wrap here is not counted.
     println!("second run: nat_reuse_early {early}, nat_tw_skipped {skipped}");

@@ -578,10 +578,8 @@ impl Dataplane {
         }
         for (k, h) in self.tw_hints.iter().flatten() {
             if fresh(h.closed_ns) {
-                let backend = SocketAddr::new(
-                    ip_of(&k.backend, k.family),
-                    u16::from_be(k.backend_port_be),
-                );
+                let backend =
+                    SocketAddr::new(ip_of(&k.backend, k.family), u16::from_be(k.backend_port_be));
                 let t = (
                     ip_of(&k.local, k.family),
                     u16::from_be(k.nat_port_be),
