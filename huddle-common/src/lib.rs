@@ -216,6 +216,12 @@ pub const NAT_LINGER_NS: u64 = 2_000_000_000;
 /// Backends a client's SYN is sent to after the first one refused it or
 /// left it unanswered (so at most 1 + this many backends per connection).
 pub const MAX_SYN_RETRIES: u8 = 2;
+/// NAT tuples a client's SYN is sent from after the first one toward a
+/// backend that answered it with an ACK of an older connection (its
+/// TIME_WAIT). Without TCP timestamps that is a coin toss per tuple past
+/// the capacity, so five tuples leave one SYN in 32 to the client's own
+/// resend.
+pub const MAX_TUPLE_RETRIES: u8 = 4;
 /// Bytes of TCP options a half-open slot keeps of the client's SYN (the
 /// most a TCP header carries).
 pub const SYN_OPTS: usize = 40;
@@ -562,11 +568,30 @@ pub struct SynCopy {
     pub window_be: u16,
     /// Bytes of `opts` in use: a multiple of 4, at most `SYN_OPTS`.
     pub opt_len: u8,
-    /// Backends tried after the first one (at most `MAX_SYN_RETRIES`).
+    /// Low four bits: backends tried after the first one (at most
+    /// `MAX_SYN_RETRIES`); high four: NAT tuples tried after one a
+    /// TIME_WAIT refused, toward the current backend (at most
+    /// `MAX_TUPLE_RETRIES`). One byte: the struct has no other to spare.
     pub retries: u8,
     /// The SYN's TCP options (MSS, window scale, SACK, timestamps), so the
     /// connection keeps them on the next backend.
     pub opts: [u8; SYN_OPTS],
+}
+
+impl SynCopy {
+    /// Backends tried after the first one.
+    #[inline(always)]
+    #[must_use]
+    pub fn backends_tried(&self) -> u8 {
+        self.retries & 0x0f
+    }
+
+    /// NAT tuples tried after a refused one, toward the current backend.
+    #[inline(always)]
+    #[must_use]
+    pub fn tuples_tried(&self) -> u8 {
+        self.retries >> 4
+    }
 }
 
 /// Per service, written by the control plane every tick from the ring's

@@ -97,6 +97,11 @@ counters!(
         /// Client SYNs this backend refused (RST) that the balancer sent to
         /// another backend itself: the client never saw the refusal.
         retried_refused,
+        /// Client SYNs this backend answered with an ACK of an older
+        /// connection on their NAT tuple (its TIME_WAIT refused the SYN, or
+        /// it still holds a connection there) that the balancer sent again
+        /// itself from another tuple: the client never saw the refusal.
+        retried_time_wait,
         /// Client SYNs this backend left unanswered for `syn_timeout_ms`
         /// whose retransmission went to another backend.
         retried_silent,

@@ -36,6 +36,9 @@ use huddle_common::{
 /// `reply`'s answer for a refused SYN that may be retried: the packet is
 /// untouched and the scratch map holds its keys.
 const RETRY: u32 = u32::MAX;
+/// `reply`'s answer for a SYN the backend answered with an ACK of an older
+/// connection on its NAT tuple: resent on another tuple, as `RETRY`.
+const RETRY_TUPLE: u32 = u32::MAX - 2;
 /// `request`'s answer for a packet to translate and send toward its
 /// backend: untouched, its flow in the scratch map (`fwd`).
 const FORWARD: u32 = u32::MAX - 1;
@@ -48,12 +51,12 @@ pub fn balance<F: Family>(ctx: &XdpContext, p: &Packet<F>) -> u32 {
     let port = u16::from_be_bytes(p.dport);
     if port >= cfg.nat_port_min && port <= cfg.nat_port_max && F::to_snat(p) {
         let verdict = reply(ctx, p, cfg);
-        if verdict != RETRY || !F::RETRY {
+        if (verdict != RETRY && verdict != RETRY_TUPLE) || !F::RETRY {
             return verdict;
         }
         // Called from here, not from `reply`: the call chain's stack
         // (512 bytes) has no room for them under `reply`.
-        let slot = retry::plan::<F>(cfg);
+        let slot = retry::plan::<F>(cfg, verdict == RETRY_TUPLE);
         if slot.is_null() {
             return back(ctx, p, cfg);
         }
@@ -430,7 +433,7 @@ fn new_flow<F: Family>(
     let mut retries = 0;
     if let Some(s) = slot.filter(|s| halfopen::holds(*s, h, &sc.nval.flow)) {
         // SAFETY: map value pointer, valid for this run.
-        let (flow, tried) = unsafe { ((*s).flow, (*s).syn.retries) };
+        let (flow, tried) = unsafe { ((*s).flow, (*s).syn.backends_tried()) };
         let Some(backend) = BACKENDS.get(flow.backend) else {
             return Err(xdp_action::XDP_DROP);
         };
@@ -596,7 +599,14 @@ fn reply<F: Family>(ctx: &XdpContext, p: &Packet<F>, cfg: &Config) -> u32 {
         }
     });
     let closing = p.has_flag(TCP_FIN | TCP_RST);
-    if closing || p.has_flag(TCP_SYN) || p.payload_len > 0 {
+    // A bare ACK answering a SYN: the backend still holds an older
+    // connection on this tuple (its TIME_WAIT refused the SYN's timestamp
+    // or sequence number). Passed on, the client would reset it and send
+    // its SYN again a timer tick later (8 ms at HZ=250).
+    let stale = half
+        && p.tcp_flags & (TCP_SYN | TCP_RST | TCP_FIN | TCP_ACK) == TCP_ACK
+        && p.payload_len == 0;
+    if closing || p.has_flag(TCP_SYN) || p.payload_len > 0 || stale {
         // The flow, if it is still this backend's (it may have moved). A
         // nullable pointer, not an Option of one: LLVM leaves the pointer
         // of a `None` undefined and moves it around anyway, which the
@@ -659,9 +669,20 @@ fn reply<F: Family>(ctx: &XdpContext, p: &Packet<F>, cfg: &Config) -> u32 {
                     == flow_flags::SYN_WAIT
                     && p.ack == (*slot).syn.isn.wrapping_add(1)
             };
+        // SAFETY: as above.
+        let stale = F::RETRY
+            && ours
+            && stale
+            && unsafe {
+                (*flow).flags & (flow_flags::SYN_WAIT | flow_flags::SYNACK_SEEN)
+                    == flow_flags::SYN_WAIT
+            };
         timing::reply(flow, p, backend);
         if refused {
             return RETRY;
+        }
+        if stale {
+            return RETRY_TUPLE;
         }
         if ours && closing && !half {
             nat::close_by_backend(flow, backend, p.has_flag(TCP_FIN));

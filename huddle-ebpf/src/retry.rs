@@ -3,7 +3,10 @@
 //! of each SYN in the half-open slot (sequence number, window, options);
 //! when the backend answers it with a RST, the RST itself is rebuilt into
 //! that SYN toward another backend of the ring, and the client sees only
-//! the other backend's SYN-ACK, a little later. A SYN left unanswered is
+//! the other backend's SYN-ACK, a little later. A backend that answers the
+//! SYN with an ACK of an older connection on the NAT tuple (its TIME_WAIT,
+//! or a connection a lost NAT table left behind) gets the same SYN again
+//! from another tuple of its own. A SYN left unanswered is
 //! retried on the client's own retransmission (see `balance::new_flow`).
 //! Only half-open flows are retried, whose backend has sent nothing but
 //! the refusal: a flow that got any data from its backend never is.
@@ -29,7 +32,9 @@ use aya_ebpf::{
     },
     programs::XdpContext,
 };
-use huddle_common::{flow_flags, Config, HalfOpen, SynCopy, MAX_SYN_RETRIES, PROTO_TCP, SYN_OPTS};
+use huddle_common::{
+    flow_flags, Config, HalfOpen, SynCopy, MAX_SYN_RETRIES, MAX_TUPLE_RETRIES, PROTO_TCP, SYN_OPTS,
+};
 
 const ETH_LEN: usize = 14;
 const TCP_LEN: usize = 20;
@@ -65,13 +70,14 @@ pub fn keep_syn<F: Family>(ctx: &XdpContext, p: &Packet<F>, syn: *mut SynCopy, r
 /// Step one of a retry, after the backend refused the SYN of the half-open
 /// flow whose keys `reply` left in the scratch map (`nval.flow` the
 /// client's, `nkey` the refusing backend's NAT tuple): move the flow to
-/// another backend of the ring with a NAT tuple of its own. Returns its
+/// another backend of the ring with a NAT tuple of its own, or (`tuple`:
+/// only the tuple was refused) to another tuple of the same backend. Returns its
 /// slot, or null for no retry (retries used up, no other backend, no free
 /// tuple): then nothing changed. Touches no packet data, so the caller's
 /// packet pointers stay valid (a BPF function that changes packet data
 /// invalidates them all in its caller, on every path).
 #[inline(never)]
-pub fn plan<F: Family>(cfg: &Config) -> *mut HalfOpen {
+pub fn plan<F: Family>(cfg: &Config, tuple: bool) -> *mut HalfOpen {
     let none = core::ptr::null_mut();
     let Some(sc) = SCRATCH.get_ptr_mut(0) else {
         return none;
@@ -83,14 +89,23 @@ pub fn plan<F: Family>(cfg: &Config) -> *mut HalfOpen {
     };
     // SAFETY: a map value pointer, valid for this run.
     let s = unsafe { &mut *slot };
-    if s.syn.retries >= MAX_SYN_RETRIES {
+    let used_up = if tuple {
+        s.syn.tuples_tried() >= MAX_TUPLE_RETRIES
+    } else {
+        s.syn.backends_tried() >= MAX_SYN_RETRIES
+    };
+    if used_up {
         return none;
     }
     let old = s.flow.backend;
     let service = s.flow.service;
     // SAFETY: plain helper call.
     let now = unsafe { bpf_ktime_get_ns() };
-    let id = pick::choose(service, old, now);
+    let id = if tuple {
+        old
+    } else {
+        pick::choose(service, old, now)
+    };
     let Some(backend) = BACKENDS.get(id) else {
         return none;
     };
@@ -99,18 +114,29 @@ pub fn plan<F: Family>(cfg: &Config) -> *mut HalfOpen {
     sc.nval.backend = id;
     sc.nval._pad = 0;
     let syn_ts = timewait::tsval(&s.syn);
-    let Some(tuple) = nat::allocate::<F>(cfg, id, backend, PROTO_TCP, sc, true, now, syn_ts) else {
+    let Some(got) = nat::allocate::<F>(cfg, id, backend, PROTO_TCP, sc, true, now, syn_ts) else {
         return none;
     };
     s.flow.backend = id;
-    s.flow.nat_port_be = tuple.port_be;
-    s.flow.snat = tuple.snat;
+    s.flow.nat_port_be = got.port_be;
+    s.flow.snat = got.snat;
     s.flow.flags = flow_flags::SYN_WAIT;
     s.flow.turn_ns = now;
-    s.syn.retries += 1;
+    s.syn.retries = if tuple {
+        s.syn.retries + 0x10
+    } else {
+        // A new backend: its tuples count afresh.
+        s.syn.backends_tried() + 1
+    };
     halfopen::write_nat(cfg, service, sc);
     timing::start_first(flow_flags::SYN_WAIT, id, now);
-    bump(&BACKEND_STATS, old, |st| st.retried_refused += 1);
+    bump(&BACKEND_STATS, old, |st| {
+        if tuple {
+            st.retried_time_wait += 1;
+        } else {
+            st.retried_refused += 1;
+        }
+    });
     bump(&BACKEND_STATS, id, |st| st.syns += 1);
     slot
 }

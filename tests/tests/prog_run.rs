@@ -884,6 +884,46 @@ fn refusal(b: Ipv4Addr, port: u16, seq: u32) -> Vec<u8> {
         .build()
 }
 
+/// A client SYN from `sport` with sequence number `seq` and the options
+/// of a Linux client, and the frame the balancer sent for it.
+fn options_syn(env: &ProgRun, sport: u16, seq: u32) -> (Vec<u8>, Vec<u8>) {
+    let syn = client_frame(sport)
+        .syn()
+        .seq_ack(seq, 0)
+        .options(&SYN_OPTIONS)
+        .build();
+    let (v, out) = env.run(&syn).unwrap();
+    assert_eq!(v, XDP_TX);
+    (syn, out)
+}
+
+/// Backend `b`'s SYN-ACK on NAT port `port` to client port `sport`'s SYN
+/// `isn` reaches the client, and the client's ACK establishes the flow.
+fn complete_handshake(env: &ProgRun, b: Ipv4Addr, port: u16, sport: u16, isn: u32) {
+    let synack = Frame::tcp((b, 8080), (BALANCER_IP, port))
+        .flags(SYN | ACK)
+        .seq_ack(300, isn + 1)
+        .macs(mac_of(b), BALANCER_MAC);
+    let (v, out) = env.run(&synack.build()).unwrap();
+    assert_eq!(v, XDP_TX);
+    assert_eq!(endpoints(&out), ((VIP, 80), (CLIENT, sport)));
+    forward(env, client_frame(sport).flags(ACK).seq_ack(isn + 1, 301));
+}
+
+/// A half-open flow from client port `sport` whose backend's SYN-ACK
+/// went by (the client has not acknowledged it yet): (backend, NAT port).
+fn answered_half_open(env: &ProgRun, sport: u16) -> (Ipv4Addr, u16) {
+    let (b, port) = open_flow(env, sport, &[backend(0), backend(1), backend(2)]);
+    forward(
+        env,
+        Frame::tcp((b, 8080), (BALANCER_IP, port))
+            .flags(SYN | ACK)
+            .seq_ack(700, 1001)
+            .macs(mac_of(b), BALANCER_MAC),
+    );
+    (b, port)
+}
+
 fn backend_id(env: &ProgRun, b: Ipv4Addr) -> u32 {
     let i = (0..3).position(|i| backend(i) == b).expect("a backend");
     env.dp.services[0].backend_ids[i]
@@ -892,13 +932,7 @@ fn backend_id(env: &ProgRun, b: Ipv4Addr) -> u32 {
 #[test]
 fn a_refused_syn_goes_to_another_backend_with_its_options_and_the_client_never_sees_the_rst() {
     let env = env("pr-retry");
-    let syn = client_frame(43000)
-        .syn()
-        .seq_ack(5000, 0)
-        .options(&SYN_OPTIONS)
-        .build();
-    let (v, out) = env.run(&syn).unwrap();
-    assert_eq!(v, XDP_TX);
+    let (syn, out) = options_syn(&env, 43000, 5000);
     let ((_, port1), (b1, _)) = endpoints(&out);
     // The first SYN is the client's, translated (its IP id kept).
     let mut first = resent_syn(b1, port1, 5000);
@@ -967,14 +1001,7 @@ fn a_retried_syn_completes_its_handshake_on_the_new_backend() {
     assert_eq!(out, expected.build());
     // b2's SYN-ACK reaches the client; the client's ACK establishes the
     // flow on b2.
-    let synack = Frame::tcp((b2, 8080), (BALANCER_IP, port2))
-        .flags(SYN | ACK)
-        .seq_ack(300, 9001)
-        .macs(mac_of(b2), BALANCER_MAC);
-    let (v, out) = env.run(&synack.build()).unwrap();
-    assert_eq!(v, XDP_TX);
-    assert_eq!(endpoints(&out), ((VIP, 80), (CLIENT, 43100)));
-    forward(&env, client_frame(43100).flags(ACK).seq_ack(9001, 301));
+    complete_handshake(&env, b2, port2, 43100, 9000);
     let st2 = env.dp.backend_stats(backend_id(&env, b2)).unwrap();
     assert_eq!((st2.syn_acks, st2.flows_new), (1, 1), "{st2:?}");
     let (_, out) = env
@@ -986,6 +1013,80 @@ fn a_retried_syn_completes_its_handshake_on_the_new_backend() {
         )
         .unwrap();
     assert_eq!(endpoints(&out), ((BALANCER_IP, port2), (b2, 8080)));
+}
+
+/// What a backend's TIME_WAIT (or a connection it still holds) on NAT
+/// tuple `port` answers a SYN with: an ACK of the old connection.
+fn stale_ack(b: Ipv4Addr, port: u16) -> Vec<u8> {
+    Frame::tcp((b, 8080), (BALANCER_IP, port))
+        .flags(ACK)
+        .seq_ack(777_000, 888_000)
+        .macs(mac_of(b), BALANCER_MAC)
+        .build()
+}
+
+#[test]
+fn a_syn_an_old_connections_time_wait_refuses_is_resent_to_the_same_backend_from_another_tuple() {
+    let env = env("pr-tw-ack");
+    let (_, out) = options_syn(&env, 43150, 6000);
+    let ((_, port1), (b1, _)) = endpoints(&out);
+
+    // The ACK of the old connection never reaches the client: it comes
+    // back out as the client's SYN toward the same backend, byte for byte,
+    // from another tuple.
+    let (v, out) = env.run(&stale_ack(b1, port1)).unwrap();
+    assert_eq!(v, XDP_TX, "the stale ACK must be turned into a SYN");
+    let ((src, port2), (b2, _)) = endpoints(&out);
+    assert_eq!((src, b2), (BALANCER_IP, b1), "same backend");
+    assert_ne!(port2, port1, "another tuple");
+    assert_eq!(out, resent_syn(b1, port2, 6000), "rebuilt SYN");
+    assert!(checksums_valid(&out));
+    let st = env.dp.backend_stats(backend_id(&env, b1)).unwrap();
+    assert_eq!(
+        (
+            st.retried_time_wait,
+            st.retried_refused,
+            st.refused,
+            st.syns
+        ),
+        (1, 0, 0, 2),
+        "{st:?}"
+    );
+    // The old tuple is not the flow's any more.
+    assert_eq!(env.run(&stale_ack(b1, port1)).unwrap().0, XDP_PASS);
+
+    // The handshake completes on the new tuple.
+    complete_handshake(&env, b1, port2, 43150, 6000);
+    assert_eq!(
+        env.dp
+            .backend_stats(backend_id(&env, b1))
+            .unwrap()
+            .flows_new,
+        1
+    );
+
+    // After the SYN-ACK a bare ACK from the backend is its own business.
+    let (b, port) = answered_half_open(&env, 43151);
+    let (v, out) = env.run(&stale_ack(b, port)).unwrap();
+    assert_eq!(v, XDP_TX);
+    assert_eq!(endpoints(&out), ((VIP, 80), (CLIENT, 43151)));
+
+    // Retries used up (the connection tried 1 + MAX_TUPLE_RETRIES
+    // tuples): the last ACK goes to the client, whose reset and resend are
+    // then the only way on.
+    let syn3 = client_frame(43152).syn().seq_ack(8000, 0).build();
+    let (_, out) = env.run(&syn3).unwrap();
+    let ((_, mut port), (b, _)) = endpoints(&out);
+    for _ in 0..huddle_common::MAX_TUPLE_RETRIES {
+        let (v, out) = env.run(&stale_ack(b, port)).unwrap();
+        assert_eq!(v, XDP_TX);
+        let ((_, p), (to, _)) = endpoints(&out);
+        assert_eq!(to, b);
+        port = p;
+    }
+    let (v, out) = env.run(&stale_ack(b, port)).unwrap();
+    assert_eq!(v, XDP_TX);
+    assert_eq!(endpoints(&out), ((VIP, 80), (CLIENT, 43152)));
 }
 
 #[test]
@@ -1010,14 +1111,7 @@ fn a_flow_that_got_anything_from_its_backend_is_never_retried() {
     assert_eq!(out[ETH_LEN + 20 + 13], RST | ACK);
     // Half-open, but the backend's SYN-ACK went by: its RST is the
     // backend's word on a connection the client has seen, not a refusal.
-    let (b, port) = open_flow(&env, 43201, &ring);
-    forward(
-        &env,
-        Frame::tcp((b, 8080), (BALANCER_IP, port))
-            .flags(SYN | ACK)
-            .seq_ack(700, 1001)
-            .macs(mac_of(b), BALANCER_MAC),
-    );
+    let (b, port) = answered_half_open(&env, 43201);
     let rst2 = Frame::tcp((b, 8080), (BALANCER_IP, port))
         .flags(RST | ACK)
         .macs(mac_of(b), BALANCER_MAC);

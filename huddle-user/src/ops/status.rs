@@ -261,15 +261,16 @@ impl Status {
             }
             for b in &s.backends {
                 let c = |k: &str| b.counters.get(k).copied().unwrap_or(0);
-                let (refused, silent, passed) = (
+                let (refused, silent, passed, tw) = (
                     c("retried_refused"),
                     c("retried_silent"),
                     c("skipped_owing"),
+                    c("retried_time_wait"),
                 );
-                if refused + silent + passed > 0 {
+                if refused + silent + passed + tw > 0 {
                     let _ = writeln!(
                         out,
-                        "  {}: {refused} refused and {silent} unanswered SYNs retried on another backend; passed over by {passed} new flows",
+                        "  {}: {refused} refused and {silent} unanswered SYNs retried on another backend, {tw} refused by an old connection's TIME_WAIT resent from another NAT tuple; passed over by {passed} new flows",
                         b.addr
                     );
                 }

@@ -168,6 +168,23 @@ fn one(
     let mut rotations = Vec::new();
     if b.is_xdp() {
         let st = bed.status()?;
+        let sum = |k: &str| -> u64 {
+            st.services[0]
+                .backends
+                .iter()
+                .map(|b| b.counters.get(k).copied().unwrap_or(0))
+                .sum()
+        };
+        let (early, skipped, resent) = (
+            sum("nat_reuse_early"),
+            sum("nat_tw_skipped"),
+            sum("retried_time_wait"),
+        );
+        if early + skipped + resent > 0 {
+            println!(
+                "      NAT tuples: {early} reused within 60 s, {skipped} passed over for a TIME_WAIT, {resent} SYNs a TIME_WAIT refused resent from another tuple"
+            );
+        }
         for e in &st.services[0].recent {
             let who = (0..BACKENDS)
                 .find(|i| e.backend == format!("{}:{HTTP_PORT}", backend_ip(*i)))
