@@ -33,7 +33,7 @@ use huddle_user::{
     config::{Config, Mode, PortRange, Proto, Service},
     packet::{
         checksum, checksums_valid, endpoints, icmp_checksums_valid, icmp_error, l4_checksum, Frame,
-        ACK, ETH_LEN, RST, SYN,
+        ACK, ETH_LEN, FIN, RST, SYN,
     },
     packet::{checksums6_valid, icmp6_checksum_valid, icmp6_error, tcp6},
     prog_run::mac_of6,
@@ -333,7 +333,7 @@ impl Gen {
                         if r.chance(50) { 6 } else { 17 },
                     )
                 };
-                let pl = {
+                let mut pl = {
                     let n = r.below(80) as usize;
                     r.bytes(n)
                 };
@@ -344,6 +344,13 @@ impl Gen {
                     Frame::tcp((b, 8080), (BALANCER_IP, port))
                         .flags(RST | ACK)
                         .seq_ack(0, 1001)
+                } else if proto == 6 && r.chance(10) {
+                    // A TIME_WAIT's answer to a SYN: a bare ACK, resent
+                    // from another tuple if the tuple is a half-open flow's.
+                    pl.clear();
+                    Frame::tcp((b, 8080), (BALANCER_IP, port))
+                        .flags(ACK)
+                        .seq_ack(r.next() as u32, r.next() as u32)
                 } else if proto == 6 {
                     Frame::tcp((b, 8080), (BALANCER_IP, port)).flags(r.byte())
                 } else {
@@ -509,6 +516,34 @@ fn v6_checked(
         );
     }
     let whole = f.len() >= ETH_LEN + 60 && f[ETH_LEN + 6] == 6;
+    if whole
+        && addr(f, ETH_LEN + 24) == SNAT6
+        && backends6().contains(&addr(f, ETH_LEN + 8))
+        && matches!(verdict, XDP_TX | XDP_REDIRECT)
+        && is_tuple_retry(f, out, 40)
+    {
+        // A backend's TIME_WAIT refused a client's SYN: resent to the same
+        // backend from another tuple.
+        let port = |b: &[u8], at: usize| u16::from_be_bytes([b[at], b[at + 1]]);
+        let (b, old_port, new_port) = (addr(f, ETH_LEN + 8), port(f, 56), port(out, 54));
+        return Some(
+            if addr(out, ETH_LEN + 8) != SNAT6
+                || addr(out, ETH_LEN + 24) != b
+                || port(out, 56) != 8080
+                || new_port == old_port
+                || !(NAT.min..=NAT.max).contains(&new_port)
+            {
+                Err("IPv6: a resent SYN not from another tuple to the same backend")
+            } else if !checksums6_valid(out) {
+                Err("IPv6: a resent SYN with a bad checksum")
+            } else {
+                if nat6.len() < 4096 {
+                    nat6.push((b, new_port));
+                }
+                Ok("IPv6 SYN resent from another tuple")
+            },
+        );
+    }
     if !whole || out.len() != f.len() || !matches!(verdict, XDP_TX | XDP_REDIRECT | XDP_PASS) {
         return Some(Err("IPv6: changed what it should have passed"));
     }
@@ -650,6 +685,29 @@ fn is_retry(f: &[u8], out: &[u8]) -> bool {
         && out.get(ETH_LEN + 9) == Some(&6)
         && flags(f) & (RST | ACK | SYN) == RST | ACK
         && flags(out) == SYN
+}
+
+/// Whether `out` is `f`, a backend's bare ACK to a NAT tuple (what a
+/// TIME_WAIT answers a SYN with), turned into a SYN from another tuple
+/// (the kernel's resend of a SYN the backend's TIME_WAIT refused). `ip_len`:
+/// the IP header's length (20: IPv4 without options, 40: IPv6).
+fn is_tuple_retry(f: &[u8], out: &[u8], ip_len: usize) -> bool {
+    let at = ETH_LEN + ip_len;
+    let byte = |p: &[u8], i: usize| p.get(i).copied().unwrap_or(0);
+    let word = |p: &[u8], i: usize| u16::from_be_bytes([byte(p, i), byte(p, i + 1)]);
+    let v6 = ip_len == 40;
+    let tcp = |p: &[u8]| byte(p, ETH_LEN + if v6 { 6 } else { 9 }) == 6;
+    // TCP header and payload, from the IP header's length field.
+    let l4_len = if v6 {
+        word(f, ETH_LEN + 4)
+    } else {
+        word(f, ETH_LEN + 2).wrapping_sub(20)
+    };
+    tcp(f)
+        && tcp(out)
+        && byte(f, at + 13) & (RST | ACK | SYN | FIN) == ACK
+        && usize::from(l4_len) == usize::from(byte(f, at + 12) >> 4) * 4
+        && byte(out, at + 13) == SYN
 }
 
 fn hex(f: &[u8]) -> String {
@@ -832,6 +890,28 @@ fn a_fuzzed_packet_path_never_rewrites_wrongly() {
                         fail("a retried SYN whose sequence number the refusal did not acknowledge");
                     }
                     *reasons.entry("refused SYN retried").or_default() += 1;
+                    if g.nat.len() < 4096 {
+                        g.nat.push((odst, osport, proto));
+                    }
+                    continue;
+                }
+                if reply && is_tuple_retry(&f, &out, 20) {
+                    // A backend's TIME_WAIT refused a client's SYN: its
+                    // ACK came out as that SYN toward the same backend
+                    // from another tuple.
+                    let ((osrc, osport), (odst, odport)) = endpoints(&out);
+                    if osrc != BALANCER_IP
+                        || odst != src
+                        || odport != 8080
+                        || osport == dport
+                        || !(NAT.min..=NAT.max).contains(&osport)
+                    {
+                        fail("a resent SYN not from another tuple to the same backend");
+                    }
+                    if !checksums_valid(&out) {
+                        fail("a resent SYN with a bad checksum");
+                    }
+                    *reasons.entry("SYN resent from another tuple").or_default() += 1;
                     if g.nat.len() < 4096 {
                         g.nat.push((odst, osport, proto));
                     }
