@@ -1,5 +1,7 @@
 //! The half-open tables: direct-mapped arrays of slots, one per hash of a
-//! tuple (see `huddle_common::HalfOpen` for why not an LRU hash).
+//! tuple (see `huddle_common::HalfOpen` for why not an LRU hash); on the
+//! NAT side consecutive NAT ports toward a backend take consecutive slots
+//! (`NatKey::half_open_slot`).
 //!
 //! Two CPUs may write one slot at the same instant (two SYNs whose tuples
 //! hash alike); a reader checks the tag and the whole key, so such a slot
@@ -15,10 +17,14 @@ pub fn client_slot(cfg: &Config, h: u64) -> Option<*mut HalfOpen> {
     HALF_OPEN.get_ptr_mut((h as u32) & cfg.half_open_mask)
 }
 
-/// The slot of NAT tuple `key` (hash `h`), whoever holds it.
+/// The slot of NAT tuple `key`, whoever holds it, and the tag `key`
+/// carries there.
 #[inline(always)]
-pub fn nat_slot(cfg: &Config, h: u64) -> Option<*mut HalfOpenNat> {
-    HALF_OPEN_NAT.get_ptr_mut((h as u32) & cfg.half_open_mask)
+pub fn nat_slot(cfg: &Config, key: &NatKey) -> Option<(*mut HalfOpenNat, u64)> {
+    let (i, tag) = key.half_open_slot(cfg.hash_seed, cfg.nat_port_min);
+    HALF_OPEN_NAT
+        .get_ptr_mut(i & cfg.half_open_mask)
+        .map(|s| (s, tag))
 }
 
 /// Whether `slot` holds the half-open flow `key` (of hash `h`).
@@ -29,11 +35,11 @@ pub fn holds(slot: *const HalfOpen, h: u64, key: &FlowKey) -> bool {
 }
 
 /// Whether `slot` holds the NAT side of a half-open flow with NAT tuple
-/// `key` (of hash `h`).
+/// `key` (whose tag there is `tag`).
 #[inline(always)]
-pub fn nat_holds(slot: *const HalfOpenNat, h: u64, key: &NatKey) -> bool {
+pub fn nat_holds(slot: *const HalfOpenNat, tag: u64, key: &NatKey) -> bool {
     // SAFETY: as above.
-    unsafe { (*slot).tag == slot_tag(h) && (*slot).key == *key }
+    unsafe { (*slot).tag == tag && (*slot).key == *key }
 }
 
 /// The slot of the half-open flow `key`, if one holds it.
@@ -46,16 +52,16 @@ pub fn find(cfg: &Config, key: &FlowKey) -> Option<*mut HalfOpen> {
 /// The NAT slot of a half-open flow, if it still holds it.
 #[inline(always)]
 pub fn find_nat(cfg: &Config, key: &NatKey) -> Option<*mut HalfOpenNat> {
-    let h = key.hash(cfg.hash_seed);
-    nat_slot(cfg, h).filter(|s| nat_holds(*s, h, key))
+    nat_slot(cfg, key)
+        .filter(|(s, tag)| nat_holds(*s, *tag, key))
+        .map(|(s, _)| s)
 }
 
 /// Writes the NAT side of the half-open flow in `sc` (`nkey` -> `nval`)
 /// into its slot, counting a handshake it takes the slot from.
 #[inline(always)]
 pub fn write_nat(cfg: &Config, service: u32, sc: &Scratch) {
-    let h = sc.nkey.hash(cfg.hash_seed);
-    if let Some(n) = nat_slot(cfg, h) {
+    if let Some((n, tag)) = nat_slot(cfg, &sc.nkey) {
         // SAFETY: map value pointer, valid for this run.
         unsafe {
             if (*n).tag != 0 && (*n).key != sc.nkey {
@@ -63,7 +69,7 @@ pub fn write_nat(cfg: &Config, service: u32, sc: &Scratch) {
             }
             put(&mut (*n).key, &sc.nkey);
             put(&mut (*n).nat, &sc.nval);
-            (*n).tag = slot_tag(h);
+            (*n).tag = tag;
         }
     }
 }
