@@ -538,6 +538,25 @@ impl Dataplane {
         Ok(n)
     }
 
+    /// Empties both half-open tables, as a fresh data plane has them (for
+    /// `huddle bench`, whose new flows then time tables with room however
+    /// many it sends). Handshakes under way are lost.
+    pub fn clear_half_open(&self) -> Result<()> {
+        fn clear<T: aya::Pod>(ebpf: &Ebpf, name: &str) -> Result<()> {
+            let mut a = Array::<MapData, T>::try_from(reopen(ebpf, name)?)?;
+            // SAFETY: a `Pod` of integers and byte arrays: all zeroes is a
+            // valid value (an empty slot).
+            let zero: T = unsafe { std::mem::zeroed() };
+            for i in 0..a.len() {
+                a.set(i, zero, 0)
+                    .with_context(|| format!("emptying slot {i} of {name}"))?;
+            }
+            Ok(())
+        }
+        clear::<huddle_common::HalfOpen>(&self.ebpf, maps::HALF_OPEN)?;
+        clear::<huddle_common::HalfOpenNat>(&self.ebpf, maps::HALF_OPEN_NAT)
+    }
+
     /// The tuples the backends may hold in TIME_WAIT at `now_ns`: closed
     /// source-NAT flows whose backend sent the first FIN, with the
     /// client's last timestamp, and the hints still loaded from the run
