@@ -36,9 +36,6 @@ use huddle_common::{
 /// `reply`'s answer for a refused SYN that may be retried: the packet is
 /// untouched and the scratch map holds its keys.
 const RETRY: u32 = u32::MAX;
-/// `reply`'s answer for a SYN the backend answered with an ACK of an older
-/// connection on its NAT tuple: resent on another tuple, as `RETRY`.
-const RETRY_TUPLE: u32 = u32::MAX - 2;
 /// `request`'s answer for a packet to translate and send toward its
 /// backend: untouched, its flow in the scratch map (`fwd`).
 const FORWARD: u32 = u32::MAX - 1;
@@ -51,12 +48,12 @@ pub fn balance<F: Family>(ctx: &XdpContext, p: &Packet<F>) -> u32 {
     let port = u16::from_be_bytes(p.dport);
     if port >= cfg.nat_port_min && port <= cfg.nat_port_max && F::to_snat(p) {
         let verdict = reply(ctx, p, cfg);
-        if (verdict != RETRY && verdict != RETRY_TUPLE) || !F::RETRY {
+        if verdict != RETRY || !F::RETRY {
             return verdict;
         }
         // Called from here, not from `reply`: the call chain's stack
         // (512 bytes) has no room for them under `reply`.
-        let slot = retry::plan::<F>(cfg, verdict == RETRY_TUPLE);
+        let slot = retry::plan::<F>(cfg);
         if slot.is_null() {
             return back(ctx, p, cfg);
         }
@@ -678,11 +675,9 @@ fn reply<F: Family>(ctx: &XdpContext, p: &Packet<F>, cfg: &Config) -> u32 {
                     == flow_flags::SYN_WAIT
             };
         timing::reply(flow, p, backend);
-        if refused {
+        if refused || stale {
+            sc.retry_tuple = u32::from(stale);
             return RETRY;
-        }
-        if stale {
-            return RETRY_TUPLE;
         }
         if ours && closing && !half {
             nat::close_by_backend(flow, backend, p.has_flag(TCP_FIN));

@@ -87,6 +87,11 @@ pub struct Scratch {
     /// as it arrived and the MTU to name (see `icmp6::too_big`).
     pub macs: [u8; 12],
     pub mtu: u32,
+    /// Nonzero: the refusal `reply` handed to `retry::plan` refused only
+    /// the NAT tuple (a TIME_WAIT's ACK), not the backend. In memory, not
+    /// an argument: see `retry::plan`.
+    pub retry_tuple: u32,
+    pub _pad: u32,
     /// A TCP segment's options (a SYN's, kept for its half-open slot, or a
     /// closing flow's, for its timestamp; see `timewait`).
     pub syn: SynCopy,

@@ -16,7 +16,7 @@ use crate::{
     family::Family,
     forward::send,
     halfopen,
-    maps::{bump, put, BACKENDS, BACKEND_STATS, SCRATCH},
+    maps::{bump, put, Scratch, BACKENDS, BACKEND_STATS, SCRATCH},
     nat,
     parse::{Packet, TCP_SYN},
     pick, timewait, timing,
@@ -70,20 +70,22 @@ pub fn keep_syn<F: Family>(ctx: &XdpContext, p: &Packet<F>, syn: *mut SynCopy, r
 /// Step one of a retry, after the backend refused the SYN of the half-open
 /// flow whose keys `reply` left in the scratch map (`nval.flow` the
 /// client's, `nkey` the refusing backend's NAT tuple): move the flow to
-/// another backend of the ring with a NAT tuple of its own, or (`tuple`:
-/// only the tuple was refused) to another tuple of the same backend. Returns its
+/// another backend of the ring with a NAT tuple of its own, or (when
+/// `reply` left `retry_tuple` set: only the tuple was refused) to another
+/// tuple of the same backend. Returns its
 /// slot, or null for no retry (retries used up, no other backend, no free
 /// tuple): then nothing changed. Touches no packet data, so the caller's
 /// packet pointers stay valid (a BPF function that changes packet data
 /// invalidates them all in its caller, on every path).
 #[inline(never)]
-pub fn plan<F: Family>(cfg: &Config, tuple: bool) -> *mut HalfOpen {
+pub fn plan<F: Family>(cfg: &Config) -> *mut HalfOpen {
     let none = core::ptr::null_mut();
     let Some(sc) = SCRATCH.get_ptr_mut(0) else {
         return none;
     };
     // SAFETY: this CPU's element, used by this run only.
     let sc = unsafe { &mut *sc };
+    let tuple = tuple_only(sc);
     let Some(slot) = halfopen::find(cfg, &sc.nval.flow) else {
         return none;
     };
@@ -113,6 +115,12 @@ pub fn plan<F: Family>(cfg: &Config, tuple: bool) -> *mut HalfOpen {
     halfopen::forget_nat(cfg, &sc.nkey);
     sc.nval.backend = id;
     sc.nval._pad = 0;
+    // Both kinds of retry reach the tuple walk alike (the backend id read
+    // back from memory, the kind not kept in a register across it), so the
+    // verifier checks the walk once, not once per kind. Measured: 946,878
+    // instructions verified of the 1M limit before, 546,185 after.
+    // SAFETY: a field of this CPU's scratch element.
+    let id = unsafe { core::ptr::read_volatile(&sc.nval.backend) };
     let syn_ts = timewait::tsval(&s.syn);
     let Some(got) = nat::allocate::<F>(cfg, id, backend, PROTO_TCP, sc, true, now, syn_ts) else {
         return none;
@@ -122,6 +130,7 @@ pub fn plan<F: Family>(cfg: &Config, tuple: bool) -> *mut HalfOpen {
     s.flow.snat = got.snat;
     s.flow.flags = flow_flags::SYN_WAIT;
     s.flow.turn_ns = now;
+    let tuple = tuple_only(sc);
     s.syn.retries = if tuple {
         s.syn.retries + 0x10
     } else {
@@ -139,6 +148,14 @@ pub fn plan<F: Family>(cfg: &Config, tuple: bool) -> *mut HalfOpen {
     });
     bump(&BACKEND_STATS, id, |st| st.syns += 1);
     slot
+}
+
+/// Whether `reply` found only the NAT tuple refused (`Scratch::retry_tuple`),
+/// read from memory each time.
+#[inline(always)]
+fn tuple_only(sc: &Scratch) -> bool {
+    // SAFETY: a field of this CPU's scratch element.
+    unsafe { core::ptr::read_volatile(&sc.retry_tuple) != 0 }
 }
 
 /// Step two: rebuild the packet (the refusing RST) as the client's SYN of
