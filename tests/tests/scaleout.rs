@@ -270,6 +270,14 @@ fn a_slow_backend_leaves_every_balancers_ring_together() {
             .map(|st| st.services[0].ring.iter().any(|b| b.starts_with(&slow)))
             .unwrap_or(true)
     };
+    // The leader may rest a backend as hot in its first seconds (a
+    // start-up artefact of the temperature under the first connects, seen
+    // here in one CI run of 1 December) and takes it back once it has
+    // rested (10 s): the test times leaving, so it waits for that.
+    let all_hold = Instant::now();
+    while !(0..3).all(holds) && all_hold.elapsed() < Duration::from_secs(15) {
+        thread::sleep(Duration::from_millis(100));
+    }
     assert!((0..3).all(holds), "every ring holds the backend before");
     let t0 = Instant::now();
     s.backend_admin(2, "delay_ms=50").unwrap();
