@@ -87,6 +87,13 @@ pub mod maps {
     /// `Array<u64>` of one element: until when (`bpf_ktime_get_ns`) any
     /// of `TW_HINTS` can matter; 0: none loaded.
     pub const TW_HINTS_UNTIL: &str = "TW_HINTS_UNTIL";
+    /// `Array<[u8; NAT_USED_LINE]>`: per backend id and NAT tuple, one
+    /// byte, nonzero while `NAT` may hold an entry for the tuple, so a new
+    /// flow asks `NAT` (a cold hash bucket) only then. Laid out as the walk
+    /// goes (`Config::nat_used_per_backend`), so a SYN reads the line the
+    /// one before it read. Never pinned: a load that adopts a running data
+    /// plane's `NAT` sets every byte (`Dataplane::load`).
+    pub const NAT_USED: &str = "NAT_USED";
 
     /// Every map the control plane opens, for checks against the object.
     /// `Array<u64>` (mmapable) of two Maglev lookup tables per service,
@@ -527,6 +534,42 @@ pub struct Config {
     /// Outer source address of IPv6-in-IPv6 packets (the flow label, not
     /// the address, varies per flow).
     pub encap6_src: Addr,
+    /// Tuples per backend id in `NAT_USED` (`nat_used_per_backend`); 0:
+    /// no such filter, every new flow looks its tuple up in `NAT`.
+    pub nat_used_per_backend: u32,
+    pub _pad3: u32,
+}
+
+/// Bytes of `NAT_USED` per element: one cache line of tuples.
+pub const NAT_USED_LINE: usize = 64;
+/// The most memory `NAT_USED` may take; past it the filter is off.
+pub const MAX_NAT_USED_BYTES: u64 = 64 << 20;
+/// Backend ids `NAT_USED` covers: the top ones, `MAX_BACKENDS -
+/// NAT_USED_BACKENDS..`, which the control plane hands out first; new
+/// flows toward the others look their tuple up in `NAT`.
+pub const NAT_USED_BACKENDS: u32 = 256;
+
+/// Tuples per backend id that `NAT_USED` covers: every (SNAT address,
+/// port) a walk of `slices` slices of `slice_ports` ports over
+/// `snat_total` addresses hands out; 0 (no filter) when
+/// `NAT_USED_BACKENDS` times that would take more than
+/// `MAX_NAT_USED_BYTES`.
+#[must_use]
+pub fn nat_used_per_backend(slice_ports: u16, slices: u16, snat_total: u16) -> u32 {
+    let per = u64::from(slice_ports) * u64::from(slices) * u64::from(snat_total);
+    if per * u64::from(NAT_USED_BACKENDS) > MAX_NAT_USED_BYTES {
+        0
+    } else {
+        per as u32
+    }
+}
+
+/// Elements of `NAT_USED` for `per_backend` tuples per backend id (at
+/// least one: a map cannot be empty).
+#[must_use]
+pub fn nat_used_lines(per_backend: u32) -> u32 {
+    let bytes = u64::from(per_backend) * u64::from(NAT_USED_BACKENDS);
+    (bytes.div_ceil(NAT_USED_LINE as u64) as u32).max(1)
 }
 
 impl Config {
@@ -773,7 +816,7 @@ assert_size!(GenConfig, 16);
 assert_size!(NextHop, 32);
 assert_size!(NatKey, 40);
 assert_size!(NatValue, 48);
-assert_size!(Config, 16 * MAX_SNAT + 80);
+assert_size!(Config, 16 * MAX_SNAT + 88);
 assert_size!(HalfOpen, 128);
 assert_size!(SynCopy, 48);
 assert_size!(Tuning, 24);

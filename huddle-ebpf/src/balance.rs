@@ -344,6 +344,7 @@ fn promote(
         sc.nkey = nat::flow_key(cfg, half, backend, proto);
         sc.nval.backend = half.backend;
         sc.nval._pad = 0;
+        nat::mark_used(cfg, half.backend, half.snat, half.nat_port_be);
         if NAT.insert(&sc.nkey, &sc.nval, 0).is_err() {
             bump(&SERVICE_STATS, service, |s| s.drop_flow_table += 1);
             return Err(xdp_action::XDP_DROP);

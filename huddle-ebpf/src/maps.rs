@@ -10,7 +10,7 @@ use huddle_common::{
     HalfOpenNat, Latency, NatCursor, NatKey, NatValue, NextHop, Pulse, Ring, ServiceKey,
     ServiceKey6, ServiceStats, ServiceValue, SynCopy, Tuning, TwHint, DEFAULT_FLOW_TABLE_SIZE,
     DEFAULT_HALF_OPEN_SIZE, DEFAULT_MAGLEV_SIZE, MAGLEV_MAP_FLAGS, MAX_BACKENDS, MAX_SERVICES,
-    MAX_SNAT, MAX_TW_HINTS,
+    MAX_SNAT, MAX_TW_HINTS, NAT_USED_LINE,
 };
 
 /// VIP:port/proto -> service id, and SNAT address -> its index. Written
@@ -124,6 +124,11 @@ pub static TW_HINTS: HashMap<NatKey, TwHint> = HashMap::with_max_entries(MAX_TW_
 /// Until when any of `TW_HINTS` matters (0: none).
 #[map]
 pub static TW_HINTS_UNTIL: Array<u64> = Array::with_max_entries(1, 0);
+
+/// Which NAT tuples `NAT` may hold (`huddle_common::maps::NAT_USED`);
+/// sized by the control plane.
+#[map]
+pub static NAT_USED: Array<[u8; NAT_USED_LINE]> = Array::with_max_entries(1, 0);
 
 /// Data plane settings (SNAT addresses, NAT port range and slices).
 #[map]

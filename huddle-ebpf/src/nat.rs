@@ -14,7 +14,9 @@
 
 use crate::{
     family::Family,
-    maps::{bump, Scratch, BACKEND_STATS, FLOWS, NAT, NAT_CURSOR, TW_HINTS, TW_HINTS_UNTIL},
+    maps::{
+        bump, Scratch, BACKEND_STATS, FLOWS, NAT, NAT_CURSOR, NAT_USED, TW_HINTS, TW_HINTS_UNTIL,
+    },
     timewait,
 };
 use aya_ebpf::{
@@ -22,8 +24,8 @@ use aya_ebpf::{
     helpers::{bpf_get_smp_processor_id, bpf_ktime_get_ns},
 };
 use huddle_common::{
-    flow_flags, Addr, Backend, Config, FlowValue, NatKey, MAX_SNAT, NAT_LINGER_NS, NAT_PORT_TRIES,
-    TIME_WAIT_NS,
+    flow_flags, Addr, Backend, Config, FlowValue, NatCursor, NatKey, MAX_BACKENDS, MAX_SNAT,
+    NAT_LINGER_NS, NAT_PORT_TRIES, NAT_USED_BACKENDS, NAT_USED_LINE, TIME_WAIT_NS,
 };
 
 /// The tuple a new flow got: SNAT address index and port (network order).
@@ -58,6 +60,56 @@ pub fn key(
 #[inline(always)]
 pub fn snat_addr(cfg: &Config, i: u8) -> &Addr {
     &cfg.snat_addrs[usize::from(i) & (MAX_SNAT - 1)]
+}
+
+/// What `used` does with a tuple's `NAT_USED` byte.
+const ASK: u32 = 0;
+const MARK: u32 = 1;
+const CLEAR: u32 = 2;
+
+/// Reads (`ASK`), sets (`MARK`) or clears (`CLEAR`) the `NAT_USED` byte of
+/// backend `id`'s tuple of SNAT address index `snat` and port
+/// `nat_port_min + port_off`: nonzero while `NAT` may hold an entry for
+/// the tuple. Returns 0 only for an `ASK` of a clear byte (with the filter
+/// off, every tuple may be in use). A BPF function of its own: its
+/// branches stay out of its callers' verifier states (inlined in the
+/// request path, it took the program past the 1M-instruction limit).
+#[inline(never)]
+fn used(cfg: &Config, id: u32, snat: u32, port_off: u32, op: u32) -> u32 {
+    let per = cfg.nat_used_per_backend;
+    // The top ids, handed out first, from the start of the map.
+    let top = (MAX_BACKENDS - 1).wrapping_sub(id);
+    if per == 0 || top >= NAT_USED_BACKENDS {
+        return 1;
+    }
+    let stride = u32::from(cfg.slices) * u32::from(cfg.slice_ports);
+    let i = top
+        .wrapping_mul(per)
+        .wrapping_add(snat.wrapping_mul(stride))
+        .wrapping_add(port_off);
+    let Some(line) = NAT_USED.get_ptr_mut(i / NAT_USED_LINE as u32) else {
+        return 1;
+    };
+    // SAFETY: a byte inside the element (the mask keeps it there), valid
+    // for this run.
+    unsafe {
+        let b = line.cast::<u8>().add((i as usize) & (NAT_USED_LINE - 1));
+        match op {
+            MARK => *b = 1,
+            CLEAR => *b = 0,
+            _ => return u32::from(*b),
+        }
+    }
+    1
+}
+
+/// Notes that `NAT` is about to hold an entry for backend `id`'s tuple of
+/// SNAT address index `snat` and port `port_be` (before the insert: a
+/// walk that reads the byte as clear must find no entry).
+#[inline(always)]
+pub fn mark_used(cfg: &Config, id: u32, snat: u8, port_be: u16) {
+    let off = u32::from(u16::from_be(port_be).wrapping_sub(cfg.nat_port_min));
+    used(cfg, id, u32::from(snat), off, MARK);
 }
 
 /// Hands out the next free tuple of this CPU's slice toward backend `id`,
@@ -110,32 +162,34 @@ pub fn allocate<F: Family>(
         proto,
         F::FAMILY,
     );
-    for i in 0..NAT_PORT_TRIES {
-        // Whether this tuple's last use was less than TIME_WAIT ago: the
-        // round it was last handed out in was that short.
-        let early = c.early;
-        let off = if c.port < ports { c.port } else { 0 };
-        let a = if c.addr < addrs { c.addr } else { 0 };
-        if off + 1 < ports {
-            c.port = off + 1;
-            c.addr = a;
-        } else if a + 1 < addrs {
-            c.port = 0;
-            c.addr = a + 1;
-        } else {
-            // The round is over: if it took less than TIME_WAIT the next
-            // one reuses tuples the backend may still hold.
-            c.port = 0;
-            c.addr = 0;
-            c.early = u32::from(now.wrapping_sub(c.round_ns) < TIME_WAIT_NS);
-            c.round_ns = now;
+    // The walk's next tuple, if the filter says `NAT` holds nothing for
+    // it: no lookup there (its bucket is a cold cache line, the dearest
+    // part of a new flow; the filter's line is the one the last SYN toward
+    // this backend read).
+    let next = used(
+        cfg,
+        id,
+        first + if c.addr < addrs { c.addr } else { 0 },
+        slice * ports + if c.port < ports { c.port } else { 0 },
+        ASK,
+    );
+    if next == 0 {
+        let (a, off, early) = step(c, ports, addrs, now);
+        nkey.local = *snat_addr(cfg, (first + a) as u8);
+        nkey.nat_port_be = ((base + off) as u16).to_be();
+        if let Reclaim::Free = unused(nkey, syn_ts, now) {
+            return taken(cfg, id, half, nkey, nval, (first + a) as u8, early);
         }
+        bump(&BACKEND_STATS, id, |s| s.nat_tw_skipped += 1);
+    }
+    for i in 0..NAT_PORT_TRIES {
+        let (a, off, early) = step(c, ports, addrs, now);
         nkey.local = *snat_addr(cfg, (first + a) as u8);
         nkey.nat_port_be = ((base + off) as u16).to_be();
         // Never a tuple an established flow still holds (`reclaim` looks
-        // it up once and frees it if its flow is over).
-        // The last tries take a tuple whatever its TIME_WAIT says: a
-        // SYN that may wait a retransmission beats one dropped.
+        // it up once and frees it if its flow is over). The last tries
+        // take a tuple whatever its TIME_WAIT says: a SYN that may wait a
+        // retransmission beats one dropped.
         let ts = if i + TW_LENIENT_TRIES < NAT_PORT_TRIES {
             syn_ts
         } else {
@@ -149,19 +203,83 @@ pub fn allocate<F: Family>(
                 continue;
             }
         }
-        if !half && NAT.insert(&*nkey, nval, u64::from(BPF_NOEXIST)).is_err() {
-            continue;
-        }
-        if early != 0 {
-            bump(&BACKEND_STATS, id, |s| s.nat_reuse_early += 1);
-        }
-        return Some(Tuple {
-            snat: (first + a) as u8,
-            port_be: nkey.nat_port_be,
-        });
+        return taken(cfg, id, half, nkey, nval, (first + a) as u8, early);
     }
     // Every tuple tried is held by a live flow.
     None
+}
+
+/// The free tuple `nkey` (SNAT address index `snat`) handed to a flow
+/// toward backend `id`, counted if its last use was less than TIME_WAIT
+/// ago (`early`): outside a handshake (`half` false) recorded at once in
+/// `NAT` for `nval` (`None` if that fails); a half-open flow's clears its
+/// `NAT_USED` byte (`NAT` holds nothing for it now, and nothing until
+/// the flow is promoted).
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+fn taken(
+    cfg: &Config,
+    id: u32,
+    half: bool,
+    nkey: &NatKey,
+    nval: &huddle_common::NatValue,
+    snat: u8,
+    early: u32,
+) -> Option<Tuple> {
+    if early != 0 {
+        bump(&BACKEND_STATS, id, |s| s.nat_reuse_early += 1);
+    }
+    let got = Tuple {
+        snat,
+        port_be: nkey.nat_port_be,
+    };
+    if half {
+        let off = u32::from(u16::from_be(got.port_be).wrapping_sub(cfg.nat_port_min));
+        used(cfg, id, u32::from(got.snat), off, CLEAR);
+    } else {
+        mark_used(cfg, id, got.snat, got.port_be);
+        if NAT.insert(nkey, nval, u64::from(BPF_NOEXIST)).is_err() {
+            return None;
+        }
+    }
+    Some(got)
+}
+
+/// One step of a walk at cursor `c` over `ports` ports times `addrs`
+/// SNAT addresses: the tuple it hands out (address index, port offset)
+/// and whether its last use was less than TIME_WAIT ago (the round it was
+/// last handed out in was that short).
+#[inline(always)]
+fn step(c: &mut NatCursor, ports: u32, addrs: u32, now: u64) -> (u32, u32, u32) {
+    let early = c.early;
+    let off = if c.port < ports { c.port } else { 0 };
+    let a = if c.addr < addrs { c.addr } else { 0 };
+    if off + 1 < ports {
+        c.port = off + 1;
+        c.addr = a;
+    } else if a + 1 < addrs {
+        c.port = 0;
+        c.addr = a + 1;
+    } else {
+        // The round is over: if it took less than TIME_WAIT the next one
+        // reuses tuples the backend may still hold.
+        c.port = 0;
+        c.addr = 0;
+        c.early = u32::from(now.wrapping_sub(c.round_ns) < TIME_WAIT_NS);
+        c.round_ns = now;
+    }
+    (a, off, early)
+}
+
+/// `reclaim` for a tuple `NAT` holds nothing for: only the last run's
+/// TIME_WAIT hints can keep it.
+#[inline(always)]
+fn unused(key: &NatKey, syn_ts: u32, now: u64) -> Reclaim {
+    if syn_ts != 0 && hinted_refusal(key, syn_ts, now) {
+        Reclaim::TimeWait
+    } else {
+        Reclaim::Free
+    }
 }
 
 /// Tries at the end of `allocate` that ignore TIME_WAIT.
@@ -189,11 +307,7 @@ enum Reclaim {
 fn reclaim(key: &NatKey, syn_ts: u32, now: u64) -> Reclaim {
     // SAFETY: copied out at once.
     let Some(old) = (unsafe { NAT.get(key) }).copied() else {
-        return if syn_ts != 0 && hinted_refusal(key, syn_ts, now) {
-            Reclaim::TimeWait
-        } else {
-            Reclaim::Free
-        };
+        return unused(key, syn_ts, now);
     };
     // The flow the entry names, if it still holds this tuple (its client
     // tuple may since have been reused by a flow with another one).

@@ -38,6 +38,19 @@ use tracing::{info, warn};
 /// more, and the kernel side re-checks the generation anyway.
 pub const SLOT_REUSE_GUARD: Duration = Duration::from_millis(2);
 
+/// Sets every byte of `NAT_USED`: each tuple may be in use.
+fn mark_all_used(ebpf: &Ebpf) -> Result<()> {
+    let mut a = Array::<MapData, [u8; huddle_common::NAT_USED_LINE]>::try_from(reopen(
+        ebpf,
+        maps::NAT_USED,
+    )?)?;
+    for i in 0..a.len() {
+        a.set(i, [1; huddle_common::NAT_USED_LINE], 0)
+            .with_context(|| format!("marking NAT_USED line {i}"))?;
+    }
+    Ok(())
+}
+
 /// Name of the pinned XDP link in the pin folder.
 pub const LINK_PIN: &str = "link";
 
@@ -276,6 +289,22 @@ impl Dataplane {
                 snat.len() + snat6.len()
             );
         }
+        let cpus = crate::host::possible_cpus()?;
+        let (slice_ports, slices) = KernelConfig::slices_for(
+            cfg.nat_ports.min,
+            cfg.nat_ports.max,
+            u16::try_from(cpus).unwrap_or(u16::MAX),
+        );
+        let snat_total = (snat.len() + snat6.len()) as u16;
+        let nat_used = huddle_common::nat_used_per_backend(slice_ports, slices, snat_total);
+        if nat_used == 0 {
+            info!(
+                "{} backends x {} NAT tuples would take more than {} MiB to track: each new flow asks the NAT table whether its tuple is in use (a cold lookup)",
+                huddle_common::NAT_USED_BACKENDS,
+                u64::from(slice_ports) * u64::from(slices) * u64::from(snat_total),
+                huddle_common::MAX_NAT_USED_BYTES >> 20
+            );
+        }
         let mut loader = EbpfLoader::new();
         // HUDDLE_VERIFIER_LOG=1: the verifier's whole log on a refusal
         // (for whoever changes the program).
@@ -294,7 +323,8 @@ impl Dataplane {
                 maps::HALF_OPEN_NAT,
                 cfg.half_open_table_size.next_power_of_two(),
             )
-            .map_max_entries(maps::MAGLEV, maglev_elements(cfg.maglev_table_size));
+            .map_max_entries(maps::MAGLEV, maglev_elements(cfg.maglev_table_size))
+            .map_max_entries(maps::NAT_USED, huddle_common::nat_used_lines(nat_used));
         let mut adopted = false;
         let mut fresh_cursors = true;
         if let Some(dir) = pins {
@@ -350,13 +380,13 @@ impl Dataplane {
             }
         }
 
+        if adopted && nat_used != 0 {
+            // The running data plane's NAT entries are not in this fresh
+            // filter: every tuple counts as maybe in use until a walk has
+            // asked the NAT table about it.
+            mark_all_used(&ebpf)?;
+        }
         let mut config: Array<MapData, KernelConfig> = take(&mut ebpf, maps::CONFIG)?;
-        let cpus = crate::host::possible_cpus()?;
-        let (slice_ports, slices) = KernelConfig::slices_for(
-            cfg.nat_ports.min,
-            cfg.nat_ports.max,
-            u16::try_from(cpus).unwrap_or(u16::MAX),
-        );
         let mut snat_addrs = [[0u8; 16]; MAX_SNAT];
         let wide = snat
             .iter()
@@ -392,6 +422,8 @@ impl Dataplane {
             syn_timeout_ns: cfg.huddle.syn_timeout.as_nanos() as u64,
             encap_src: [0; 16],
             encap6_src: [0; 16],
+            nat_used_per_backend: nat_used,
+            _pad3: 0,
         };
         config.set(0, kernel_config, 0).context("writing CONFIG")?;
 
@@ -1546,6 +1578,7 @@ mod tests {
                 "map {name} missing from the object"
             );
         }
+        assert!(obj.maps.contains_key(maps::NAT_USED));
         assert!(obj.programs.contains_key(PROGRAM_NAME));
     }
 }
