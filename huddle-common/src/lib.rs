@@ -889,6 +889,22 @@ mod tests {
     }
 
     #[test]
+    fn the_nat_used_filter_is_sized_by_the_walk_and_off_past_its_cap() {
+        // Default range 20000-32767 on 2 CPUs, one SNAT address.
+        let per = nat_used_per_backend(6384, 2, 1);
+        assert_eq!(per, 12_768);
+        assert_eq!(
+            u64::from(nat_used_lines(per)) * NAT_USED_LINE as u64,
+            12_768 * u64::from(NAT_USED_BACKENDS)
+        );
+        // The whole 1024-65535 range with 2 addresses: 33 MB, on.
+        assert_ne!(nat_used_per_backend(32_256, 2, 2), 0);
+        // With 16 addresses it would take 264 MB: off, one line left.
+        assert_eq!(nat_used_per_backend(32_256, 2, 16), 0);
+        assert_eq!(nat_used_lines(0), 1);
+    }
+
+    #[test]
     fn ring_slots_alternate_per_generation() {
         assert_eq!(ring_slot(0, 0), 0);
         assert_eq!(ring_slot(0, 1), 1);
