@@ -635,6 +635,18 @@ impl SynCopy {
     pub fn tuples_tried(&self) -> u8 {
         self.retries >> 4
     }
+
+    /// Counts one more NAT tuple tried toward the current backend.
+    #[inline(always)]
+    pub fn tried_tuple(&mut self) {
+        self.retries += 0x10;
+    }
+
+    /// Counts one more backend tried; its tuples count afresh.
+    #[inline(always)]
+    pub fn tried_backend(&mut self) {
+        self.retries = self.backends_tried() + 1;
+    }
 }
 
 /// Per service, written by the control plane every tick from the ring's

@@ -652,29 +652,24 @@ fn reply<F: Family>(ctx: &XdpContext, p: &Packet<F>, cfg: &Config) -> u32 {
                 }
             }
         }
-        // A refusal of the client's SYN (no SYN-ACK came before it), which
-        // the balancer may take to another backend itself.
+        // The client's SYN still waits on this backend (no SYN-ACK came
+        // before): a refusal the balancer may retry itself.
         // SAFETY: as above.
+        let awaiting = F::RETRY
+            && ours
+            && half
+            && unsafe {
+                (*flow).flags & (flow_flags::SYN_WAIT | flow_flags::SYNACK_SEEN)
+                    == flow_flags::SYN_WAIT
+            };
         // A real refusal is a RST+ACK acknowledging the client's SYN
         // exactly: anything else (an off-path guess at the tuple, a SYN
         // with RST set) moves nothing and goes on as it is.
-        let refused = F::RETRY
-            && ours
-            && half
-            && p.tcp_flags & (TCP_RST | TCP_ACK | TCP_SYN) == TCP_RST | TCP_ACK
-            && unsafe {
-                (*flow).flags & (flow_flags::SYN_WAIT | flow_flags::SYNACK_SEEN)
-                    == flow_flags::SYN_WAIT
-                    && p.ack == (*slot).syn.isn.wrapping_add(1)
-            };
         // SAFETY: as above.
-        let stale = F::RETRY
-            && ours
-            && stale
-            && unsafe {
-                (*flow).flags & (flow_flags::SYN_WAIT | flow_flags::SYNACK_SEEN)
-                    == flow_flags::SYN_WAIT
-            };
+        let refused = awaiting
+            && p.tcp_flags & (TCP_RST | TCP_ACK | TCP_SYN) == TCP_RST | TCP_ACK
+            && p.ack == unsafe { (*slot).syn.isn }.wrapping_add(1);
+        let stale = awaiting && stale;
         timing::reply(flow, p, backend);
         if refused || stale {
             sc.retry_tuple = u32::from(stale);

@@ -103,13 +103,20 @@ fn used(cfg: &Config, id: u32, snat: u32, port_off: u32, op: u32) -> u32 {
     1
 }
 
+/// `used` for backend `id`'s tuple of SNAT address index `snat` and port
+/// `port_be`.
+#[inline(always)]
+fn used_port(cfg: &Config, id: u32, snat: u8, port_be: u16, op: u32) -> u32 {
+    let off = u32::from(u16::from_be(port_be).wrapping_sub(cfg.nat_port_min));
+    used(cfg, id, u32::from(snat), off, op)
+}
+
 /// Notes that `NAT` is about to hold an entry for backend `id`'s tuple of
 /// SNAT address index `snat` and port `port_be` (before the insert: a
 /// walk that reads the byte as clear must find no entry).
 #[inline(always)]
 pub fn mark_used(cfg: &Config, id: u32, snat: u8, port_be: u16) {
-    let off = u32::from(u16::from_be(port_be).wrapping_sub(cfg.nat_port_min));
-    used(cfg, id, u32::from(snat), off, MARK);
+    used_port(cfg, id, snat, port_be, MARK);
 }
 
 /// Hands out the next free tuple of this CPU's slice toward backend `id`,
@@ -166,19 +173,14 @@ pub fn allocate<F: Family>(
     // it: no lookup there (its bucket is a cold cache line, the dearest
     // part of a new flow; the filter's line is the one the last SYN toward
     // this backend read).
-    let next = used(
-        cfg,
-        id,
-        first + if c.addr < addrs { c.addr } else { 0 },
-        slice * ports + if c.port < ports { c.port } else { 0 },
-        ASK,
-    );
-    if next == 0 {
+    let (a, off) = peek(c, ports, addrs);
+    if used(cfg, id, first + a, slice * ports + off, ASK) == 0 {
         let (a, off, early) = step(c, ports, addrs, now);
         nkey.local = *snat_addr(cfg, (first + a) as u8);
         nkey.nat_port_be = ((base + off) as u16).to_be();
         if let Reclaim::Free = unused(nkey, syn_ts, now) {
-            return taken(cfg, id, half, nkey, nval, (first + a) as u8, early);
+            // Its byte is clear already.
+            return taken(cfg, id, half, nkey, nval, (first + a) as u8, early, false);
         }
         bump(&BACKEND_STATS, id, |s| s.nat_tw_skipped += 1);
     }
@@ -203,7 +205,7 @@ pub fn allocate<F: Family>(
                 continue;
             }
         }
-        return taken(cfg, id, half, nkey, nval, (first + a) as u8, early);
+        return taken(cfg, id, half, nkey, nval, (first + a) as u8, early, true);
     }
     // Every tuple tried is held by a live flow.
     None
@@ -213,8 +215,8 @@ pub fn allocate<F: Family>(
 /// toward backend `id`, counted if its last use was less than TIME_WAIT
 /// ago (`early`): outside a handshake (`half` false) recorded at once in
 /// `NAT` for `nval` (`None` if that fails); a half-open flow's clears its
-/// `NAT_USED` byte (`NAT` holds nothing for it now, and nothing until
-/// the flow is promoted).
+/// `NAT_USED` byte if `reclaimed` (`reclaim` left `NAT` with nothing for
+/// it, and a half-open flow puts nothing there until it is promoted).
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
 fn taken(
@@ -225,6 +227,7 @@ fn taken(
     nval: &huddle_common::NatValue,
     snat: u8,
     early: u32,
+    reclaimed: bool,
 ) -> Option<Tuple> {
     if early != 0 {
         bump(&BACKEND_STATS, id, |s| s.nat_reuse_early += 1);
@@ -234,8 +237,9 @@ fn taken(
         port_be: nkey.nat_port_be,
     };
     if half {
-        let off = u32::from(u16::from_be(got.port_be).wrapping_sub(cfg.nat_port_min));
-        used(cfg, id, u32::from(got.snat), off, CLEAR);
+        if reclaimed {
+            used_port(cfg, id, got.snat, got.port_be, CLEAR);
+        }
     } else {
         mark_used(cfg, id, got.snat, got.port_be);
         if NAT.insert(nkey, nval, u64::from(BPF_NOEXIST)).is_err() {
@@ -252,8 +256,7 @@ fn taken(
 #[inline(always)]
 fn step(c: &mut NatCursor, ports: u32, addrs: u32, now: u64) -> (u32, u32, u32) {
     let early = c.early;
-    let off = if c.port < ports { c.port } else { 0 };
-    let a = if c.addr < addrs { c.addr } else { 0 };
+    let (a, off) = peek(c, ports, addrs);
     if off + 1 < ports {
         c.port = off + 1;
         c.addr = a;
@@ -269,6 +272,16 @@ fn step(c: &mut NatCursor, ports: u32, addrs: u32, now: u64) -> (u32, u32, u32) 
         c.round_ns = now;
     }
     (a, off, early)
+}
+
+/// The tuple cursor `c` stands on (address index, port offset), kept
+/// inside the walk.
+#[inline(always)]
+fn peek(c: &NatCursor, ports: u32, addrs: u32) -> (u32, u32) {
+    (
+        if c.addr < addrs { c.addr } else { 0 },
+        if c.port < ports { c.port } else { 0 },
+    )
 }
 
 /// `reclaim` for a tuple `NAT` holds nothing for: only the last run's

@@ -131,12 +131,11 @@ pub fn plan<F: Family>(cfg: &Config) -> *mut HalfOpen {
     s.flow.flags = flow_flags::SYN_WAIT;
     s.flow.turn_ns = now;
     let tuple = tuple_only(sc);
-    s.syn.retries = if tuple {
-        s.syn.retries + 0x10
+    if tuple {
+        s.syn.tried_tuple();
     } else {
-        // A new backend: its tuples count afresh.
-        s.syn.backends_tried() + 1
-    };
+        s.syn.tried_backend();
+    }
     halfopen::write_nat(cfg, service, sc);
     timing::start_first(flow_flags::SYN_WAIT, id, now);
     bump(&BACKEND_STATS, old, |st| {
