@@ -732,6 +732,29 @@ impl FlowKey {
 }
 
 impl NatKey {
+    /// The key of a reply from `backend`:`backend_port_be` to SNAT address
+    /// `local`, port `nat_port_be`.
+    #[inline(always)]
+    #[must_use]
+    pub fn new(
+        local: Addr,
+        backend: Addr,
+        backend_port_be: u16,
+        nat_port_be: u16,
+        proto: u8,
+        family: u8,
+    ) -> NatKey {
+        NatKey {
+            backend,
+            local,
+            backend_port_be,
+            nat_port_be,
+            proto,
+            family,
+            _pad: [0; 2],
+        }
+    }
+
     /// Where this tuple's half-open flow sits in the half-open NAT table
     /// (before the mask), and the tag it carries there: a hash of every
     /// field but the NAT port, plus the port's offset from `port_min`. The

@@ -30,7 +30,7 @@ use aya_ebpf::{
 use aya_log_ebpf::warn;
 use huddle_common::{
     backend_flags, flow_flags, service_mode, slot_tag, Config, FlowKey, FlowValue, HalfOpen,
-    MAX_SYN_RETRIES, NAT_PORT_TRIES,
+    NatKey, MAX_SYN_RETRIES, NAT_PORT_TRIES,
 };
 
 /// `reply`'s answer for a refused SYN that may be retried: the packet is
@@ -560,7 +560,7 @@ fn reply<F: Family>(ctx: &XdpContext, p: &Packet<F>, cfg: &Config) -> u32 {
     };
     // SAFETY: this CPU's element, used by this run only.
     let sc = unsafe { &mut *sc };
-    sc.nkey = nat::key(
+    sc.nkey = NatKey::new(
         F::wide(p.dst()),
         F::wide(p.src()),
         u16::from_ne_bytes(p.sport),

@@ -12,7 +12,6 @@ use crate::{
     forward::{out, route, unsettled},
     halfopen,
     maps::{global, put, CONFIG, NAT, SERVICES},
-    nat,
 };
 use aya_ebpf::{
     bindings::xdp_action,
@@ -20,7 +19,7 @@ use aya_ebpf::{
     programs::XdpContext,
 };
 use huddle_common::{
-    addr_v4, FlowKey, ServiceKey, FAMILY_V4, PROTO_TCP, PROTO_UDP, SERVICE_KIND_SNAT,
+    addr_v4, FlowKey, NatKey, ServiceKey, FAMILY_V4, PROTO_TCP, PROTO_UDP, SERVICE_KIND_SNAT,
 };
 
 const ETH_LEN: usize = 14;
@@ -134,7 +133,7 @@ pub fn inbound(ctx: &XdpContext) -> u32 {
         let Some(cfg) = CONFIG.get(0) else {
             return xdp_action::XDP_PASS;
         };
-        let nkey = nat::key(
+        let nkey = NatKey::new(
             addr_v4(snat),
             addr_v4(q_dst),
             q_dport,

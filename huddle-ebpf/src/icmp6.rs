@@ -11,7 +11,6 @@ use crate::{
     halfopen,
     icmp::{bounce, quoted_transport},
     maps::{global, put, CONFIG, NAT, SCRATCH},
-    nat,
     rewrite::diff128,
 };
 use aya_ebpf::{
@@ -19,7 +18,7 @@ use aya_ebpf::{
     helpers::generated::{bpf_csum_diff, bpf_xdp_adjust_head, bpf_xdp_adjust_tail},
     programs::XdpContext,
 };
-use huddle_common::{FAMILY_V6, PROTO_TCP, PROTO_UDP};
+use huddle_common::{NatKey, FAMILY_V6, PROTO_TCP, PROTO_UDP};
 
 const ETH_LEN: usize = 14;
 const IP6_LEN: usize = 40;
@@ -169,7 +168,7 @@ pub fn inbound(ctx: &XdpContext) -> u32 {
             return xdp_action::XDP_PASS;
         }
         let l4 = q.add(IP6_LEN);
-        sc.nkey = nat::key(
+        sc.nkey = NatKey::new(
             *snat,
             *q.add(24).cast::<[u8; 16]>(),
             l4.add(2).cast::<u16>().read_unaligned(),

@@ -34,26 +34,6 @@ pub struct Tuple {
     pub port_be: u16,
 }
 
-#[inline(always)]
-pub fn key(
-    local: Addr,
-    backend: Addr,
-    backend_port_be: u16,
-    nat_port_be: u16,
-    proto: u8,
-    family: u8,
-) -> NatKey {
-    NatKey {
-        backend,
-        local,
-        backend_port_be,
-        nat_port_be,
-        proto,
-        family,
-        _pad: [0; 2],
-    }
-}
-
 /// The SNAT address with index `i` (always below `MAX_SNAT`, a power of
 /// two: the mask is what the verifier needs to see, a comparison LLVM may
 /// turn into a select it cannot follow).
@@ -161,7 +141,7 @@ pub fn allocate<F: Family>(
         c.round_ns = now;
     }
     let (nval, nkey) = (&sc.nval, &mut sc.nkey);
-    *nkey = key(
+    *nkey = NatKey::new(
         *snat_addr(cfg, first as u8),
         backend.addr,
         backend.port_be,
@@ -351,7 +331,7 @@ fn reclaim(key: &NatKey, syn_ts: u32, now: u64) -> Reclaim {
 /// The NAT key of an existing flow toward backend `addr`:`port_be`.
 #[inline(always)]
 pub fn flow_key(cfg: &Config, flow: &FlowValue, backend: &Backend, proto: u8) -> NatKey {
-    key(
+    NatKey::new(
         *snat_addr(cfg, flow.snat),
         backend.addr,
         backend.port_be,

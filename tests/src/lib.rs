@@ -937,6 +937,16 @@ impl HeldConnections {
 }
 
 /// Polls `f` every 50 ms until it holds or `timeout` passes.
+/// Backend counter `k` summed over the first service's backends.
+#[must_use]
+pub fn backends_total(st: &Status, k: &str) -> u64 {
+    st.services[0]
+        .backends
+        .iter()
+        .map(|b| b.counters.get(k).copied().unwrap_or(0))
+        .sum()
+}
+
 pub fn wait_until(timeout: Duration, mut f: impl FnMut() -> bool) -> Result<()> {
     let start = Instant::now();
     while start.elapsed() < timeout {

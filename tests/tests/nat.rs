@@ -11,7 +11,7 @@
 //! meets none. The backends' own counters say which happened.
 
 use std::{net::SocketAddr, path::Path, time::Duration};
-use testbed::{in_ns, require_root, OpenLoop, Testbed, VIP};
+use testbed::{backends_total, in_ns, require_root, OpenLoop, Testbed, VIP};
 
 const HUDDLE: &str = env!("CARGO_BIN_EXE_hc-huddle");
 const BACKEND: &str = env!("CARGO_BIN_EXE_hc-backend");
@@ -100,15 +100,6 @@ fn stop_and_start(bed: &mut Testbed) -> (Phase, Phase) {
         );
     }
     (first, second)
-}
-
-/// Backend counter `k` summed over the service's backends.
-fn backends_total(st: &huddle_user::status::Status, k: &str) -> u64 {
-    st.services[0]
-        .backends
-        .iter()
-        .map(|b| b.counters.get(k).copied().unwrap_or(0))
-        .sum()
 }
 
 #[test]

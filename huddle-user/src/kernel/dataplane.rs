@@ -38,15 +38,12 @@ use tracing::{info, warn};
 /// more, and the kernel side re-checks the generation anyway.
 pub const SLOT_REUSE_GUARD: Duration = Duration::from_millis(2);
 
-/// Sets every byte of `NAT_USED`: each tuple may be in use.
-fn mark_all_used(ebpf: &Ebpf) -> Result<()> {
-    let mut a = Array::<MapData, [u8; huddle_common::NAT_USED_LINE]>::try_from(reopen(
-        ebpf,
-        maps::NAT_USED,
-    )?)?;
+/// Writes `v` to every element of array map `name`.
+fn fill<T: aya::Pod>(ebpf: &Ebpf, name: &str, v: T) -> Result<()> {
+    let mut a = Array::<MapData, T>::try_from(reopen(ebpf, name)?)?;
     for i in 0..a.len() {
-        a.set(i, [1; huddle_common::NAT_USED_LINE], 0)
-            .with_context(|| format!("marking NAT_USED line {i}"))?;
+        a.set(i, v, 0)
+            .with_context(|| format!("writing element {i} of {name}"))?;
     }
     Ok(())
 }
@@ -228,15 +225,14 @@ impl Sweeper {
                 continue;
             }
             if let Ok(b) = self.backends.get(&v.backend, 0) {
-                let key = NatKey {
-                    backend: b.addr,
-                    local: self.snat_addrs[usize::from(v.snat) % MAX_SNAT],
-                    backend_port_be: b.port_be,
-                    nat_port_be: v.nat_port_be,
-                    proto: PROTO_UDP,
-                    family: b.family,
-                    _pad: [0; 2],
-                };
+                let key = NatKey::new(
+                    self.snat_addrs[usize::from(v.snat) % MAX_SNAT],
+                    b.addr,
+                    b.port_be,
+                    v.nat_port_be,
+                    PROTO_UDP,
+                    b.family,
+                );
                 // Only if it still names this flow (the tuple may have been
                 // handed to another since).
                 if self.nat.get(&key, 0).is_ok_and(|n| n.flow == *k) {
@@ -384,7 +380,7 @@ impl Dataplane {
             // The running data plane's NAT entries are not in this fresh
             // filter: every tuple counts as maybe in use until a walk has
             // asked the NAT table about it.
-            mark_all_used(&ebpf)?;
+            fill(&ebpf, maps::NAT_USED, [1u8; huddle_common::NAT_USED_LINE])?;
         }
         let mut config: Array<MapData, KernelConfig> = take(&mut ebpf, maps::CONFIG)?;
         let mut snat_addrs = [[0u8; 16]; MAX_SNAT];
@@ -541,19 +537,19 @@ impl Dataplane {
             if now_ns.saturating_sub(closed_ns) >= huddle_common::TIME_WAIT_NS || tsval == 0 {
                 continue;
             }
-            let key = NatKey {
-                backend: ip_bytes(backend.ip()),
-                local: ip_bytes(local),
-                backend_port_be: backend.port().to_be(),
-                nat_port_be: port.to_be(),
-                proto,
-                family: if backend.is_ipv4() {
-                    huddle_common::FAMILY_V4
-                } else {
-                    huddle_common::FAMILY_V6
-                },
-                _pad: [0; 2],
+            let family = if backend.is_ipv4() {
+                huddle_common::FAMILY_V4
+            } else {
+                huddle_common::FAMILY_V6
             };
+            let key = NatKey::new(
+                ip_bytes(local),
+                ip_bytes(backend.ip()),
+                backend.port().to_be(),
+                port.to_be(),
+                proto,
+                family,
+            );
             let v = huddle_common::TwHint {
                 tsval,
                 _pad: 0,
@@ -574,19 +570,11 @@ impl Dataplane {
     /// `huddle bench`, whose new flows then time tables with room however
     /// many it sends). Handshakes under way are lost.
     pub fn clear_half_open(&self) -> Result<()> {
-        fn clear<T: aya::Pod>(ebpf: &Ebpf, name: &str) -> Result<()> {
-            let mut a = Array::<MapData, T>::try_from(reopen(ebpf, name)?)?;
-            // SAFETY: a `Pod` of integers and byte arrays: all zeroes is a
-            // valid value (an empty slot).
-            let zero: T = unsafe { std::mem::zeroed() };
-            for i in 0..a.len() {
-                a.set(i, zero, 0)
-                    .with_context(|| format!("emptying slot {i} of {name}"))?;
-            }
-            Ok(())
-        }
-        clear::<huddle_common::HalfOpen>(&self.ebpf, maps::HALF_OPEN)?;
-        clear::<huddle_common::HalfOpenNat>(&self.ebpf, maps::HALF_OPEN_NAT)
+        // SAFETY: `Pod`s of integers and byte arrays: all zeroes is a valid
+        // value (an empty slot).
+        let (slot, nat) = unsafe { (std::mem::zeroed(), std::mem::zeroed()) };
+        fill::<huddle_common::HalfOpen>(&self.ebpf, maps::HALF_OPEN, slot)?;
+        fill::<huddle_common::HalfOpenNat>(&self.ebpf, maps::HALF_OPEN_NAT, nat)
     }
 
     /// The tuples the backends may hold in TIME_WAIT at `now_ns`: closed

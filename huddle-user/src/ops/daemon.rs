@@ -261,10 +261,16 @@ impl Balancer {
 
     /// Writes the state file; a failure is logged, never fatal.
     pub fn save_state(&self) {
+        self.save_state_and_walk(false);
+    }
+
+    /// `save_state`, and the NAT walk file with the TIME_WAIT tuples when
+    /// `last` (see `save_nat_walk`).
+    pub fn save_state_and_walk(&self, last: bool) {
         if let Err(e) = state::save(&self.cfg.state_file, &self.snapshot()) {
             warn!("{e:#}");
         }
-        self.save_nat_walk(false);
+        self.save_nat_walk(last);
     }
 
     /// Writes where the NAT walks stand (kept after `huddle stop`: see
@@ -1491,8 +1497,7 @@ pub async fn run(cfg: Config, reloader: Option<Reloader>) -> Result<()> {
     }
     let remove = cfg.detach_on_exit || lock(&shared).remove_on_exit;
     if !remove && place.survives {
-        lock(&shared).save_state();
-        lock(&shared).save_nat_walk(true);
+        lock(&shared).save_state_and_walk(true);
         sysctls.keep();
         info!(
             "exiting; the data plane keeps running on {} (pinned under {}); `huddle run` again takes it over, `huddle stop --iface {}` removes it",

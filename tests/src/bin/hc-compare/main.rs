@@ -168,13 +168,7 @@ fn one(
     let mut rotations = Vec::new();
     if b.is_xdp() {
         let st = bed.status()?;
-        let sum = |k: &str| -> u64 {
-            st.services[0]
-                .backends
-                .iter()
-                .map(|b| b.counters.get(k).copied().unwrap_or(0))
-                .sum()
-        };
+        let sum = |k: &str| testbed::backends_total(&st, k);
         let (early, skipped, resent) = (
             sum("nat_reuse_early"),
             sum("nat_tw_skipped"),
