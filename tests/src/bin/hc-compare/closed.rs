@@ -33,6 +33,10 @@ pub struct Throughput {
     pub cpu_us_per_request: f64,
     /// What that CPU figure covers.
     pub cpu_of: &'static str,
+    /// HuddleCluster only: the XDP program's mean run time per packet
+    /// (ns) and its runs (packets) per request.
+    pub xdp_ns_per_packet: Option<f64>,
+    pub xdp_packets_per_request: Option<f64>,
 }
 
 /// CPU seconds (user + system) of process `root` and all its descendants
@@ -68,12 +72,12 @@ fn cpu_of(root: u32) -> f64 {
         .sum()
 }
 
-/// Run time of the kernel program with id `id`.
-fn prog_time(id: u32) -> Result<Duration> {
+/// Run time and run count of the kernel program with id `id`.
+fn prog_time(id: u32) -> Result<(Duration, u64)> {
     for p in aya::programs::loaded_programs() {
         let p = p?;
         if p.id() == id {
-            return Ok(p.run_time());
+            return Ok((p.run_time(), p.run_count()));
         }
     }
     anyhow::bail!("program {id} not found")
@@ -152,15 +156,19 @@ pub fn run(
     }
     let took = started.elapsed().as_secs_f64();
     let cpu = pid.map_or(0.0, cpu_of) - cpu0;
+    // (ns of run time, runs) over the run.
     let prog_ns = match (prog, prog0) {
-        (Some(id), Some(before)) => Some((prog_time(id)? - before).as_nanos() as f64),
+        (Some(id), Some((t0, n0))) => {
+            let (t, runs) = prog_time(id)?;
+            Some(((t - t0).as_nanos() as f64, runs.saturating_sub(n0) as f64))
+        }
         _ => None,
     };
     peers::stop(running, bed)?;
     lat.sort_by(f64::total_cmp);
     let n = lat.len().max(1) as f64;
     let (cpu_us, cpu_of) = match prog_ns {
-        Some(ns) => (
+        Some((ns, _)) => (
             ns / 1e3 / n,
             "XDP program run time (kernel BPF stats), all packets of the request",
         ),
@@ -176,5 +184,7 @@ pub fn run(
         failed,
         cpu_us_per_request: cpu_us,
         cpu_of,
+        xdp_ns_per_packet: prog_ns.map(|(ns, runs)| ns / runs.max(1.0)),
+        xdp_packets_per_request: prog_ns.map(|(_, runs)| runs / n),
     })
 }
