@@ -70,6 +70,11 @@ pub mod maps {
     /// `PerCpuArray<NextHop>` indexed by backend id: the FIB's answer for
     /// it, reused while `Config::hop_generation` is unchanged.
     pub const NEXT_HOP: &str = "NEXT_HOP";
+    /// `PerCpuArray<ClientHop>`, `CLIENT_HOP_SLOTS` slots by address: the
+    /// FIB's answer toward clients, reused while `Config::hop_generation`
+    /// is unchanged. Never pinned (a cache; the control plane never reads
+    /// it).
+    pub const CLIENT_HOP: &str = "CLIENT_HOP";
     /// `PerCpuArray<NatCursor>` indexed by backend id: where this CPU's
     /// walk over its slice of NAT tuples toward the backend stands.
     pub const NAT_CURSOR: &str = "NAT_CURSOR";
@@ -813,6 +818,31 @@ pub struct NextHop {
     pub _pad: u8,
     /// `Config::hop_generation` when the FIB answered, plus one (0: never).
     pub generation: u64,
+}
+
+/// A client's next hop as the FIB gave it, per CPU, in a direct-mapped
+/// cache (`CLIENT_HOP_SLOTS` slots by address): replies go back to few
+/// clients at a time (keep-alive connections, one NAT in front of many),
+/// and a FIB lookup per reply cost more than the rest of its path.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ClientHop {
+    /// The client address the hop is for.
+    pub addr: Addr,
+    pub hop: NextHop,
+}
+
+/// Slots of the per-CPU client next-hop cache (a power of two).
+pub const CLIENT_HOP_SLOTS: u32 = 1024;
+const _: () = assert!(CLIENT_HOP_SLOTS.is_power_of_two());
+
+/// The slot of `addr` in the client next-hop cache.
+#[inline(always)]
+#[must_use]
+pub fn client_hop_slot(addr: &Addr) -> u32 {
+    let w = |i: usize| u32::from_ne_bytes([addr[i], addr[i + 1], addr[i + 2], addr[i + 3]]);
+    let h = (w(0) ^ w(4) ^ w(8) ^ w(12)).wrapping_mul(0x9e37_79b1);
+    (h >> 16) & (CLIENT_HOP_SLOTS - 1)
 }
 
 /// Settings of the packet generator in the baseline object (`gen`):

@@ -1,14 +1,15 @@
 //! Sending a rewritten packet: next hop from the kernel's FIB, then XDP_TX
 //! or a redirect; anything the FIB cannot settle goes to the kernel.
 //!
-//! Toward a backend the FIB's answer is cached per CPU until the control
-//! plane bumps `Config::hop_generation` (every second): a FIB lookup costs
-//! more than the rest of the established-flow path, a backend's next hop
+//! The FIB's answer is cached per CPU until the control plane bumps
+//! `Config::hop_generation` (every second): toward a backend by its id,
+//! toward a client in a small direct-mapped cache by address. A FIB lookup
+//! costs more than the rest of the established-flow path, a next hop
 //! rarely changes, and comparing a generation costs no clock read.
 
 use crate::{
     family::Family,
-    maps::{global, put, NEXT_HOP},
+    maps::{global, put, CLIENT_HOP, NEXT_HOP},
     parse::Packet,
 };
 use aya_ebpf::{
@@ -20,10 +21,12 @@ use aya_ebpf::{
     programs::XdpContext,
 };
 use core::mem::{size_of, zeroed};
+use huddle_common::{client_hop_slot, NextHop};
 use network_types::eth::EthHdr;
 
-/// Forwards the already rewritten packet `p` toward its new destination;
-/// `generation` is the control plane's current next-hop generation.
+/// Forwards the already rewritten packet `p` toward its new destination:
+/// backend `backend`, or a client (`None`); `generation` is the control
+/// plane's current next-hop generation.
 ///
 /// When the neighbour is not resolved the packet goes up to the kernel,
 /// which resolves it and forwards (the control plane enables forwarding
@@ -36,14 +39,43 @@ pub fn send<F: Family>(
     generation: u64,
 ) -> u32 {
     let (src, dst) = F::addrs(p);
-    match route::<F>(
-        ctx, p.eth, src, dst, p.proto, p.tot_len, backend, generation, false,
+    let cache = match backend {
+        Some(id) => NEXT_HOP.get_ptr_mut(id),
+        None => client_hop::<F>(dst),
+    };
+    // Read once for the whole path: LLVM otherwise may keep the field's
+    // address in a register, which the verifier refuses for a context.
+    let ingress = ctx.ingress_ifindex() as u32;
+    match route_via::<F>(
+        ctx, ingress, p.eth, src, dst, p.proto, p.tot_len, cache, generation, false,
     ) {
-        Ok((ifindex, _)) => out(ctx, ifindex),
+        // A reply bigger than the path toward its client takes: the
+        // kernel's (a FIB lookup with its length would have said so).
+        Ok((_, mtu)) if backend.is_none() && p.tot_len > mtu => {
+            unsettled(BPF_FIB_LKUP_RET_FRAG_NEEDED);
+            xdp_action::XDP_PASS
+        }
+        Ok((ifindex, _)) => out_from(ingress, ifindex),
         Err(rc) => {
             unsettled(rc);
             xdp_action::XDP_PASS
         }
+    }
+}
+
+/// This CPU's cache slot for the next hop toward client `dst`, emptied
+/// first if it held another client's.
+#[inline(always)]
+fn client_hop<F: Family>(dst: &F::Addr) -> Option<*mut NextHop> {
+    let addr = F::wide(dst);
+    let c = CLIENT_HOP.get_ptr_mut(client_hop_slot(&addr))?;
+    // SAFETY: this CPU's element, used by this run only.
+    unsafe {
+        if (*c).addr != addr {
+            (*c).addr = addr;
+            (*c).hop.generation = 0;
+        }
+        Some(core::ptr::addr_of_mut!((*c).hop))
     }
 }
 
@@ -72,8 +104,29 @@ pub fn route<F: Family>(
     generation: u64,
     onlink: bool,
 ) -> Result<(u32, u16), u32> {
-    let ingress = ctx.ingress_ifindex() as u32;
     let cache = backend.and_then(|id| NEXT_HOP.get_ptr_mut(id));
+    let ingress = ctx.ingress_ifindex() as u32;
+    route_via::<F>(
+        ctx, ingress, eth, src, dst, proto, tot_len, cache, generation, onlink,
+    )
+}
+
+/// `route` for a packet that came in on `ingress`, with the cache entry
+/// to use (`None`: ask the FIB with the packet's length, cache nothing).
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+fn route_via<F: Family>(
+    ctx: &XdpContext,
+    ingress: u32,
+    eth: *mut EthHdr,
+    src: &F::Addr,
+    dst: &F::Addr,
+    proto: u8,
+    tot_len: u16,
+    cache: Option<*mut NextHop>,
+    generation: u64,
+    onlink: bool,
+) -> Result<(u32, u16), u32> {
     // Stored plus one, so a never-filled entry (0) never matches.
     let current = generation.wrapping_add(1);
     if let Some(c) = cache {
@@ -92,10 +145,10 @@ pub fn route<F: Family>(
     }
     // SAFETY: an all-zero bpf_fib_lookup is a valid request skeleton.
     let mut params: bpf_fib_lookup = unsafe { zeroed() };
-    // A backend's hop is cached for packets of any size, its MTU apart
-    // (below): asked without a length, the FIB checks none.
+    // A cached hop serves packets of any size, its MTU apart (below):
+    // asked without a length, the FIB checks none.
     let len = if cache.is_some() { 0 } else { tot_len };
-    let rc = ask::<F>(ctx, &mut params, (src, dst), proto, len);
+    let rc = ask::<F>(ctx, ingress, &mut params, (src, dst), proto, len);
     if rc as u32 != BPF_FIB_LKUP_RET_SUCCESS {
         return Err(rc as u32);
     }
@@ -126,7 +179,7 @@ pub fn route<F: Family>(
     // The path MTU, for what grows on the way (IP-in-IP): the FIB gives it
     // for a packet too big for it. Asked only when the cache is filled, in
     // the same request (no second one on the stack).
-    let rc = ask::<F>(ctx, &mut params, (src, dst), proto, u16::MAX);
+    let rc = ask::<F>(ctx, ingress, &mut params, (src, dst), proto, u16::MAX);
     let mtu = if rc as u32 == BPF_FIB_LKUP_RET_FRAG_NEEDED {
         // SAFETY: the union field the helper filled for this answer.
         unsafe { params.__bindgen_anon_1.mtu_result }
@@ -143,11 +196,12 @@ pub fn route<F: Family>(
 }
 
 /// Asks the FIB for the next hop of a packet of `tot_len` bytes from
-/// `addrs.0` to `addrs.1` coming in where this one did; `params` holds the
+/// `addrs.0` to `addrs.1` coming in on `ingress`; `params` holds the
 /// answer. Returns the FIB's verdict (`BPF_FIB_LKUP_RET_*`).
 #[inline(always)]
 fn ask<F: Family>(
     ctx: &XdpContext,
+    ingress: u32,
     params: &mut bpf_fib_lookup,
     addrs: (&F::Addr, &F::Addr),
     proto: u8,
@@ -156,7 +210,7 @@ fn ask<F: Family>(
     params.family = F::FAMILY;
     params.l4_protocol = proto;
     params.__bindgen_anon_1.tot_len = tot_len;
-    params.ifindex = ctx.ingress_ifindex() as u32;
+    params.ifindex = ingress;
     F::fib_addrs(params, addrs.0, addrs.1);
     // SAFETY: `params` is a valid, correctly sized request for the helper.
     unsafe {
@@ -183,7 +237,13 @@ pub fn unsettled(rc: u32) {
 /// else a redirect.
 #[inline(always)]
 pub fn out(ctx: &XdpContext, ifindex: u32) -> u32 {
-    if ifindex == ctx.ingress_ifindex() as u32 {
+    out_from(ctx.ingress_ifindex() as u32, ifindex)
+}
+
+/// `out` for a packet that came in on `ingress`.
+#[inline(always)]
+fn out_from(ingress: u32, ifindex: u32) -> u32 {
+    if ifindex == ingress {
         global(|s| s.tx += 1);
         xdp_action::XDP_TX
     } else {

@@ -6,11 +6,11 @@ use aya_ebpf::{
     maps::{Array, HashMap, LruHashMap, PerCpuArray, ProgramArray},
 };
 use huddle_common::{
-    maglev_elements, Backend, BackendStats, Config, FlowKey, FlowValue, GlobalStats, HalfOpen,
-    HalfOpenNat, Latency, NatCursor, NatKey, NatValue, NextHop, Pulse, Ring, ServiceKey,
-    ServiceKey6, ServiceStats, ServiceValue, SynCopy, Tuning, TwHint, DEFAULT_FLOW_TABLE_SIZE,
-    DEFAULT_HALF_OPEN_SIZE, DEFAULT_MAGLEV_SIZE, MAGLEV_MAP_FLAGS, MAX_BACKENDS, MAX_SERVICES,
-    MAX_SNAT, MAX_TW_HINTS, NAT_USED_LINE,
+    maglev_elements, Backend, BackendStats, ClientHop, Config, FlowKey, FlowValue, GlobalStats,
+    HalfOpen, HalfOpenNat, Latency, NatCursor, NatKey, NatValue, NextHop, Pulse, Ring, ServiceKey,
+    ServiceKey6, ServiceStats, ServiceValue, SynCopy, Tuning, TwHint, CLIENT_HOP_SLOTS,
+    DEFAULT_FLOW_TABLE_SIZE, DEFAULT_HALF_OPEN_SIZE, DEFAULT_MAGLEV_SIZE, MAGLEV_MAP_FLAGS,
+    MAX_BACKENDS, MAX_SERVICES, MAX_SNAT, MAX_TW_HINTS, NAT_USED_LINE,
 };
 
 /// VIP:port/proto -> service id, and SNAT address -> its index. Written
@@ -100,6 +100,11 @@ pub struct Scratch {
 /// Backend id -> this CPU's cached next hop toward it.
 #[map]
 pub static NEXT_HOP: PerCpuArray<NextHop> = PerCpuArray::with_max_entries(MAX_BACKENDS, 0);
+
+/// Client address (`client_hop_slot`) -> this CPU's cached next hop
+/// toward it.
+#[map]
+pub static CLIENT_HOP: PerCpuArray<ClientHop> = PerCpuArray::with_max_entries(CLIENT_HOP_SLOTS, 0);
 
 /// Backend id -> this CPU's position in its NAT tuple slice.
 #[map]

@@ -1567,6 +1567,7 @@ mod tests {
             );
         }
         assert!(obj.maps.contains_key(maps::NAT_USED));
+        assert!(obj.maps.contains_key(maps::CLIENT_HOP));
         assert!(obj.programs.contains_key(PROGRAM_NAME));
     }
 }
