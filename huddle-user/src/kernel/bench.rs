@@ -11,7 +11,7 @@
 use crate::{
     config::{Config, Mode, PortRange, Proto, Service, XdpMode},
     object,
-    packet::{endpoints, tcp6, Frame, ACK, SYN},
+    packet::{endpoints, tcp6, Frame, ACK, FIN, SYN},
     prog_run::{mac_of6, test_run, ProgRun, BALANCER_IP, BALANCER_MAC},
 };
 use anyhow::{bail, Context, Result};
@@ -45,6 +45,10 @@ const BACKENDS: u8 = 16;
 /// balancer starts with every slot free, the other with every slot taken
 /// (filled twice over first), so its SYNs evict.
 const HALF_OPEN_SLOTS: u32 = huddle_common::DEFAULT_HALF_OPEN_SIZE;
+
+/// NAT tuples the reuse case's balancer has on the bench's CPU, over all
+/// backends: as many as a case of new flows runs.
+const REUSE_TUPLES: u32 = HALF_OPEN_SLOTS / 4;
 
 /// VIP ports of the DSR services (their backends listen on the same).
 const L2_PORT: u16 = 8080;
@@ -123,6 +127,62 @@ fn pin(cpu: usize) -> Result<()> {
 }
 
 /// One timed case: mean kernel-measured ns per run over `frames`.
+/// Client `n`'s address and port: a fresh one for every new flow over all
+/// rounds and cases.
+fn client_for(n: u32) -> (Ipv4Addr, u16) {
+    let host = n / 50_000;
+    let addr = Ipv4Addr::new(
+        10,
+        213,
+        1 + (host % 250) as u8,
+        1 + (host / 250 % 250) as u8,
+    );
+    (addr, 1024 + (n % 50_000) as u16)
+}
+
+/// First client number of the reuse case: round `r` finishes
+/// `REUSE_TUPLES` connections from `REUSE_BASE + 2r * REUSE_TUPLES`, then
+/// times SYNs from the next `REUSE_TUPLES`.
+const REUSE_BASE: u32 = 20_000_000;
+
+/// Opens and finishes (client FIN) one connection on each of `env`'s NAT
+/// tuples of this CPU, so its walk starts over on finished connections'
+/// tuples, and waits out their linger (`NAT_LINGER_NS`): the next SYNs
+/// each find a NAT entry and a closed flow, and free both.
+fn finish_connections(env: &ProgRun, round: u32) -> Result<()> {
+    env.dp.clear_half_open()?;
+    let before = env.dp.service_stats(0)?.promoted;
+    for n in 0..REUSE_TUPLES {
+        let client = client_for(REUSE_BASE + 2 * round * REUSE_TUPLES + n);
+        let (v, out) = env.run(&Frame::tcp(client, (VIP, 80)).syn().build())?;
+        if v != 3 {
+            bail!("finishing connections for the reuse case: SYN verdict {v}");
+        }
+        let ((_, nat_port), (backend, bport)) = endpoints(&out);
+        env.run(
+            &Frame::tcp((backend, bport), (BALANCER_IP, nat_port))
+                .flags(SYN | ACK)
+                .seq_ack(5000, 1001)
+                .build(),
+        )?;
+        env.run(&Frame::tcp(client, (VIP, 80)).seq_ack(1001, 5001).build())?;
+        env.run(
+            &Frame::tcp(client, (VIP, 80))
+                .flags(FIN | ACK)
+                .seq_ack(1001, 5001)
+                .build(),
+        )?;
+    }
+    let promoted = env.dp.service_stats(0)?.promoted - before;
+    if promoted != u64::from(REUSE_TUPLES) {
+        bail!("finishing connections for the reuse case: {promoted} of {REUSE_TUPLES} established");
+    }
+    std::thread::sleep(Duration::from_nanos(
+        huddle_common::NAT_LINGER_NS + 100_000_000,
+    ));
+    Ok(())
+}
+
 fn time_case(
     prog: &Xdp,
     ifindex: u32,
@@ -179,11 +239,32 @@ fn measure(args: &BenchArgs) -> Result<()> {
         &bench_config(HALF_OPEN_SLOTS),
         &neighbours,
     )?;
+    // A third whose NAT walk gives this CPU `REUSE_TUPLES` tuples in all:
+    // its SYNs take tuples of finished connections, as every SYN does once
+    // a walk has gone round (the steady state).
+    let mut reuse_cfg = bench_config(HALF_OPEN_SLOTS);
+    let slices = u16::try_from(crate::host::possible_cpus()?)?;
+    let per_backend = u16::try_from(REUSE_TUPLES / u32::from(BACKENDS))?;
+    reuse_cfg.nat_ports = PortRange {
+        min: 20000,
+        max: 20000 + per_backend * slices - 1,
+    };
+    let reuse = ProgRun::new(
+        &format!("huddle-bench-reuse-{}", std::process::id()),
+        &reuse_cfg,
+        &neighbours,
+    )?;
     // The runs happen in the namespace entered last (`full`'s): the FIB
     // answers from its neighbours, so both get the IPv6 ones.
     for n in (0..u16::from(BACKENDS)).map(backend6).chain([CLIENT6]) {
         env.neighbour6(n)?;
         full.neighbour6(n)?;
+        reuse.neighbour6(n)?;
+    }
+    // The reuse case's setup enters its namespace: the other cases then
+    // run there, on its interface of the same index.
+    if reuse.ifindex != env.ifindex {
+        bail!("the benchmark's namespaces gave their interfaces different indexes");
     }
     let mut base = Ebpf::load(object::BASELINE).context("loading the baseline programs")?;
     for name in ["pass", "swap_tx"] {
@@ -199,6 +280,7 @@ fn measure(args: &BenchArgs) -> Result<()> {
     env.dp.set_encap6(SNAT6)?;
     let prog = env.dp.program()?;
     let full_prog = full.dp.program()?;
+    let reuse_prog = reuse.dp.program()?;
     let ifx = env.ifindex;
 
     let payload = [0x61u8; 64];
@@ -306,19 +388,7 @@ fn measure(args: &BenchArgs) -> Result<()> {
     let other = Frame::tcp((client, 40000), (Ipv4Addr::new(10, 213, 0, 99), 80))
         .payload(&payload)
         .build();
-    // A fresh client address and port for every new flow over all rounds.
-    let new_flow_to = |n: u32, port: u16| {
-        let host = n / 50_000;
-        let addr = Ipv4Addr::new(
-            10,
-            213,
-            1 + (host % 250) as u8,
-            1 + (host / 250 % 250) as u8,
-        );
-        Frame::tcp((addr, 1024 + (n % 50_000) as u16), (VIP, port))
-            .syn()
-            .build()
-    };
+    let new_flow_to = |n: u32, port: u16| Frame::tcp(client_for(n), (VIP, port)).syn().build();
     let new_flow = |n: u32| new_flow_to(n, 80);
     // The half-open tables are emptied before each case of new flows,
     // which then fills at most a quarter of their slots: tables with room
@@ -328,7 +398,8 @@ fn measure(args: &BenchArgs) -> Result<()> {
     // 764-898 ns, 1,638 at 590 (when every case shared one filling of the
     // tables); Katran's ~450 ns was timed over 100,000.
     let new_calls = args.calls.min(HALF_OPEN_SLOTS / 4);
-    let new_cases = [2, 6, 8, 10, 12, 14, 15];
+    let new_cases = [2, 7, 9, 11, 13, 15, 16];
+    let reuse_case = 4;
     let full_base = 10_000_000u32;
     for n in 0..HALF_OPEN_SLOTS * 2 {
         let (verdict, _) = full.run(&new_flow(full_base + n))?;
@@ -337,13 +408,19 @@ fn measure(args: &BenchArgs) -> Result<()> {
         }
     }
     // (name, program, runs, expected verdict)
-    let cases: [(&str, &Xdp, u32, u32); 18] = [
+    let cases: [(&str, &Xdp, u32, u32); 19] = [
         ("established flow", prog, args.calls, 3),
         ("established flow, backend's reply", prog, args.calls, 3),
         ("new flow (SYN), half-open slots free", prog, new_calls, 3),
         (
             "new flow (SYN), half-open slots all taken",
             full_prog,
+            new_calls,
+            3,
+        ),
+        (
+            "new flow (SYN) on a finished connection's NAT tuple",
+            reuse_prog,
             new_calls,
             3,
         ),
@@ -362,7 +439,7 @@ fn measure(args: &BenchArgs) -> Result<()> {
         ("minimal forwarder (swap+TX)", swap, args.calls, 3),
         ("XDP_PASS floor", pass, args.calls, 2),
     ];
-    let (fwd, floor_case) = (16, 17);
+    let (fwd, floor_case) = (17, 18);
     let mut results: Vec<Vec<f64>> = vec![Vec::new(); cases.len()];
     eprintln!(
         "timing {} runs per case ({new_calls} for new flows), {} rounds, pinned to CPU {} ...",
@@ -373,22 +450,26 @@ fn measure(args: &BenchArgs) -> Result<()> {
             if new_cases.contains(&i) {
                 env.dp.clear_half_open()?;
             }
+            if i == reuse_case {
+                finish_connections(&reuse, round)?;
+            }
             let mut frames = |n: u32| match i {
                 1 => reply.clone(),
                 2 => new_flow(round * new_calls + n),
                 3 => new_flow(full_base + HALF_OPEN_SLOTS * 2 + round * new_calls + n),
-                4 => other.clone(),
-                5 => dsr_established[0].clone(),
-                6 => new_flow_to(round * new_calls + n, L2_PORT),
-                7 => dsr_established[1].clone(),
-                8 => new_flow_to(round * new_calls + n, IPIP_PORT),
-                9 => v6_established[0].clone(),
-                10 => new6(round * new_calls + n, 80),
-                11 => v6_established[1].clone(),
-                12 => new6(round * new_calls + n, L2_PORT),
-                13 => v6_established[2].clone(),
-                14 => new6(round * new_calls + n, IPIP_PORT),
-                15 => new_flow_to(round * new_calls + n, MAGLEV_PORT),
+                4 => new_flow(REUSE_BASE + (2 * round + 1) * REUSE_TUPLES + n),
+                5 => other.clone(),
+                6 => dsr_established[0].clone(),
+                7 => new_flow_to(round * new_calls + n, L2_PORT),
+                8 => dsr_established[1].clone(),
+                9 => new_flow_to(round * new_calls + n, IPIP_PORT),
+                10 => v6_established[0].clone(),
+                11 => new6(round * new_calls + n, 80),
+                12 => v6_established[1].clone(),
+                13 => new6(round * new_calls + n, L2_PORT),
+                14 => v6_established[2].clone(),
+                15 => new6(round * new_calls + n, IPIP_PORT),
+                16 => new_flow_to(round * new_calls + n, MAGLEV_PORT),
                 _ => established.clone(),
             };
             let ns = time_case(program, ifx, &mut frames, *calls, *want).with_context(|| {
@@ -431,6 +512,7 @@ fn measure(args: &BenchArgs) -> Result<()> {
          new flow ~450 ns (Maglev pick and flow-table insert; ~150 ns only past 125,000 new flows a second per core, when its flood guard skips the insert), non-VIP ~50 ns."
     );
     drop(full);
+    drop(reuse);
     drop(env);
     if args.pps_frames > 0 {
         pps(args, &cfg, &neighbours, client, &mut base)?;
