@@ -200,15 +200,21 @@ fn unresolved_neighbours_still_get_through() {
     let vip: SocketAddr = (VIP, 80).into();
     for round in 0..3 {
         bed.lb.ip(&["neigh", "flush", "dev", "eth0"]).unwrap();
-        let results = in_ns(&bed.client, move || {
-            (0..6)
-                .map(|_| http_get(vip, TIMEOUT).map_err(|e| e.to_string()))
-                .collect::<Vec<_>>()
-        });
-        for r in results {
-            r.unwrap_or_else(|e| {
-                panic!("round {round}: request failed after a neighbour flush: {e}")
+        // At once (next hops still cached), then once the caches have
+        // expired (the daemon bumps their generation every second), when
+        // the FIB has no neighbour to give and the kernel must resolve it.
+        for wait in [Duration::ZERO, Duration::from_millis(1500)] {
+            std::thread::sleep(wait);
+            let results = in_ns(&bed.client, move || {
+                (0..6)
+                    .map(|_| http_get(vip, TIMEOUT).map_err(|e| e.to_string()))
+                    .collect::<Vec<_>>()
             });
+            for r in results {
+                r.unwrap_or_else(|e| {
+                    panic!("round {round}: request failed {wait:?} after a neighbour flush: {e}")
+                });
+            }
         }
     }
     let g = bed.status().unwrap().global;
