@@ -47,7 +47,9 @@ const BACKENDS: u8 = 16;
 const HALF_OPEN_SLOTS: u32 = huddle_common::DEFAULT_HALF_OPEN_SIZE;
 
 /// NAT tuples the reuse case's balancer has on the bench's CPU, over all
-/// backends: as many as a case of new flows runs.
+/// backends: as many as a case of new flows runs (fewer on a machine of
+/// more than 63 possible CPUs, whose slices of the port range are
+/// smaller).
 const REUSE_TUPLES: u32 = HALF_OPEN_SLOTS / 4;
 
 /// VIP ports of the DSR services (their backends listen on the same).
@@ -145,14 +147,14 @@ fn client_for(n: u32) -> (Ipv4Addr, u16) {
 /// times SYNs from the next `REUSE_TUPLES`.
 const REUSE_BASE: u32 = 20_000_000;
 
-/// Opens and finishes (client FIN) one connection on each of `env`'s NAT
-/// tuples of this CPU, so its walk starts over on finished connections'
-/// tuples, and waits out their linger (`NAT_LINGER_NS`): the next SYNs
-/// each find a NAT entry and a closed flow, and free both.
-fn finish_connections(env: &ProgRun, round: u32) -> Result<()> {
+/// Opens and finishes (client FIN) one connection on each of `env`'s
+/// `tuples` NAT tuples of this CPU, so its walk starts over on finished
+/// connections' tuples, and waits out their linger (`NAT_LINGER_NS`): the
+/// next SYNs each find a NAT entry and a closed flow, and free both.
+fn finish_connections(env: &ProgRun, round: u32, tuples: u32) -> Result<()> {
     env.dp.clear_half_open()?;
     let before = env.dp.service_stats(0)?.promoted;
-    for n in 0..REUSE_TUPLES {
+    for n in 0..tuples {
         let client = client_for(REUSE_BASE + 2 * round * REUSE_TUPLES + n);
         let (v, out) = env.run(&Frame::tcp(client, (VIP, 80)).syn().build())?;
         if v != 3 {
@@ -174,8 +176,8 @@ fn finish_connections(env: &ProgRun, round: u32) -> Result<()> {
         )?;
     }
     let promoted = env.dp.service_stats(0)?.promoted - before;
-    if promoted != u64::from(REUSE_TUPLES) {
-        bail!("finishing connections for the reuse case: {promoted} of {REUSE_TUPLES} established");
+    if promoted != u64::from(tuples) {
+        bail!("finishing connections for the reuse case: {promoted} of {tuples} established");
     }
     std::thread::sleep(Duration::from_nanos(
         huddle_common::NAT_LINGER_NS + 100_000_000,
@@ -243,11 +245,13 @@ fn measure(args: &BenchArgs) -> Result<()> {
     // its SYNs take tuples of finished connections, as every SYN does once
     // a walk has gone round (the steady state).
     let mut reuse_cfg = bench_config(HALF_OPEN_SLOTS);
-    let slices = u16::try_from(crate::host::possible_cpus()?)?;
-    let per_backend = u16::try_from(REUSE_TUPLES / u32::from(BACKENDS))?;
+    // One slice of the port range (1024-65535) per possible CPU.
+    let slices = u32::try_from(crate::host::possible_cpus()?)?.max(1);
+    let per_backend = (REUSE_TUPLES / u32::from(BACKENDS)).min(64_512 / slices);
+    let reuse_tuples = per_backend * u32::from(BACKENDS);
     reuse_cfg.nat_ports = PortRange {
-        min: 20000,
-        max: 20000 + per_backend * slices - 1,
+        min: 1024,
+        max: u16::try_from(1023 + per_backend * slices)?,
     };
     let reuse = ProgRun::new(
         &format!("huddle-bench-reuse-{}", std::process::id()),
@@ -421,7 +425,7 @@ fn measure(args: &BenchArgs) -> Result<()> {
         (
             "new flow (SYN) on a finished connection's NAT tuple",
             reuse_prog,
-            new_calls,
+            new_calls.min(reuse_tuples),
             3,
         ),
         ("non-VIP (pass)", prog, args.calls, 2),
@@ -451,7 +455,7 @@ fn measure(args: &BenchArgs) -> Result<()> {
                 env.dp.clear_half_open()?;
             }
             if i == reuse_case {
-                finish_connections(&reuse, round)?;
+                finish_connections(&reuse, round, reuse_tuples)?;
             }
             let mut frames = |n: u32| match i {
                 1 => reply.clone(),
