@@ -142,6 +142,22 @@ fn client_for(n: u32) -> (Ipv4Addr, u16) {
     (addr, 1024 + (n % 50_000) as u16)
 }
 
+/// A full handshake of `client` with the source-NAT service on port 80:
+/// its SYN, the backend's SYN-ACK, its ACK (which promotes the flow).
+/// Returns the three verdicts, the backend and the NAT port.
+fn handshake(env: &ProgRun, client: (Ipv4Addr, u16)) -> Result<([u32; 3], (Ipv4Addr, u16), u16)> {
+    let (v, out) = env.run(&Frame::tcp(client, (VIP, 80)).syn().build())?;
+    let ((_, nat_port), backend) = endpoints(&out);
+    let (v2, _) = env.run(
+        &Frame::tcp(backend, (BALANCER_IP, nat_port))
+            .flags(SYN | ACK)
+            .seq_ack(5000, 1001)
+            .build(),
+    )?;
+    let (v3, _) = env.run(&Frame::tcp(client, (VIP, 80)).seq_ack(1001, 5001).build())?;
+    Ok(([v, v2, v3], backend, nat_port))
+}
+
 /// First client number of the reuse case: round `r` finishes
 /// `REUSE_TUPLES` connections from `REUSE_BASE + 2r * REUSE_TUPLES`, then
 /// times SYNs from the next `REUSE_TUPLES`.
@@ -156,18 +172,10 @@ fn finish_connections(env: &ProgRun, round: u32, tuples: u32) -> Result<()> {
     let before = env.dp.service_stats(0)?.promoted;
     for n in 0..tuples {
         let client = client_for(REUSE_BASE + 2 * round * REUSE_TUPLES + n);
-        let (v, out) = env.run(&Frame::tcp(client, (VIP, 80)).syn().build())?;
+        let ([v, ..], ..) = handshake(env, client)?;
         if v != 3 {
             bail!("finishing connections for the reuse case: SYN verdict {v}");
         }
-        let ((_, nat_port), (backend, bport)) = endpoints(&out);
-        env.run(
-            &Frame::tcp((backend, bport), (BALANCER_IP, nat_port))
-                .flags(SYN | ACK)
-                .seq_ack(5000, 1001)
-                .build(),
-        )?;
-        env.run(&Frame::tcp(client, (VIP, 80)).seq_ack(1001, 5001).build())?;
         env.run(
             &Frame::tcp(client, (VIP, 80))
                 .flags(FIN | ACK)
@@ -293,21 +301,14 @@ fn measure(args: &BenchArgs) -> Result<()> {
         .payload(&payload)
         .build();
     // A full handshake, so the flow is in the flow table, not half-open.
-    let (v, out) = env.run(&Frame::tcp((client, 40000), (VIP, 80)).syn().build())?;
-    let ((_, nat_port), (backend, bport)) = endpoints(&out);
-    let synack = Frame::tcp((backend, bport), (BALANCER_IP, nat_port))
-        .flags(SYN | ACK)
-        .seq_ack(5000, 1001);
-    let (v2, _) = env.run(&synack.build())?;
-    let ack = Frame::tcp((client, 40000), (VIP, 80)).seq_ack(1001, 5001);
-    let (v3, _) = env.run(&ack.build())?;
+    let ([v, v2, v3], backend, nat_port) = handshake(&env, (client, 40000))?;
     if (v, v2, v3) != (3, 3, 3) || env.dp.service_stats(0)?.promoted != 1 {
         bail!("setting up the established flow returned verdicts {v}, {v2}, {v3}, expected XDP_TX (3)");
     }
     // The backend's answer on that flow: half the packets of a source-NATed
     // connection go this way (NAT lookup, flow lookup for its timing, next
     // hop toward the client).
-    let reply = Frame::tcp((backend, bport), (BALANCER_IP, nat_port))
+    let reply = Frame::tcp(backend, (BALANCER_IP, nat_port))
         .flags(ACK)
         .seq_ack(5001, 1001)
         .payload(&payload)
@@ -554,20 +555,7 @@ fn pps(
     let peer = crate::host::ifindex("hb1")?;
     // Establish the flows the frames belong to.
     for k in 0..PPS_FLOWS {
-        let port = PPS_BASE_PORT + k;
-        let (_, out) = env.run(&Frame::tcp((client, port), (VIP, 80)).syn().build())?;
-        let ((_, nat_port), (backend, bport)) = endpoints(&out);
-        env.run(
-            &Frame::tcp((backend, bport), (BALANCER_IP, nat_port))
-                .flags(SYN | ACK)
-                .seq_ack(5000, 1001)
-                .build(),
-        )?;
-        env.run(
-            &Frame::tcp((client, port), (VIP, 80))
-                .seq_ack(1001, 5001)
-                .build(),
-        )?;
+        handshake(&env, (client, PPS_BASE_PORT + k))?;
     }
     if env.dp.service_stats(0)?.promoted != u64::from(PPS_FLOWS) {
         bail!("could not establish the {PPS_FLOWS} flows of the packets-per-second run");
