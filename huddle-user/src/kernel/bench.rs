@@ -229,6 +229,10 @@ pub fn run(args: &BenchArgs) -> Result<()> {
 }
 
 fn measure(args: &BenchArgs) -> Result<()> {
+    let stale = crate::netns::remove_orphans(&["huddle-bench-", "huddle-pps-"]);
+    if stale > 0 {
+        eprintln!("removed {stale} network namespaces an interrupted benchmark left");
+    }
     pin(args.cpu)?;
     let client = Ipv4Addr::new(10, 213, 0, 2);
     let cfg = bench_config(HALF_OPEN_SLOTS);

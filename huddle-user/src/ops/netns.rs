@@ -20,6 +20,31 @@ pub fn ip(args: &[&str]) -> Result<()> {
     Ok(())
 }
 
+/// Deletes namespaces named `PREFIX...-PID` (a prefix of `prefixes`)
+/// whose process is gone: a run killed before it could drop its
+/// namespaces (SIGINT, SIGKILL) leaves them. Returns how many it deleted.
+pub fn remove_orphans(prefixes: &[&str]) -> usize {
+    let Ok(out) = Command::new("ip").args(["netns", "list"]).output() else {
+        return 0;
+    };
+    let mut removed = 0;
+    for name in String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter_map(|l| l.split_whitespace().next())
+    {
+        let orphan = prefixes.iter().any(|p| name.starts_with(p))
+            && name
+                .rsplit('-')
+                .next()
+                .and_then(|pid| pid.parse::<u32>().ok())
+                .is_some_and(|pid| !std::path::Path::new(&format!("/proc/{pid}")).exists());
+        if orphan && ip(&["netns", "del", name]).is_ok() {
+            removed += 1;
+        }
+    }
+    removed
+}
+
 /// A named network namespace, deleted on drop.
 #[derive(Debug)]
 pub struct Netns {
