@@ -33,10 +33,26 @@ pub struct Throughput {
     pub cpu_us_per_request: f64,
     /// What that CPU figure covers.
     pub cpu_of: &'static str,
-    /// HuddleCluster only: the XDP program's mean run time per packet
-    /// (ns) and its runs (packets) per request.
-    pub xdp_ns_per_packet: Option<f64>,
-    pub xdp_packets_per_request: Option<f64>,
+    /// HuddleCluster only: what its XDP program did per request.
+    pub xdp: Option<XdpRuns>,
+}
+
+/// The XDP program's runs (packets) per request and mean run time per
+/// packet, from the kernel's BPF statistics.
+#[derive(Clone, Copy, Debug, Serialize)]
+pub struct XdpRuns {
+    pub packets_per_request: f64,
+    pub ns_per_packet: f64,
+}
+
+impl std::fmt::Display for XdpRuns {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{:.1} packets of {:.0} ns",
+            self.packets_per_request, self.ns_per_packet
+        )
+    }
 }
 
 /// CPU seconds (user + system) of process `root` and all its descendants
@@ -184,7 +200,9 @@ pub fn run(
         failed,
         cpu_us_per_request: cpu_us,
         cpu_of,
-        xdp_ns_per_packet: prog_ns.map(|(ns, runs)| ns / runs.max(1.0)),
-        xdp_packets_per_request: prog_ns.map(|(_, runs)| runs / n),
+        xdp: prog_ns.map(|(ns, runs)| XdpRuns {
+            packets_per_request: runs / n,
+            ns_per_packet: ns / runs.max(1.0),
+        }),
     })
 }

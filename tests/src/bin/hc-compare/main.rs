@@ -364,10 +364,7 @@ fn closed_loop(bed: &mut Testbed, o: &Opts, md: &mut String) -> Result<Vec<close
         for b in kinds {
             let t = closed::run(bed, &o.huddle, b, CONNS, keepalive, o.closed_secs)
                 .with_context(|| format!("closed loop, {}", b.slug()))?;
-            let per_packet = match (t.xdp_ns_per_packet, t.xdp_packets_per_request) {
-                (Some(ns), Some(n)) => format!(" ({n:.1} packets of {ns:.0} ns)"),
-                _ => String::new(),
-            };
+            let per_packet = t.xdp.map(|x| format!(" ({x})")).unwrap_or_default();
             println!(
                 "  closed loop {:<11} {}: {:.0} req/s, p50 {:.2} p99 {:.2} ms, {:.2} us CPU per request{per_packet}, {} failed",
                 b.slug(),
@@ -414,10 +411,8 @@ fn closed_loop(bed: &mut Testbed, o: &Opts, md: &mut String) -> Result<Vec<close
             r.p99_ms,
             r.failed,
             r.cpu_us_per_request,
-            match (r.xdp_ns_per_packet, r.xdp_packets_per_request) {
-                (Some(ns), Some(n)) => format!("XDP program: {n:.1} packets of {ns:.0} ns"),
-                _ => "process".to_string(),
-            }
+            r.xdp
+                .map_or_else(|| "process".to_string(), |x| format!("XDP program: {x}"))
         );
     }
     print!("{t}");
