@@ -67,6 +67,11 @@ pub mod maps {
     /// `Array<HalfOpenNat>`: the NAT side of half-open flows, one slot per
     /// hash of the NAT tuple.
     pub const HALF_OPEN_NAT: &str = "HALF_OPEN_NAT";
+    /// `Array<HalfOpenTags>`: the short tags of `HALF_OPEN`'s slots,
+    /// `HALF_OPEN_TAGS_PER_LINE` to an element (see `HalfOpenTags`).
+    pub const HALF_OPEN_TAGS: &str = "HALF_OPEN_TAGS";
+    /// `Array<HalfOpenTags>`: the short tags of `HALF_OPEN_NAT`'s slots.
+    pub const HALF_OPEN_NAT_TAGS: &str = "HALF_OPEN_NAT_TAGS";
     /// `PerCpuArray<NextHop>` indexed by backend id: the FIB's answer for
     /// it, reused while `Config::hop_generation` is unchanged.
     pub const NEXT_HOP: &str = "NEXT_HOP";
@@ -107,7 +112,7 @@ pub mod maps {
     /// written by the control plane with the ring, in the same double
     /// buffer.
     pub const MAGLEV: &str = "MAGLEV";
-    pub const ALL: [&str; 25] = [
+    pub const ALL: [&str; 27] = [
         SERVICES,
         SERVICES6,
         TAILS,
@@ -125,6 +130,8 @@ pub mod maps {
         PULSE,
         HALF_OPEN,
         HALF_OPEN_NAT,
+        HALF_OPEN_TAGS,
+        HALF_OPEN_NAT_TAGS,
         NEXT_HOP,
         NAT_CURSOR,
         CONNECT,
@@ -686,6 +693,42 @@ pub struct HalfOpenNat {
     pub nat: NatValue,
 }
 
+/// The short tags of a half-open table's slots (`HALF_OPEN_TAGS` for
+/// `HALF_OPEN`, `HALF_OPEN_NAT_TAGS` for `HALF_OPEN_NAT`): slot `i` is
+/// lane `i % 16` of element `i / 16`. A SYN must know whether its slots
+/// hold its own tuple (a retransmission) or another handshake (one it
+/// takes over); read from the slots (8 and 6 MiB for 65,536), that was a
+/// cache miss on almost every SYN. These tags take a quarter MiB each,
+/// which stays in cache. Only a matching short tag sends a SYN on to the
+/// client slot itself; the slots are only written.
+///
+/// Kept equal to the slots' tags wherever a slot's tag is set or cleared;
+/// a lane of 0 where the slot is taken only costs a retransmitted SYN its
+/// first backend (a data plane adopted from a build without this map).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct HalfOpenTags {
+    pub tags: [u32; HALF_OPEN_TAGS_PER_LINE as usize],
+}
+
+/// Short tags to an element of `HALF_OPEN_TAGS`: one cache line.
+pub const HALF_OPEN_TAGS_PER_LINE: u32 = 16;
+
+/// Elements of `HALF_OPEN_TAGS` for `slots` half-open slots (a power of
+/// two; at least one element).
+#[must_use]
+pub fn half_open_tag_lines(slots: u32) -> u32 {
+    (slots / HALF_OPEN_TAGS_PER_LINE).max(1)
+}
+
+/// The short tag of a slot holding a key of hash `h`: never 0, and taken
+/// from the bits the slot index does not use.
+#[inline(always)]
+#[must_use]
+pub const fn short_tag(h: u64) -> u32 {
+    ((h >> 32) as u32) | 1
+}
+
 /// The tag a slot holding a key of hash `h` carries: never 0.
 #[inline(always)]
 #[must_use]
@@ -886,6 +929,7 @@ assert_size!(HalfOpen, 128);
 assert_size!(SynCopy, 48);
 assert_size!(Tuning, 24);
 assert_size!(HalfOpenNat, 96);
+assert_size!(HalfOpenTags, 64);
 assert_size!(NatCursor, 24);
 assert_size!(TurnKey, 40);
 assert_size!(AgentTtfb, 16 + 8 * LATENCY_BUCKETS);
@@ -919,6 +963,7 @@ mod pod {
     unsafe impl aya::Pod for TwHint {}
     unsafe impl aya::Pod for HalfOpen {}
     unsafe impl aya::Pod for HalfOpenNat {}
+    unsafe impl aya::Pod for HalfOpenTags {}
     unsafe impl aya::Pod for Tuning {}
 }
 

@@ -29,8 +29,8 @@ use aya_ebpf::{
 };
 use aya_log_ebpf::warn;
 use huddle_common::{
-    backend_flags, flow_flags, service_mode, slot_tag, Config, FlowKey, FlowValue, HalfOpen,
-    NatKey, MAX_SYN_RETRIES, NAT_PORT_TRIES,
+    backend_flags, flow_flags, service_mode, short_tag, slot_tag, Config, FlowKey, FlowValue,
+    HalfOpen, NatKey, MAX_SYN_RETRIES, NAT_PORT_TRIES,
 };
 
 /// `reply`'s answer for a refused SYN that may be retried: the packet is
@@ -264,7 +264,7 @@ fn handshake<F: Family>(
     if tcp && p.has_flag(TCP_SYN) {
         return new_flow(ctx, cfg, service, sc, p, true, true, dsr).map(|f| (f, None));
     }
-    let Some(slot) = halfopen::find(cfg, &sc.nval.flow) else {
+    let Some((slot, h)) = halfopen::find_hashed(cfg, &sc.nval.flow) else {
         if tcp {
             // A segment of a connection another balancer opened (the
             // router moved it here): with Maglev this balancer picks the
@@ -290,7 +290,7 @@ fn handshake<F: Family>(
         answered
     };
     if promote_now {
-        return promote(cfg, service, sc, slot, &half, p.proto, dsr);
+        return promote(cfg, service, sc, (slot, h), &half, p.proto, dsr);
     }
     // Early packets: same backend, no promotion.
     Ok((half, None))
@@ -320,14 +320,14 @@ fn maglev(service: u32) -> bool {
         .is_some_and(|t| unsafe { (*t).maglev_size } != 0)
 }
 
-/// Moves a half-open flow (in `slot`, its key in `sc.nval.flow`) into the
-/// flow tables and frees its half-open slots.
+/// Moves a half-open flow (in `slot`, with its key's hash; the key in
+/// `sc.nval.flow`) into the flow tables and frees its half-open slots.
 #[inline(always)]
 fn promote(
     cfg: &Config,
     service: u32,
     sc: &mut Scratch,
-    slot: *mut HalfOpen,
+    (slot, h): (*mut HalfOpen, u64),
     half: &FlowValue,
     proto: u8,
     dsr: bool,
@@ -385,8 +385,7 @@ fn promote(
             }
         }
     };
-    // SAFETY: map value pointer, valid for this run.
-    unsafe { (*slot).tag = 0 };
+    halfopen::empty(cfg, slot, h);
     bump(&SERVICE_STATS, service, |s| s.promoted += 1);
     bump(&BACKEND_STATS, flow.backend, |s| s.flows_new += 1);
     Ok((flow, Some(entry)))
@@ -415,10 +414,15 @@ fn new_flow<F: Family>(
     } else {
         0
     };
+    // The slot and its short tag, which alone tells most SYNs that the
+    // slot is not theirs (the slot itself is usually a cache miss).
     let slot = if half {
-        match halfopen::client_slot(cfg, h) {
-            Some(s) => Some(s),
-            None => return Err(xdp_action::XDP_DROP),
+        match (
+            halfopen::client_slot(cfg, h),
+            halfopen::short_tag_of(cfg, h),
+        ) {
+            (Some(s), Some(t)) => Some((s, t)),
+            _ => return Err(xdp_action::XDP_DROP),
         }
     } else {
         None
@@ -429,7 +433,10 @@ fn new_flow<F: Family>(
     // backends this connection has tried after its first.
     let mut avoid = pick::NONE;
     let mut retries = 0;
-    if let Some(s) = slot.filter(|s| halfopen::holds(*s, h, &sc.nval.flow)) {
+    // SAFETY (short tag): map value pointer, valid for this run.
+    if let Some((s, _)) = slot
+        .filter(|(s, t)| unsafe { **t } == short_tag(h) && halfopen::holds(*s, h, &sc.nval.flow))
+    {
         // SAFETY: map value pointer, valid for this run.
         let (flow, tried) = unsafe { ((*s).flow, (*s).syn.backends_tried()) };
         let Some(backend) = BACKENDS.get(flow.backend) else {
@@ -511,16 +518,16 @@ fn new_flow<F: Family>(
         stamp_ns: now,
         turn_ns: now,
     };
-    if let Some(s) = slot {
+    if let Some((s, t)) = slot {
         if !dsr {
             halfopen::write_nat(cfg, service, sc);
         }
-        // SAFETY: map value pointer, valid for this run. A slot still
-        // tagged holds a handshake that had not completed: it loses it.
+        // SAFETY: map value pointers, valid for this run. A slot with a
+        // short tag holds a handshake that had not completed: it loses it.
         // Field by field, tag last: no 80-byte temporary on the stack, and
         // a reader on another CPU sees the new tag after the new key.
         unsafe {
-            if (*s).tag != 0 {
+            if *t != 0 {
                 bump(&SERVICE_STATS, service, |st| st.half_open_lost += 1);
             }
             put(&mut (*s).key, &sc.nval.flow);
@@ -529,6 +536,7 @@ fn new_flow<F: Family>(
                 put(&mut (*s).syn, &sc.syn);
             }
             (*s).tag = slot_tag(h);
+            *t = short_tag(h);
         }
         bump(&SERVICE_STATS, service, |s| s.half_open += 1);
         if p.is_tcp() {

@@ -1,15 +1,23 @@
 //! The half-open tables: direct-mapped arrays of slots, one per hash of a
 //! tuple (see `huddle_common::HalfOpen` for why not an LRU hash); on the
 //! NAT side consecutive NAT ports toward a backend take consecutive slots
-//! (`NatKey::half_open_slot`).
+//! (`NatKey::half_open_slot`). Each slot's tag is also kept short in
+//! `HALF_OPEN_TAGS` or `HALF_OPEN_NAT_TAGS`, which a SYN reads instead of
+//! the slots (see `huddle_common::HalfOpenTags`).
 //!
 //! Two CPUs may write one slot at the same instant (two SYNs whose tuples
 //! hash alike); a reader checks the tag and the whole key, so such a slot
 //! reads as another flow's or as empty, and at worst one handshake is
 //! retried by its client.
 
-use crate::maps::{bump, put, Scratch, HALF_OPEN, HALF_OPEN_NAT, SERVICE_STATS};
-use huddle_common::{slot_tag, Config, FlowKey, HalfOpen, HalfOpenNat, NatKey};
+use crate::maps::{
+    bump, put, Scratch, HALF_OPEN, HALF_OPEN_NAT, HALF_OPEN_NAT_TAGS, HALF_OPEN_TAGS, SERVICE_STATS,
+};
+use aya_ebpf::maps::Array;
+use huddle_common::{
+    short_tag, slot_tag, Config, FlowKey, HalfOpen, HalfOpenNat, HalfOpenTags, NatKey,
+    HALF_OPEN_TAGS_PER_LINE,
+};
 
 /// The slot of client tuple `key` (hash `h`), whoever holds it.
 #[inline(always)]
@@ -17,14 +25,29 @@ pub fn client_slot(cfg: &Config, h: u64) -> Option<*mut HalfOpen> {
     HALF_OPEN.get_ptr_mut((h as u32) & cfg.half_open_mask)
 }
 
-/// The slot of NAT tuple `key`, whoever holds it, and the tag `key`
-/// carries there.
+/// Short tag `i` (a slot index, already masked) of `tags`.
 #[inline(always)]
-pub fn nat_slot(cfg: &Config, key: &NatKey) -> Option<(*mut HalfOpenNat, u64)> {
+fn short_tag_at(tags: &Array<HalfOpenTags>, i: u32) -> Option<*mut u32> {
+    let line = tags.get_ptr_mut(i / HALF_OPEN_TAGS_PER_LINE)?;
+    let lane = (i % HALF_OPEN_TAGS_PER_LINE) as usize;
+    // SAFETY: map value pointer from this run; `lane` < 16, the length.
+    Some(unsafe { (*line).tags.as_mut_ptr().add(lane) })
+}
+
+/// The short tag of the client slot of hash `h` (see `client_slot`).
+#[inline(always)]
+pub fn short_tag_of(cfg: &Config, h: u64) -> Option<*mut u32> {
+    short_tag_at(&HALF_OPEN_TAGS, (h as u32) & cfg.half_open_mask)
+}
+
+/// The NAT slot of tuple `key`, whoever holds it: the slot, the tag `key`
+/// carries there, and the slot's short tag.
+#[inline(always)]
+pub fn nat_slot(cfg: &Config, key: &NatKey) -> Option<(*mut HalfOpenNat, u64, *mut u32)> {
     let (i, tag) = key.half_open_slot(cfg.hash_seed, cfg.nat_port_min);
-    HALF_OPEN_NAT
-        .get_ptr_mut(i & cfg.half_open_mask)
-        .map(|s| (s, tag))
+    let i = i & cfg.half_open_mask;
+    let slot = HALF_OPEN_NAT.get_ptr_mut(i)?;
+    Some((slot, tag, short_tag_at(&HALF_OPEN_NAT_TAGS, i)?))
 }
 
 /// Whether `slot` holds the half-open flow `key` (of hash `h`).
@@ -45,31 +68,56 @@ pub fn nat_holds(slot: *const HalfOpenNat, tag: u64, key: &NatKey) -> bool {
 /// The slot of the half-open flow `key`, if one holds it.
 #[inline(always)]
 pub fn find(cfg: &Config, key: &FlowKey) -> Option<*mut HalfOpen> {
+    find_hashed(cfg, key).map(|(s, _)| s)
+}
+
+/// As `find`, with the key's hash (for `empty`).
+#[inline(always)]
+pub fn find_hashed(cfg: &Config, key: &FlowKey) -> Option<(*mut HalfOpen, u64)> {
     let h = key.hash(cfg.hash_seed);
-    client_slot(cfg, h).filter(|s| holds(*s, h, key))
+    client_slot(cfg, h)
+        .filter(|s| holds(*s, h, key))
+        .map(|s| (s, h))
+}
+
+/// Empties client slot `slot` (of hash `h`): its flow was promoted.
+#[inline(always)]
+pub fn empty(cfg: &Config, slot: *mut HalfOpen, h: u64) {
+    // SAFETY: map value pointers, valid for this run.
+    unsafe {
+        (*slot).tag = 0;
+        if let Some(t) = short_tag_of(cfg, h) {
+            *t = 0;
+        }
+    }
 }
 
 /// The NAT slot of a half-open flow, if it still holds it.
 #[inline(always)]
 pub fn find_nat(cfg: &Config, key: &NatKey) -> Option<*mut HalfOpenNat> {
     nat_slot(cfg, key)
-        .filter(|(s, tag)| nat_holds(*s, *tag, key))
-        .map(|(s, _)| s)
+        .filter(|(s, tag, _)| nat_holds(*s, *tag, key))
+        .map(|(s, _, _)| s)
 }
 
 /// Writes the NAT side of the half-open flow in `sc` (`nkey` -> `nval`)
-/// into its slot, counting a handshake it takes the slot from.
+/// into its slot, counting a handshake it takes the slot from. Reads only
+/// the short tag: a slot of another tuple toward the same backend has
+/// another index, so a matching short tag is this tuple's (a
+/// retransmission).
 #[inline(always)]
 pub fn write_nat(cfg: &Config, service: u32, sc: &Scratch) {
-    if let Some((n, tag)) = nat_slot(cfg, &sc.nkey) {
-        // SAFETY: map value pointer, valid for this run.
+    if let Some((n, tag, t)) = nat_slot(cfg, &sc.nkey) {
+        let short = short_tag(tag);
+        // SAFETY: map value pointers, valid for this run.
         unsafe {
-            if (*n).tag != 0 && (*n).key != sc.nkey {
+            if *t != 0 && *t != short {
                 bump(&SERVICE_STATS, service, |st| st.half_open_lost += 1);
             }
             put(&mut (*n).key, &sc.nkey);
             put(&mut (*n).nat, &sc.nval);
             (*n).tag = tag;
+            *t = short;
         }
     }
 }
@@ -78,8 +126,13 @@ pub fn write_nat(cfg: &Config, service: u32, sc: &Scratch) {
 /// a late answer on that tuple finds nothing (the flow moved on).
 #[inline(always)]
 pub fn forget_nat(cfg: &Config, key: &NatKey) {
-    if let Some(n) = find_nat(cfg, key) {
-        // SAFETY: map value pointer, valid for this run.
-        unsafe { (*n).tag = 0 };
+    if let Some((n, tag, t)) = nat_slot(cfg, key) {
+        if nat_holds(n, tag, key) {
+            // SAFETY: map value pointers, valid for this run.
+            unsafe {
+                (*n).tag = 0;
+                *t = 0;
+            }
+        }
     }
 }

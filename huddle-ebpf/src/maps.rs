@@ -7,10 +7,11 @@ use aya_ebpf::{
 };
 use huddle_common::{
     maglev_elements, Backend, BackendStats, ClientHop, Config, FlowKey, FlowValue, GlobalStats,
-    HalfOpen, HalfOpenNat, Latency, NatCursor, NatKey, NatValue, NextHop, Pulse, Ring, ServiceKey,
-    ServiceKey6, ServiceStats, ServiceValue, SynCopy, Tuning, TwHint, CLIENT_HOP_SLOTS,
-    DEFAULT_FLOW_TABLE_SIZE, DEFAULT_HALF_OPEN_SIZE, DEFAULT_MAGLEV_SIZE, MAGLEV_MAP_FLAGS,
-    MAX_BACKENDS, MAX_SERVICES, MAX_SNAT, MAX_TW_HINTS, NAT_USED_LINE,
+    HalfOpen, HalfOpenNat, HalfOpenTags, Latency, NatCursor, NatKey, NatValue, NextHop, Pulse,
+    Ring, ServiceKey, ServiceKey6, ServiceStats, ServiceValue, SynCopy, Tuning, TwHint,
+    CLIENT_HOP_SLOTS, DEFAULT_FLOW_TABLE_SIZE, DEFAULT_HALF_OPEN_SIZE, DEFAULT_MAGLEV_SIZE,
+    HALF_OPEN_TAGS_PER_LINE, MAGLEV_MAP_FLAGS, MAX_BACKENDS, MAX_SERVICES, MAX_SNAT, MAX_TW_HINTS,
+    NAT_USED_LINE,
 };
 
 /// VIP:port/proto -> service id, and SNAT address -> its index. Written
@@ -69,6 +70,16 @@ pub static HALF_OPEN: Array<HalfOpen> = Array::with_max_entries(DEFAULT_HALF_OPE
 /// Same size as `HALF_OPEN`.
 #[map]
 pub static HALF_OPEN_NAT: Array<HalfOpenNat> = Array::with_max_entries(DEFAULT_HALF_OPEN_SIZE, 0);
+
+/// `HALF_OPEN`'s short tags, 16 to an element: what a SYN reads first.
+#[map]
+pub static HALF_OPEN_TAGS: Array<HalfOpenTags> =
+    Array::with_max_entries(DEFAULT_HALF_OPEN_SIZE / HALF_OPEN_TAGS_PER_LINE, 0);
+
+/// `HALF_OPEN_NAT`'s short tags, as `HALF_OPEN_TAGS`.
+#[map]
+pub static HALF_OPEN_NAT_TAGS: Array<HalfOpenTags> =
+    Array::with_max_entries(DEFAULT_HALF_OPEN_SIZE / HALF_OPEN_TAGS_PER_LINE, 0);
 
 /// Per-CPU room for the keys a packet builds: the BPF stack holds 512
 /// bytes for the whole call chain, and these alone are 128.

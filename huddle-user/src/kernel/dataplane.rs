@@ -301,6 +301,8 @@ impl Dataplane {
                 huddle_common::MAX_NAT_USED_BYTES >> 20
             );
         }
+        let tag_lines =
+            huddle_common::half_open_tag_lines(cfg.half_open_table_size.next_power_of_two());
         let mut loader = EbpfLoader::new();
         // HUDDLE_VERIFIER_LOG=1: the verifier's whole log on a refusal
         // (for whoever changes the program).
@@ -319,6 +321,8 @@ impl Dataplane {
                 maps::HALF_OPEN_NAT,
                 cfg.half_open_table_size.next_power_of_two(),
             )
+            .map_max_entries(maps::HALF_OPEN_TAGS, tag_lines)
+            .map_max_entries(maps::HALF_OPEN_NAT_TAGS, tag_lines)
             .map_max_entries(maps::MAGLEV, maglev_elements(cfg.maglev_table_size))
             .map_max_entries(maps::NAT_USED, huddle_common::nat_used_lines(nat_used));
         let mut adopted = false;
@@ -572,9 +576,12 @@ impl Dataplane {
     pub fn clear_half_open(&self) -> Result<()> {
         // SAFETY: `Pod`s of integers and byte arrays: all zeroes is a valid
         // value (an empty slot).
-        let (slot, nat) = unsafe { (std::mem::zeroed(), std::mem::zeroed()) };
+        let (slot, nat, tags) =
+            unsafe { (std::mem::zeroed(), std::mem::zeroed(), std::mem::zeroed()) };
         fill::<huddle_common::HalfOpen>(&self.ebpf, maps::HALF_OPEN, slot)?;
-        fill::<huddle_common::HalfOpenNat>(&self.ebpf, maps::HALF_OPEN_NAT, nat)
+        fill::<huddle_common::HalfOpenNat>(&self.ebpf, maps::HALF_OPEN_NAT, nat)?;
+        fill::<huddle_common::HalfOpenTags>(&self.ebpf, maps::HALF_OPEN_TAGS, tags)?;
+        fill::<huddle_common::HalfOpenTags>(&self.ebpf, maps::HALF_OPEN_NAT_TAGS, tags)
     }
 
     /// The tuples the backends may hold in TIME_WAIT at `now_ns`: closed
@@ -1233,6 +1240,13 @@ impl Dataplane {
             .try_into()?)
     }
 
+    /// The seed of the program's flow hashes (which slot a tuple takes):
+    /// fixtures that need tuples sharing a slot compute them with it.
+    #[must_use]
+    pub fn hash_seed(&self) -> u64 {
+        self.kernel_config.hash_seed
+    }
+
     /// The program's kernel id, for bpftool.
     pub fn program_id(&self) -> Option<u32> {
         let prog: &Xdp = self.ebpf.program(PROGRAM_NAME)?.try_into().ok()?;
@@ -1244,12 +1258,14 @@ impl Dataplane {
 /// them out differently: settings, caches, counters and handshakes in
 /// flight (their clients resend the SYN). Flows, NAT entries, services,
 /// backends and rings must carry over, or a restart would misroute.
-const RECREATABLE: [&str; 14] = [
+const RECREATABLE: [&str; 16] = [
     maps::MAGLEV,
     maps::CONFIG,
     maps::TAILS,
     maps::HALF_OPEN,
     maps::HALF_OPEN_NAT,
+    maps::HALF_OPEN_TAGS,
+    maps::HALF_OPEN_NAT_TAGS,
     maps::NEXT_HOP,
     maps::RR_CURSOR,
     maps::NAT_CURSOR,
@@ -1280,6 +1296,9 @@ fn check_pinned_layouts(dir: &Path, half_open: u32, maglev: u32) -> Result<()> {
             .with_context(|| format!("reading the pinned map {}", pin.display()))?;
         let size = match name {
             maps::HALF_OPEN | maps::HALF_OPEN_NAT => Some(half_open),
+            maps::HALF_OPEN_TAGS | maps::HALF_OPEN_NAT_TAGS => {
+                Some(huddle_common::half_open_tag_lines(half_open))
+            }
             maps::MAGLEV => Some(maglev),
             _ => None,
         };
