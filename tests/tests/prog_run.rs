@@ -1,21 +1,27 @@
 //! The real XDP program on crafted frames (BPF_PROG_TEST_RUN), fixture
 //! style: input frame from the builder, expected verdict, expected bytes.
 
-use huddle_common::{BackendStats, GlobalStats};
+use huddle_common::{BackendStats, FlowKey, GlobalStats, NatKey, FAMILY_V4};
 use huddle_user::{
     config::{Config, PortRange, Proto, Service},
+    dataplane::ip_bytes,
     packet::{
         checksums_valid, endpoints, icmp_checksums_valid, icmp_error, Frame, ACK, ETH_LEN, FIN,
         PSH, RST, SYN,
     },
     prog_run::{mac_of, ProgRun, BALANCER_IP, BALANCER_MAC},
 };
-use std::net::{Ipv4Addr, SocketAddr};
+use std::{
+    collections::HashMap,
+    net::{Ipv4Addr, SocketAddr},
+};
 use testbed::{require_root, unique};
 
 const XDP_DROP: u32 = 1;
 const XDP_PASS: u32 = 2;
 const XDP_TX: u32 = 3;
+/// Half-open slots of `config`'s balancers.
+const HALF_OPEN_SLOTS: u32 = 1024;
 
 const VIP: Ipv4Addr = Ipv4Addr::new(10, 213, 100, 1);
 const CLIENT: Ipv4Addr = Ipv4Addr::new(10, 213, 0, 2);
@@ -43,7 +49,7 @@ fn config(backends: &[Ipv4Addr], udp: bool) -> Config {
     if udp {
         services.push(service(53, Proto::Udp, 5353));
     }
-    huddle_user::prog_run::config(services, NAT, 4096, 1024)
+    huddle_user::prog_run::config(services, NAT, 4096, HALF_OPEN_SLOTS)
 }
 
 /// An environment with three backends, all neighbours resolved.
@@ -795,6 +801,117 @@ fn a_tuple_an_established_flow_holds_is_skipped_when_the_slice_comes_round() {
     let (v, out) = env.run(&reply.build()).unwrap();
     assert_eq!(v, XDP_TX);
     assert_eq!(endpoints(&out).1, (CLIENT, 43000));
+}
+
+/// The half-open client slot a SYN from `sport` takes in `env`.
+fn client_slot(env: &ProgRun, sport: u16) -> u32 {
+    let key = FlowKey {
+        client: ip_bytes(CLIENT.into()),
+        vip: ip_bytes(VIP.into()),
+        client_port_be: sport.to_be(),
+        vip_port_be: 80u16.to_be(),
+        proto: 6,
+        family: FAMILY_V4,
+        _pad: [0; 2],
+    };
+    key.hash(env.dp.hash_seed()) as u32 & (HALF_OPEN_SLOTS - 1)
+}
+
+/// Client ports from `from` on whose half-open slots `keep` says yes.
+fn ports_where<'a>(
+    env: &'a ProgRun,
+    from: u16,
+    keep: impl Fn(u32) -> bool + 'a,
+) -> impl Iterator<Item = u16> + 'a {
+    (from..).filter(move |p| keep(client_slot(env, *p)))
+}
+
+fn half_open_lost(env: &ProgRun) -> u64 {
+    env.dp.service_stats(0).unwrap().half_open_lost
+}
+
+/// A SYN reads its slots' short tags (`HALF_OPEN_TAGS`, `HALF_OPEN_NAT_TAGS`),
+/// not the slots: they must say what the slots hold. A retransmitted SYN
+/// is known as one (same tuple, nothing lost); a SYN on the slot of a
+/// handshake under way takes it (one lost); one on the slot of a promoted
+/// flow loses nothing.
+#[test]
+fn short_tags_tell_a_retransmission_a_handshake_under_way_and_a_free_slot_apart() {
+    let env = nat_env("pr-tags", 1000, &[BALANCER_IP]);
+    pin_to(0);
+    let p0 = 44000;
+    let s0 = client_slot(&env, p0);
+    let first = syn_tuple(&env, p0);
+    assert_eq!(
+        syn_tuple(&env, p0),
+        first,
+        "a retransmission keeps its tuple"
+    );
+    assert_eq!(half_open_lost(&env), 0, "a retransmission takes nothing");
+
+    let p1 = ports_where(&env, p0 + 1, |s| s == s0).next().unwrap();
+    let second = syn_tuple(&env, p1);
+    assert_ne!(second, first);
+    assert_eq!(half_open_lost(&env), 1, "p1 took p0's handshake's slot");
+    // p0's handshake is gone: its next SYN is a new flow, on a new tuple
+    // (and takes the slot back from p1's).
+    assert_ne!(syn_tuple(&env, p0), first);
+    assert_eq!(half_open_lost(&env), 2);
+
+    let p2 = ports_where(&env, p1 + 1, |s| s != s0).next().unwrap();
+    let s2 = client_slot(&env, p2);
+    establish(&env, p2, &[backend(0)]);
+    let p3 = ports_where(&env, p2 + 1, |s| s == s2).next().unwrap();
+    syn_tuple(&env, p3);
+    assert_eq!(
+        half_open_lost(&env),
+        2,
+        "a promoted flow's slot is free: its short tag was cleared"
+    );
+}
+
+/// Both half-open tables modelled: 3,000 SYNs from distinct client ports
+/// toward three backends, never answered, so both tables of 1,024 slots
+/// fill and wrap. A SYN loses the handshake whose slot it takes when that
+/// slot holds another tuple, on either side; the kernel counts this from
+/// the short tags alone, and must count what the model does.
+#[test]
+fn half_open_losses_counted_from_short_tags_match_a_model_of_both_tables() {
+    let env = env("pr-lost");
+    pin_to(0);
+    let seed = env.dp.hash_seed();
+    let mut client_slots = HashMap::new();
+    let mut nat_slots = HashMap::new();
+    let (mut client_lost, mut nat_lost) = (0u64, 0u64);
+    for sport in 10000..13000u16 {
+        let (v, out) = env.run(&client_frame(sport).syn().build()).unwrap();
+        assert_eq!(v, XDP_TX, "SYN from {sport}");
+        let ((_, nat_port), (b, b_port)) = endpoints(&out);
+        let key = NatKey::new(
+            ip_bytes(BALANCER_IP.into()),
+            ip_bytes(b.into()),
+            b_port.to_be(),
+            nat_port.to_be(),
+            6,
+            FAMILY_V4,
+        );
+        let nat_slot = key.half_open_slot(seed, NAT.min).0 & (HALF_OPEN_SLOTS - 1);
+        if client_slots
+            .insert(client_slot(&env, sport), sport)
+            .is_some()
+        {
+            client_lost += 1;
+        }
+        if nat_slots.insert(nat_slot, key).is_some_and(|k| k != key) {
+            nat_lost += 1;
+        }
+    }
+    assert!(client_lost > 0 && nat_lost > 0, "{client_lost} {nat_lost}");
+    assert_eq!(
+        half_open_lost(&env),
+        client_lost + nat_lost,
+        "lost on the client side {client_lost}, on the NAT side {nat_lost}"
+    );
 }
 
 /// TCP options carrying timestamp `ts`: a SYN's as Linux lays them out
