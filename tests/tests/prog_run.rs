@@ -539,6 +539,34 @@ fn ring_swap_steers_new_flows_and_keeps_established_ones() {
     assert_eq!(verdict, XDP_TX);
 }
 
+/// Round robin, a cursor per CPU: consecutive SYNs take the ring's
+/// entries in order and go round; after a swap to a shorter ring, the
+/// cursor, now past its end, wraps into it (here to its first entry).
+#[test]
+fn new_flows_take_the_ring_in_turn_and_a_shorter_ring_from_its_start() {
+    let mut env = env("pr-turns");
+    pin_to(0);
+    let all = [backend(0), backend(1), backend(2)];
+    let got: Vec<Ipv4Addr> = (0..7).map(|i| open_flow(&env, 46000 + i, &all).0).collect();
+    let first = all.iter().position(|b| *b == got[0]).unwrap();
+    let want: Vec<_> = (0..7).map(|i| all[(first + i) % 3]).collect();
+    assert_eq!(got, want, "in turn");
+    // Up to the ring's last entry, so the cursor stands at 2.
+    let next = (first + 7) % 3;
+    for i in 0..(5 - next) % 3 {
+        open_flow(&env, 46100 + i as u16, &all);
+    }
+    let ids = env.dp.services[0].backend_ids.clone();
+    env.dp.swap_ring(0, &ids[..2]).unwrap();
+    let two = [backend(0), backend(1)];
+    let got: Vec<Ipv4Addr> = (0..3).map(|i| open_flow(&env, 46200 + i, &two).0).collect();
+    assert_eq!(
+        got,
+        [two[0], two[1], two[0]],
+        "the shorter ring from its start"
+    );
+}
+
 #[test]
 fn flows_of_a_backend_marked_dead_move_to_the_ring() {
     let mut env = env("pr-move");
