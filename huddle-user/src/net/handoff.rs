@@ -233,8 +233,80 @@ impl FlowBook {
     }
 }
 
+/// How often a balancer lists the flows its Maglev tables no longer
+/// explain and takes its peers' lists.
+pub const EVERY: Duration = Duration::from_secs(1);
+
+/// After a ring change, how often the exchange runs, for `FAST` (the
+/// peers list their newly unexplained flows only once their own scan has
+/// run: one round would often fetch lists made for the old rings). A
+/// connection moved within about two of these of a ring change may still
+/// break; at the steady pace that window was two seconds.
+pub const QUICK: Duration = Duration::from_millis(200);
+pub const FAST: Duration = Duration::from_secs(2);
+
+/// When the exchange is due: every `EVERY`, every `QUICK` for `FAST`
+/// after a ring change, and never so often that the scan takes more than
+/// a fifth of a core (a large flow table slows the pace). Times are any
+/// monotonic clock's.
+#[derive(Debug, Default)]
+pub struct Pace {
+    last: Option<Duration>,
+    swaps: u64,
+    fast_until: Duration,
+    took: Duration,
+}
+
+impl Pace {
+    /// Whether an exchange is due at `now`, with the rings' swap count
+    /// `swaps` (any number that moves when a ring changes); if so, it is
+    /// taken as started.
+    pub fn due(&mut self, now: Duration, swaps: u64) -> bool {
+        if swaps != self.swaps {
+            self.swaps = swaps;
+            self.fast_until = now + FAST;
+        }
+        let every = if now < self.fast_until { QUICK } else { EVERY };
+        let every = every.max(self.took * 5);
+        if self.last.is_some_and(|l| now.saturating_sub(l) < every) {
+            return false;
+        }
+        self.last = Some(now);
+        true
+    }
+
+    /// The last scan took `took`.
+    pub fn scanned(&mut self, took: Duration) {
+        self.took = took;
+    }
+}
+
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn the_exchange_runs_each_second_quicker_after_a_ring_change_and_slower_after_a_slow_scan() {
+        let ms = Duration::from_millis;
+        let mut p = Pace::default();
+        // Steady: once a second.
+        assert!(p.due(ms(0), 0));
+        assert!(!p.due(ms(500), 0));
+        assert!(p.due(ms(1000), 0));
+        // A ring change: every 200 ms for 2 s, then once a second again.
+        assert!(!p.due(ms(1100), 1));
+        assert!(p.due(ms(1200), 1));
+        assert!(!p.due(ms(1300), 1));
+        assert!(p.due(ms(1400), 1));
+        assert!(p.due(ms(3000), 1));
+        assert!(!p.due(ms(3200), 1), "fast only for 2 s after the change");
+        assert!(p.due(ms(4000), 1));
+        // A 300 ms scan: at most every 1.5 s, even after a change.
+        p.scanned(ms(300));
+        assert!(!p.due(ms(5000), 2));
+        assert!(p.due(ms(5500), 2));
+        assert!(!p.due(ms(6900), 2));
+        assert!(p.due(ms(7000), 2));
+    }
+
     use super::*;
     use crate::maglev;
 

@@ -1088,18 +1088,6 @@ async fn pool(shared: Arc<Mutex<Balancer>>, cluster: crate::config::Cluster, eve
     }
 }
 
-/// How often a balancer lists the flows its Maglev tables no longer
-/// explain and takes its peers' lists (see `handoff`).
-const HANDOFF_EVERY: Duration = Duration::from_secs(1);
-
-/// After a ring change, how often the exchange runs, for `HANDOFF_FAST`
-/// (the peers list their newly unexplained flows only once their own
-/// scan has run: one round would often fetch lists made for the old
-/// rings). A connection moved within about two of these of a ring change
-/// may still break; at the steady pace that window was two seconds.
-const HANDOFF_QUICK: Duration = Duration::from_millis(200);
-const HANDOFF_FAST: Duration = Duration::from_secs(2);
-
 /// Sum of the services' ring generations: moves whenever a ring does.
 fn ring_swaps(bal: &Balancer) -> u64 {
     bal.dp.services.iter().map(|s| s.generation).sum()
@@ -1113,34 +1101,18 @@ async fn handoff(
     cluster: crate::config::Cluster,
     book: crate::handoff::FlowBook,
 ) {
-    let mut t = tokio::time::interval(HANDOFF_QUICK / 2);
+    let mut t = tokio::time::interval(crate::handoff::QUICK / 2);
     t.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let timeout = Duration::from_millis(500);
     let mut book = Some(book);
-    let mut last: Option<tokio::time::Instant> = None;
-    let mut seen_swaps = 0;
-    let mut fast_until = tokio::time::Instant::now();
-    let mut took = Duration::ZERO;
+    let mut pace = crate::handoff::Pace::default();
+    let start = tokio::time::Instant::now();
     loop {
         t.tick().await;
-        let now = tokio::time::Instant::now();
         let swaps = ring_swaps(&lock(&shared));
-        if swaps != seen_swaps {
-            seen_swaps = swaps;
-            fast_until = now + HANDOFF_FAST;
-        }
-        // A scan that takes long (a large flow table) sets a slower pace:
-        // at most a fifth of a core on it.
-        let pace = if now < fast_until {
-            HANDOFF_QUICK
-        } else {
-            HANDOFF_EVERY
-        }
-        .max(took * 5);
-        if last.is_some_and(|l| now.duration_since(l) < pace) {
+        if !pace.due(start.elapsed(), swaps) {
             continue;
         }
-        last = Some(now);
         let tables = lock(&shared).dp.handoff_tables();
         if tables.is_empty() {
             continue;
@@ -1179,7 +1151,7 @@ async fn handoff(
             warn!("flow sharing with the cluster stopped");
             return;
         };
-        took = scanned_in;
+        pace.scanned(scanned_in);
         book = Some(b);
         let mut bal = lock(&shared);
         bal.handoff_note = Some(format!(
