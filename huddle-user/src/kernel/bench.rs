@@ -36,6 +36,11 @@ pub struct BenchArgs {
     /// veth pair (0 skips it).
     #[arg(long, default_value_t = 5_000_000)]
     pub pps_frames: u32,
+    /// Only the cases whose name contains this (any case; repeat for
+    /// more), with the floor and the minimal forwarder: for timing or
+    /// profiling one path without the other cases' runs in between.
+    #[arg(long = "case", value_name = "TEXT")]
+    pub cases: Vec<String>,
 }
 
 const VIP: Ipv4Addr = Ipv4Addr::new(10, 213, 100, 1);
@@ -212,9 +217,10 @@ fn time_case(
     Ok(total.as_nanos() as f64 / f64::from(calls))
 }
 
+/// The median of `v`; NaN for none (a case not run).
 fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(f64::total_cmp);
-    v[v.len() / 2]
+    v.get(v.len() / 2).copied().unwrap_or(f64::NAN)
 }
 
 pub fn run(args: &BenchArgs) -> Result<()> {
@@ -449,6 +455,26 @@ fn measure(args: &BenchArgs) -> Result<()> {
         ("XDP_PASS floor", pass, args.calls, 2),
     ];
     let (fwd, floor_case) = (17, 18);
+    let chosen: Vec<bool> = cases
+        .iter()
+        .enumerate()
+        .map(|(i, (name, ..))| {
+            i == fwd
+                || i == floor_case
+                || args.cases.is_empty()
+                || args
+                    .cases
+                    .iter()
+                    .any(|c| name.to_lowercase().contains(&c.to_lowercase()))
+        })
+        .collect();
+    if chosen.iter().filter(|c| **c).count() == 2 {
+        bail!(
+            "no case's name contains any of {:?}; the cases: {}",
+            args.cases,
+            cases.map(|c| c.0).join("; ")
+        );
+    }
     let mut results: Vec<Vec<f64>> = vec![Vec::new(); cases.len()];
     eprintln!(
         "timing {} runs per case ({new_calls} for new flows), {} rounds, pinned to CPU {} ...",
@@ -456,6 +482,9 @@ fn measure(args: &BenchArgs) -> Result<()> {
     );
     for round in 0..args.rounds {
         for (i, (name, program, calls, want)) in cases.iter().enumerate() {
+            if !chosen[i] {
+                continue;
+            }
             if new_cases.contains(&i) {
                 env.dp.clear_half_open()?;
             }
@@ -506,7 +535,7 @@ fn measure(args: &BenchArgs) -> Result<()> {
     );
     println!("| case | ns/packet | net of XDP_PASS floor | vs minimal forwarder (ns/packet) |");
     println!("|---|---:|---:|---:|");
-    for (i, (name, ..)) in cases.iter().enumerate() {
+    for (i, (name, ..)) in cases.iter().enumerate().filter(|(i, _)| chosen[*i]) {
         let net = med[i] - floor;
         println!(
             "| {name} | {:.1} | {:.1} | {:.2}x |",
