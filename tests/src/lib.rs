@@ -38,6 +38,19 @@ const NAME_PREFIX: &str = "hct";
 /// Testbeds pin their balancers' data planes under here.
 const PIN_ROOT: &str = "/sys/fs/bpf/huddle-tests";
 
+/// Where the balancer named `name` (unique to its testbed) pins.
+#[must_use]
+pub fn pin_dir(name: &str) -> PathBuf {
+    PathBuf::from(PIN_ROOT).join(name)
+}
+
+/// Removes the pins in `dir` (after its balancer stopped), and the root
+/// folder once no testbed uses it.
+pub fn drop_pins(dir: &Path) {
+    let _ = huddle_user::dataplane::unpin(dir);
+    let _ = std::fs::remove_dir(PIN_ROOT);
+}
+
 /// Address of backend `i` (0-based).
 #[must_use]
 pub fn backend_ip(i: usize) -> Ipv4Addr {
@@ -115,7 +128,7 @@ pub fn sweep_stale() {
             .and_then(|p| p.parse().ok())
             .unwrap_or(0);
         if pid != 0 && !Path::new(&format!("/proc/{pid}")).exists() {
-            let _ = huddle_user::dataplane::unpin(&d.path());
+            drop_pins(&d.path());
         }
     }
 }
@@ -306,7 +319,7 @@ impl Testbed {
             procs: Vec::new(),
             huddle: None,
             agents: Vec::new(),
-            pins: PathBuf::from(PIN_ROOT).join(&prefix),
+            pins: pin_dir(&prefix),
             huddle_args: Vec::new(),
             huddle_bin: PathBuf::new(),
             backend_bin: PathBuf::new(),
@@ -685,12 +698,10 @@ impl Drop for Testbed {
         if let Some(mut p) = self.huddle.take() {
             let _ = p.terminate(Duration::from_secs(5));
         }
-        let _ = huddle_user::dataplane::unpin(&self.pins);
+        drop_pins(&self.pins);
         while let Some(mut p) = self.agents.pop() {
             let _ = p.terminate(Duration::from_secs(5));
         }
-        // Only succeeds once the last testbed is gone.
-        let _ = std::fs::remove_dir(PIN_ROOT);
         while let Some(mut p) = self.procs.pop() {
             let _ = p.terminate(Duration::from_secs(5));
         }

@@ -221,12 +221,12 @@ impl ScaleOut {
         std::fs::write(
             &config,
             format!(
-                "interface = \"eth0\"\ncontrol_socket = \"{}\"\npin_dir = \"/sys/fs/bpf/huddle-tests/{}-lb{i}\"\ndetach_on_exit = true\n\n\
+                "interface = \"eth0\"\ncontrol_socket = \"{}\"\npin_dir = \"{}\"\ndetach_on_exit = true\n\n\
                  [huddle]\nrotation = {}\nmetrics_listen = \"{}:9477\"\n\n[cluster]\nmembers = [{}]\n\n\
                  [bgp]\ncontrol_socket = \"{}\"\nroutes_file = \"{}\"\n\n\
                  [[service]]\nvip = \"{}\"\nmode = \"dsr-l2\"\nselection = \"maglev\"\nbackends = [{}]\n",
                 self.socket(i).display(),
-                self.prefix,
+                self.pins(i).display(),
                 self.rotation,
                 balancer_ip(i),
                 (0..self.balancers.len())
@@ -252,6 +252,12 @@ impl ScaleOut {
 
     fn bird(&self, ns: &Netns, name: &str, conf: &str) -> Result<Proc> {
         Ok(start_bird(ns, &self.dir, name, conf)?.0)
+    }
+
+    /// Where balancer `i` pins its data plane.
+    #[must_use]
+    pub fn pins(&self, i: usize) -> PathBuf {
+        crate::pin_dir(&format!("{}-lb{i}", self.prefix))
     }
 
     #[must_use]
@@ -343,10 +349,7 @@ impl Drop for ScaleOut {
             let _ = h.terminate(Duration::from_secs(5));
         }
         for i in 0..self.balancers.len() {
-            let _ = huddle_user::dataplane::unpin(Path::new(&format!(
-                "/sys/fs/bpf/huddle-tests/{}-lb{i}",
-                self.prefix
-            )));
+            crate::drop_pins(&self.pins(i));
         }
         self.lb_birds.clear();
         self.router_bird = None;
