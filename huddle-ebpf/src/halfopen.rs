@@ -40,14 +40,13 @@ pub fn short_tag_of(cfg: &Config, h: u64) -> Option<*mut u32> {
     short_tag_at(&HALF_OPEN_TAGS, (h as u32) & cfg.half_open_mask)
 }
 
-/// The NAT slot of tuple `key`, whoever holds it: the slot, the tag `key`
-/// carries there, and the slot's short tag.
+/// The NAT slot of tuple `key`, whoever holds it, its index, and the tag
+/// `key` carries there.
 #[inline(always)]
-pub fn nat_slot(cfg: &Config, key: &NatKey) -> Option<(*mut HalfOpenNat, u64, *mut u32)> {
+fn nat_slot(cfg: &Config, key: &NatKey) -> Option<(*mut HalfOpenNat, u32, u64)> {
     let (i, tag) = key.half_open_slot(cfg.hash_seed, cfg.nat_port_min);
     let i = i & cfg.half_open_mask;
-    let slot = HALF_OPEN_NAT.get_ptr_mut(i)?;
-    Some((slot, tag, short_tag_at(&HALF_OPEN_NAT_TAGS, i)?))
+    HALF_OPEN_NAT.get_ptr_mut(i).map(|s| (s, i, tag))
 }
 
 /// Whether `slot` holds the half-open flow `key` (of hash `h`).
@@ -96,7 +95,7 @@ pub fn empty(cfg: &Config, slot: *mut HalfOpen, h: u64) {
 #[inline(always)]
 pub fn find_nat(cfg: &Config, key: &NatKey) -> Option<*mut HalfOpenNat> {
     nat_slot(cfg, key)
-        .filter(|(s, tag, _)| nat_holds(*s, *tag, key))
+        .filter(|(s, _, tag)| nat_holds(*s, *tag, key))
         .map(|(s, _, _)| s)
 }
 
@@ -107,7 +106,10 @@ pub fn find_nat(cfg: &Config, key: &NatKey) -> Option<*mut HalfOpenNat> {
 /// retransmission).
 #[inline(always)]
 pub fn write_nat(cfg: &Config, service: u32, sc: &Scratch) {
-    if let Some((n, tag, t)) = nat_slot(cfg, &sc.nkey) {
+    let Some((n, i, tag)) = nat_slot(cfg, &sc.nkey) else {
+        return;
+    };
+    if let Some(t) = short_tag_at(&HALF_OPEN_NAT_TAGS, i) {
         let short = short_tag(tag);
         // SAFETY: map value pointers, valid for this run.
         unsafe {
@@ -126,13 +128,14 @@ pub fn write_nat(cfg: &Config, service: u32, sc: &Scratch) {
 /// a late answer on that tuple finds nothing (the flow moved on).
 #[inline(always)]
 pub fn forget_nat(cfg: &Config, key: &NatKey) {
-    if let Some((n, tag, t)) = nat_slot(cfg, key) {
-        if nat_holds(n, tag, key) {
-            // SAFETY: map value pointers, valid for this run.
-            unsafe {
-                (*n).tag = 0;
-                *t = 0;
-            }
+    let Some((n, i, _)) = nat_slot(cfg, key).filter(|(n, _, tag)| nat_holds(*n, *tag, key)) else {
+        return;
+    };
+    // SAFETY: map value pointers, valid for this run.
+    unsafe {
+        (*n).tag = 0;
+        if let Some(t) = short_tag_at(&HALF_OPEN_NAT_TAGS, i) {
+            *t = 0;
         }
     }
 }
