@@ -301,8 +301,8 @@ impl Dataplane {
                 huddle_common::MAX_NAT_USED_BYTES >> 20
             );
         }
-        let tag_lines =
-            huddle_common::half_open_tag_lines(cfg.half_open_table_size.next_power_of_two());
+        let half_open = cfg.half_open_table_size.next_power_of_two();
+        let tag_lines = huddle_common::half_open_tag_lines(half_open);
         let mut loader = EbpfLoader::new();
         // HUDDLE_VERIFIER_LOG=1: the verifier's whole log on a refusal
         // (for whoever changes the program).
@@ -313,14 +313,8 @@ impl Dataplane {
         loader
             .map_max_entries(maps::FLOWS, cfg.flow_table_size)
             .map_max_entries(maps::NAT, cfg.flow_table_size)
-            .map_max_entries(
-                maps::HALF_OPEN,
-                cfg.half_open_table_size.next_power_of_two(),
-            )
-            .map_max_entries(
-                maps::HALF_OPEN_NAT,
-                cfg.half_open_table_size.next_power_of_two(),
-            )
+            .map_max_entries(maps::HALF_OPEN, half_open)
+            .map_max_entries(maps::HALF_OPEN_NAT, half_open)
             .map_max_entries(maps::HALF_OPEN_TAGS, tag_lines)
             .map_max_entries(maps::HALF_OPEN_NAT_TAGS, tag_lines)
             .map_max_entries(maps::MAGLEV, maglev_elements(cfg.maglev_table_size))
@@ -330,11 +324,7 @@ impl Dataplane {
         if let Some(dir) = pins {
             std::fs::create_dir_all(dir)
                 .with_context(|| format!("creating the pin folder {}", dir.display()))?;
-            check_pinned_layouts(
-                dir,
-                cfg.half_open_table_size.next_power_of_two(),
-                maglev_elements(cfg.maglev_table_size),
-            )?;
+            check_pinned_layouts(dir, half_open, maglev_elements(cfg.maglev_table_size))?;
             adopted = dir.join(maps::FLOWS).exists();
             fresh_cursors = !dir.join(maps::NAT_CURSOR).exists();
             for name in maps::ALL {
@@ -403,7 +393,6 @@ impl Dataplane {
             Some(c) => c.hash_seed,
             None => random_seed()?,
         };
-        let half_open = cfg.half_open_table_size.next_power_of_two();
         let kernel_config = KernelConfig {
             snat_addrs,
             snat_count: snat.len() as u16,

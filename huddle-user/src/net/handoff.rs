@@ -283,30 +283,6 @@ impl Pace {
 
 #[cfg(test)]
 mod tests {
-    #[test]
-    fn the_exchange_runs_each_second_quicker_after_a_ring_change_and_slower_after_a_slow_scan() {
-        let ms = Duration::from_millis;
-        let mut p = Pace::default();
-        // Steady: once a second.
-        assert!(p.due(ms(0), 0));
-        assert!(!p.due(ms(500), 0));
-        assert!(p.due(ms(1000), 0));
-        // A ring change: every 200 ms for 2 s, then once a second again.
-        assert!(!p.due(ms(1100), 1));
-        assert!(p.due(ms(1200), 1));
-        assert!(!p.due(ms(1300), 1));
-        assert!(p.due(ms(1400), 1));
-        assert!(p.due(ms(3000), 1));
-        assert!(!p.due(ms(3200), 1), "fast only for 2 s after the change");
-        assert!(p.due(ms(4000), 1));
-        // A 300 ms scan: at most every 1.5 s, even after a change.
-        p.scanned(ms(300));
-        assert!(!p.due(ms(5000), 2));
-        assert!(p.due(ms(5500), 2));
-        assert!(!p.due(ms(6900), 2));
-        assert!(p.due(ms(7000), 2));
-    }
-
     use super::*;
     use crate::maglev;
 
@@ -395,5 +371,29 @@ mod tests {
         assert_eq!(a.flows, vec![flow(1000, "10.0.0.1:80".parse().unwrap())]);
         assert!(!a.truncated);
         assert!(serde_json::from_str::<FlowsAnswer>(r#"{"flows":[["x",1]]}"#).is_err());
+    }
+
+    #[test]
+    fn the_exchange_runs_each_second_quicker_after_a_ring_change_and_slower_after_a_slow_scan() {
+        let ms = Duration::from_millis;
+        let mut p = Pace::default();
+        // Steady: once a second.
+        assert!(p.due(ms(0), 0));
+        assert!(!p.due(ms(500), 0));
+        assert!(p.due(ms(1000), 0));
+        // A ring change: every 200 ms for 2 s, then once a second again.
+        assert!(!p.due(ms(1100), 1));
+        assert!(p.due(ms(1200), 1));
+        assert!(!p.due(ms(1300), 1));
+        assert!(p.due(ms(1400), 1));
+        assert!(p.due(ms(3000), 1));
+        assert!(!p.due(ms(3200), 1), "fast only for 2 s after the change");
+        assert!(p.due(ms(4000), 1));
+        // A 300 ms scan: at most every 1.5 s, even after a change.
+        p.scanned(ms(300));
+        assert!(!p.due(ms(5000), 2));
+        assert!(p.due(ms(5500), 2));
+        assert!(!p.due(ms(6900), 2));
+        assert!(p.due(ms(7000), 2));
     }
 }
