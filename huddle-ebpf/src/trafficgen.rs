@@ -7,11 +7,13 @@ use aya_ebpf::{
     bindings::xdp_action,
     helpers::bpf_redirect,
     macros::{map, xdp},
-    maps::{Array, PerCpuArray},
+    maps::{Array, LruHashMap, PerCpuArray},
     programs::XdpContext,
 };
-use huddle_common::{GenConfig, GEN_FRAME};
-use network_types::{eth::EthHdr, ip::Ipv4Hdr};
+use huddle_common::{
+    addr_v4, FlowKey, FlowValue, GenConfig, DEFAULT_FLOW_TABLE_SIZE, FAMILY_V4, GEN_FRAME,
+};
+use network_types::{eth::EthHdr, ip::Ipv4Hdr, tcp::TcpHdr};
 
 /// The frame `gen` writes on every run (user space fills it in).
 #[map]
@@ -51,6 +53,47 @@ pub fn gen(ctx: XdpContext) -> u32 {
         *sport = port;
         bpf_redirect(cfg.ifindex, 0) as u32
     }
+}
+
+/// The generator's flows, for `lookup_tx`: the balancer's flow-table type,
+/// key, value and size.
+#[map]
+static GEN_FLOWS: LruHashMap<FlowKey, FlowValue> =
+    LruHashMap::with_max_entries(DEFAULT_FLOW_TABLE_SIZE, 0);
+
+/// The least a stateful balancer does for an established flow: the
+/// minimal forwarder plus one flow-table lookup. Timed next to the
+/// balancer, it shows how much of the forwarder's packet rate any design
+/// with a flow table can keep on this veth pair.
+#[xdp]
+pub fn lookup_tx(ctx: XdpContext) -> u32 {
+    let start = ctx.data();
+    if start + EthHdr::LEN + Ipv4Hdr::LEN + TcpHdr::LEN > ctx.data_end() {
+        return xdp_action::XDP_PASS;
+    }
+    let eth = start as *mut EthHdr;
+    // SAFETY: bounds checked above.
+    unsafe {
+        let ip = (start + EthHdr::LEN) as *const Ipv4Hdr;
+        if u16::from_be((*eth).ether_type) != 0x0800 || (*ip).proto != 6 {
+            return xdp_action::XDP_PASS;
+        }
+        let tcp = (start + EthHdr::LEN + Ipv4Hdr::LEN) as *const TcpHdr;
+        let key = FlowKey {
+            client: addr_v4((*ip).src_addr),
+            vip: addr_v4((*ip).dst_addr),
+            client_port_be: u16::from_ne_bytes((*tcp).source),
+            vip_port_be: u16::from_ne_bytes((*tcp).dest),
+            proto: 6,
+            family: FAMILY_V4,
+            _pad: [0; 2],
+        };
+        if GEN_FLOWS.get(key).is_none() {
+            return xdp_action::XDP_PASS;
+        }
+        core::mem::swap(&mut (*eth).dst_addr, &mut (*eth).src_addr);
+    }
+    xdp_action::XDP_TX
 }
 
 /// Counts and drops whatever arrives.
