@@ -27,6 +27,10 @@ pub mod maps {
     pub const SERVICES: &str = "SERVICES";
     /// `HashMap<ServiceKey6, ServiceValue>`: the same for IPv6.
     pub const SERVICES6: &str = "SERVICES6";
+    /// `Array<ServiceEntry>`: `SERVICES` as direct-mapped slots, two
+    /// halves of `SERVICE_INDEX_SLOTS` (`Config::service_half` names the
+    /// live one). Lives and dies with `CONFIG`, which says which half.
+    pub const SERVICE_INDEX: &str = "SERVICE_INDEX";
     /// `ProgramArray` of one entry: the IPv6 program (`huddle6`), which
     /// the main program hands IPv6 frames to (a tail call: its own
     /// verification and its own 512 bytes of stack).
@@ -112,9 +116,10 @@ pub mod maps {
     /// written by the control plane with the ring, in the same double
     /// buffer.
     pub const MAGLEV: &str = "MAGLEV";
-    pub const ALL: [&str; 27] = [
+    pub const ALL: [&str; 28] = [
         SERVICES,
         SERVICES6,
+        SERVICE_INDEX,
         TAILS,
         BACKENDS,
         RINGS,
@@ -327,12 +332,46 @@ pub const fn addr_v4(octets: [u8; 4]) -> Addr {
 /// Every packet is looked up here first (8 bytes hash fast), so traffic
 /// that is not ours costs one small lookup.
 #[repr(C, align(8))]
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 pub struct ServiceKey {
     pub addr: [u8; 4],
     pub port_be: u16,
     pub proto: u8,
     pub kind: u8,
+}
+
+impl ServiceKey {
+    /// The key as one word, for `SERVICE_INDEX`'s hash and compare.
+    #[inline(always)]
+    #[must_use]
+    pub fn word(&self) -> u64 {
+        // SAFETY: 8 bytes, aligned to 8, no padding (asserted below).
+        unsafe { core::mem::transmute::<ServiceKey, u64>(*self) }
+    }
+}
+
+/// Bits of a `SERVICE_INDEX` slot number: each of its two halves has
+/// `SERVICE_INDEX_SLOTS` slots.
+pub const SERVICE_INDEX_BITS: u32 = 11;
+pub const SERVICE_INDEX_SLOTS: u32 = 1 << SERVICE_INDEX_BITS;
+
+/// An element of `SERVICE_INDEX`: one `SERVICES` entry, in the slot its
+/// key's word hashes to. An empty slot holds an all-zero key, which no
+/// packet's key equals (its protocol is never 0; a SNAT key's kind is 1).
+#[repr(C, align(8))]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ServiceEntry {
+    pub key: ServiceKey,
+    pub value: ServiceValue,
+}
+
+/// The slot, within its half, of a key whose word is `word`, under the
+/// half's multiplier `mul` (odd): a multiply-shift hash, which the control
+/// plane picks so that no two services share a slot.
+#[inline(always)]
+#[must_use]
+pub const fn service_slot(word: u64, mul: u64) -> u32 {
+    (word.wrapping_mul(mul) >> (64 - SERVICE_INDEX_BITS)) as u32
 }
 
 /// Key of `SERVICES6`: an IPv6 address the program answers for, as
@@ -354,7 +393,7 @@ pub const SERVICE_KIND_SNAT: u8 = 1;
 
 /// Value of `SERVICES`.
 #[repr(C)]
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct ServiceValue {
     /// A VIP: index into `RING_GEN`, `RR_CURSOR` and `SERVICE_STATS`. A
     /// SNAT address: its index in `Config::snat_addrs`.
@@ -510,7 +549,9 @@ pub struct Config {
     pub snat_addrs: [Addr; MAX_SNAT],
     pub snat_count: u16,
     pub family: u8,
-    pub _pad: u8,
+    /// Which half of `SERVICE_INDEX` is live (1 or 2); 0: none, every
+    /// packet asks `SERVICES` itself.
+    pub service_half: u8,
     /// Inclusive NAT port range, host order.
     pub nat_port_min: u16,
     pub nat_port_max: u16,
@@ -549,6 +590,10 @@ pub struct Config {
     /// no such filter, every new flow looks its tuple up in `NAT`.
     pub nat_used_per_backend: u32,
     pub _pad3: u32,
+    /// Each `SERVICE_INDEX` half's hash multiplier: written before the
+    /// half goes live and never while it is, so a packet that read
+    /// `service_half` finds the multiplier that placed that half.
+    pub service_mul: [u64; 2],
 }
 
 /// Bytes of `NAT_USED` per element: one cache line of tuples.
@@ -923,7 +968,8 @@ assert_size!(GenConfig, 16);
 assert_size!(NextHop, 32);
 assert_size!(NatKey, 40);
 assert_size!(NatValue, 48);
-assert_size!(Config, 16 * MAX_SNAT + 88);
+assert_size!(Config, 16 * MAX_SNAT + 104);
+assert_size!(ServiceEntry, 16);
 assert_size!(HalfOpen, 128);
 assert_size!(SynCopy, 48);
 assert_size!(Tuning, 24);
@@ -941,6 +987,7 @@ mod pod {
     unsafe impl aya::Pod for ServiceKey {}
     unsafe impl aya::Pod for ServiceKey6 {}
     unsafe impl aya::Pod for ServiceValue {}
+    unsafe impl aya::Pod for ServiceEntry {}
     unsafe impl aya::Pod for Backend {}
     unsafe impl aya::Pod for Ring {}
     unsafe impl aya::Pod for FlowKey {}

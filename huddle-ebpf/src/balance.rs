@@ -3,8 +3,8 @@
 //! (translate the reply back). Everything that is neither goes to the
 //! kernel untouched. Written once for both address families (`Family`).
 //!
-//! Every packet costs one small lookup first (`SERVICES`, 8-byte keys;
-//! `SERVICES6` for IPv6): its destination is a VIP:port/proto, a SNAT
+//! Every packet costs one small lookup first (`SERVICE_INDEX`, an array
+//! slot; `SERVICES6` for IPv6): its destination is a VIP:port/proto, a SNAT
 //! address, or not ours, and traffic that is not ours leaves right there.
 
 use crate::{
@@ -46,7 +46,7 @@ pub fn balance<F: Family>(ctx: &XdpContext, p: &Packet<F>) -> u32 {
         return xdp_action::XDP_PASS;
     };
     let port = u16::from_be_bytes(p.dport);
-    if port >= cfg.nat_port_min && port <= cfg.nat_port_max && F::to_snat(p) {
+    if port >= cfg.nat_port_min && port <= cfg.nat_port_max && F::to_snat(p, cfg) {
         let verdict = reply(ctx, p, cfg);
         if verdict != RETRY || !F::RETRY {
             return verdict;
@@ -59,7 +59,7 @@ pub fn balance<F: Family>(ctx: &XdpContext, p: &Packet<F>) -> u32 {
         }
         return retry::resend::<F>(ctx, cfg, slot);
     }
-    match F::vip(p) {
+    match F::vip(p, cfg) {
         // Translated and sent from here: the rewrite and the FIB request
         // then take no room under `request`'s frame.
         Some(s) if s.flags == service_mode::SNAT => match request::<F, false>(ctx, p, cfg, s.id) {

@@ -6,14 +6,14 @@
 use crate::{
     csum, dsr, icmp6,
     maps::put,
-    maps::{SERVICES, SERVICES6},
+    maps::{SERVICES, SERVICES6, SERVICE_INDEX},
     parse::Packet,
     rewrite::{self, Tuple},
 };
 use aya_ebpf::{bindings::bpf_fib_lookup, programs::XdpContext};
 use huddle_common::{
-    addr_v4, Addr, Backend, Config, ServiceKey, ServiceKey6, ServiceValue, FAMILY_V4, FAMILY_V6,
-    PROTO_TCP, SERVICE_KIND_SNAT, SERVICE_KIND_VIP,
+    addr_v4, service_slot, Addr, Backend, Config, ServiceKey, ServiceKey6, ServiceValue, FAMILY_V4,
+    FAMILY_V6, PROTO_TCP, SERVICE_INDEX_BITS, SERVICE_KIND_SNAT, SERVICE_KIND_VIP,
 };
 use network_types::ip::{Ipv4Hdr, Ipv6Hdr};
 
@@ -37,9 +37,9 @@ pub trait Family: Sized {
     /// The packet form of a 16-byte address (its first bytes).
     fn narrow(a: &Addr) -> &Self::Addr;
     /// The service (VIP:port/proto) `p` is addressed to, if any.
-    fn vip(p: &Packet<Self>) -> Option<ServiceValue>;
+    fn vip(p: &Packet<Self>, cfg: &Config) -> Option<ServiceValue>;
     /// Whether `p` is addressed to one of the balancer's SNAT addresses.
-    fn to_snat(p: &Packet<Self>) -> bool;
+    fn to_snat(p: &Packet<Self>, cfg: &Config) -> bool;
     /// This family's SNAT addresses in `Config::snat_addrs`: first index
     /// and count.
     fn snat_range(cfg: &Config) -> (u32, u32);
@@ -68,6 +68,26 @@ pub trait Family: Sized {
 
 pub enum V4 {}
 
+impl V4 {
+    /// `SERVICES`' value for `key`, from the live half of `SERVICE_INDEX`
+    /// (or from `SERVICES` itself while no half is live).
+    #[inline(always)]
+    fn service(cfg: &Config, key: &ServiceKey) -> Option<ServiceValue> {
+        let half = u32::from(cfg.service_half);
+        if half == 0 {
+            // SAFETY: copied out at once (values are replaced whole).
+            return unsafe { SERVICES.get(key) }.copied();
+        }
+        let word = key.word();
+        let mul = cfg.service_mul[usize::from(half == 2)];
+        let slot = ((half - 1) << SERVICE_INDEX_BITS) | service_slot(word, mul);
+        let e = SERVICE_INDEX.get(slot)?;
+        // A half is rewritten only while the other is live, so the entry
+        // is read whole.
+        (e.key.word() == word).then_some(e.value)
+    }
+}
+
 impl Family for V4 {
     type Addr = [u8; 4];
     type Hdr = Ipv4Hdr;
@@ -89,28 +109,25 @@ impl Family for V4 {
     }
 
     #[inline(always)]
-    fn vip(p: &Packet<V4>) -> Option<ServiceValue> {
+    fn vip(p: &Packet<V4>, cfg: &Config) -> Option<ServiceValue> {
         let key = ServiceKey {
             addr: *p.dst(),
             port_be: u16::from_ne_bytes(p.dport),
             proto: p.proto,
             kind: SERVICE_KIND_VIP,
         };
-        // SAFETY: the value is copied out at once; the control plane
-        // replaces hash values whole, so the copy is never torn.
-        unsafe { SERVICES.get(&key) }.copied()
+        V4::service(cfg, &key)
     }
 
     #[inline(always)]
-    fn to_snat(p: &Packet<V4>) -> bool {
+    fn to_snat(p: &Packet<V4>, cfg: &Config) -> bool {
         let key = ServiceKey {
             addr: *p.dst(),
             port_be: 0,
             proto: 0,
             kind: SERVICE_KIND_SNAT,
         };
-        // SAFETY: only tested for presence.
-        unsafe { SERVICES.get(&key) }.is_some()
+        V4::service(cfg, &key).is_some()
     }
 
     #[inline(always)]
@@ -214,7 +231,7 @@ impl Family for V6 {
     }
 
     #[inline(always)]
-    fn vip(p: &Packet<V6>) -> Option<ServiceValue> {
+    fn vip(p: &Packet<V6>, _cfg: &Config) -> Option<ServiceValue> {
         V6::lookup(
             p.dst(),
             u16::from_ne_bytes(p.dport),
@@ -224,7 +241,7 @@ impl Family for V6 {
     }
 
     #[inline(always)]
-    fn to_snat(p: &Packet<V6>) -> bool {
+    fn to_snat(p: &Packet<V6>, _cfg: &Config) -> bool {
         V6::is_snat(p.dst())
     }
 

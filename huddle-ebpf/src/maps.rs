@@ -8,16 +8,23 @@ use aya_ebpf::{
 use huddle_common::{
     maglev_elements, Backend, BackendStats, ClientHop, Config, FlowKey, FlowValue, GlobalStats,
     HalfOpen, HalfOpenNat, HalfOpenTags, Latency, NatCursor, NatKey, NatValue, NextHop, Pulse,
-    Ring, ServiceKey, ServiceKey6, ServiceStats, ServiceValue, SynCopy, Tuning, TwHint,
-    CLIENT_HOP_SLOTS, DEFAULT_FLOW_TABLE_SIZE, DEFAULT_HALF_OPEN_SIZE, DEFAULT_MAGLEV_SIZE,
+    Ring, ServiceEntry, ServiceKey, ServiceKey6, ServiceStats, ServiceValue, SynCopy, Tuning,
+    TwHint, CLIENT_HOP_SLOTS, DEFAULT_FLOW_TABLE_SIZE, DEFAULT_HALF_OPEN_SIZE, DEFAULT_MAGLEV_SIZE,
     HALF_OPEN_TAGS_PER_LINE, MAGLEV_MAP_FLAGS, MAX_BACKENDS, MAX_SERVICES, MAX_SNAT, MAX_TW_HINTS,
-    NAT_USED_LINE,
+    NAT_USED_LINE, SERVICE_INDEX_SLOTS,
 };
 
 /// VIP:port/proto -> service id, and SNAT address -> its index. Written
 /// only by the control plane; every packet is looked up here first.
 #[map]
 pub static SERVICES: HashMap<ServiceKey, ServiceValue> = HashMap::with_max_entries(MAX_SERVICES, 0);
+
+/// `SERVICES` again, as two halves of direct-mapped slots (one live, the
+/// other rewritten by the control plane, `Config::service_half`): an
+/// array lookup and one compare, about 6 ns a packet less than the hash,
+/// and a miss is as cheap (traffic that is not ours).
+#[map]
+pub static SERVICE_INDEX: Array<ServiceEntry> = Array::with_max_entries(2 * SERVICE_INDEX_SLOTS, 0);
 
 /// IPv6 VIP:port/proto -> service id, and IPv6 SNAT address -> its index.
 #[map]

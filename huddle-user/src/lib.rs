@@ -11,6 +11,8 @@ pub mod net;
 pub mod ops;
 
 pub use huddle::{maglev, rotation, state, thermal};
-pub use kernel::{bench, dataplane, decap, link, logs, mmap, object, packet, prog_run};
+pub use kernel::{
+    bench, dataplane, decap, link, logs, mmap, object, packet, prog_run, service_index,
+};
 pub use net::{agent, bgp, control, handoff, http, metrics, peers, pooled, probe, scrape};
 pub use ops::{cli, config, daemon, host, netns, status, top};

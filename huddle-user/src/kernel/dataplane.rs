@@ -6,7 +6,7 @@ use crate::{
     config::{Config, PortRange, Proto, Selection, Service, XdpMode},
     maglev,
     mmap::MappedArray,
-    object,
+    object, service_index,
 };
 use anyhow::{bail, Context, Result};
 use aya::{
@@ -20,9 +20,10 @@ use aya::{
 };
 use huddle_common::{
     addr_v4, maps, ring_slot, Backend, BackendStats, Config as KernelConfig, Counters, FlowKey,
-    FlowValue, GlobalStats, Latency, NatCursor, NatKey, NatValue, Pulse, Ring, ServiceKey,
-    ServiceKey6, ServiceStats, ServiceValue, Tuning, FAMILY_V4, FAMILY_V6, MAX_SNAT, PROGRAM6_NAME,
-    PROGRAM_NAME, PROTO_UDP, RING_CAPACITY, SERVICE_KIND_SNAT, SERVICE_KIND_VIP,
+    FlowValue, GlobalStats, Latency, NatCursor, NatKey, NatValue, Pulse, Ring, ServiceEntry,
+    ServiceKey, ServiceKey6, ServiceStats, ServiceValue, Tuning, FAMILY_V4, FAMILY_V6, MAX_SNAT,
+    PROGRAM6_NAME, PROGRAM_NAME, PROTO_UDP, RING_CAPACITY, SERVICE_INDEX_SLOTS, SERVICE_KIND_SNAT,
+    SERVICE_KIND_VIP,
 };
 use huddle_common::{maglev_elements, MAGLEV_EMPTY, MAX_BACKENDS, MAX_SERVICES};
 use std::{
@@ -138,6 +139,7 @@ pub struct Dataplane {
     kernel_config: KernelConfig,
     services_map: HashMap<MapData, ServiceKey, ServiceValue>,
     services_map6: HashMap<MapData, ServiceKey6, ServiceValue>,
+    service_index: Array<MapData, ServiceEntry>,
     backends_map: Array<MapData, Backend>,
     rings: Array<MapData, Ring>,
     ring_gen: Array<MapData, u64>,
@@ -397,7 +399,9 @@ impl Dataplane {
             snat_addrs,
             snat_count: snat.len() as u16,
             family: FAMILY_V4,
-            _pad: 0,
+            // The live half of an adopted index stays live until
+            // `publish_services` has written the other.
+            service_half: old.map_or(0, |c| c.service_half),
             nat_port_min: cfg.nat_ports.min,
             nat_port_max: cfg.nat_ports.max,
             slice_ports,
@@ -413,6 +417,7 @@ impl Dataplane {
             encap6_src: [0; 16],
             nat_used_per_backend: nat_used,
             _pad3: 0,
+            service_mul: old.map_or([0; 2], |c| c.service_mul),
         };
         config.set(0, kernel_config, 0).context("writing CONFIG")?;
 
@@ -435,6 +440,7 @@ impl Dataplane {
             maglev_size: cfg.maglev_table_size,
             services_map: take(&mut ebpf, maps::SERVICES)?,
             services_map6: take(&mut ebpf, maps::SERVICES6)?,
+            service_index: take(&mut ebpf, maps::SERVICE_INDEX)?,
             backends_map: take(&mut ebpf, maps::BACKENDS)?,
             rings: take(&mut ebpf, maps::RINGS)?,
             ring_gen: take(&mut ebpf, maps::RING_GEN)?,
@@ -906,7 +912,45 @@ impl Dataplane {
                 );
             }
         }
-        Ok(())
+        self.publish_services()
+    }
+
+    /// Writes `SERVICES`' IPv4 entries into the half of `SERVICE_INDEX`
+    /// that is not live, with that half's multiplier, then makes it live.
+    /// A packet that read the old half number finds the old half intact.
+    fn publish_services(&mut self) -> Result<()> {
+        let entries: Vec<(ServiceKey, ServiceValue)> =
+            self.services_map.iter().filter_map(Result::ok).collect();
+        let Some(placed) = service_index::place(&entries) else {
+            warn!(
+                "no layout of the service index gives each of the {} IPv4 services and SNAT addresses a slot of its own: every packet looks its service up in the hash table (about 10 ns more)",
+                entries.len()
+            );
+            self.kernel_config.service_half = 0;
+            return self
+                .config
+                .set(0, self.kernel_config, 0)
+                .context("writing CONFIG");
+        };
+        let half = if self.kernel_config.service_half == 1 {
+            2
+        } else {
+            1
+        };
+        self.kernel_config.service_mul[usize::from(half == 2)] = placed.mul;
+        self.config
+            .set(0, self.kernel_config, 0)
+            .context("writing CONFIG")?;
+        let base = u32::from(half - 1) * SERVICE_INDEX_SLOTS;
+        for (i, e) in placed.slots.iter().enumerate() {
+            self.service_index
+                .set(base + i as u32, *e, 0)
+                .context("writing SERVICE_INDEX")?;
+        }
+        self.kernel_config.service_half = half;
+        self.config
+            .set(0, self.kernel_config, 0)
+            .context("writing CONFIG")
     }
 
     /// Attaches to `ifindex` in the requested mode. With pins, an adopted
@@ -1247,9 +1291,10 @@ impl Dataplane {
 /// them out differently: settings, caches, counters and handshakes in
 /// flight (their clients resend the SYN). Flows, NAT entries, services,
 /// backends and rings must carry over, or a restart would misroute.
-const RECREATABLE: [&str; 16] = [
+const RECREATABLE: [&str; 17] = [
     maps::MAGLEV,
     maps::CONFIG,
+    maps::SERVICE_INDEX,
     maps::TAILS,
     maps::HALF_OPEN,
     maps::HALF_OPEN_NAT,
@@ -1310,6 +1355,12 @@ fn check_pinned_layouts(dir: &Path, half_open: u32, maglev: u32) -> Result<()> {
             want.key_size(),
             want.value_size()
         );
+    }
+    // CONFIG says which half of the index is live: a new CONFIG gets a new
+    // index, or this run would rewrite the half a running program reads.
+    let index = dir.join(maps::SERVICE_INDEX);
+    if !dir.join(maps::CONFIG).exists() && index.exists() {
+        std::fs::remove_file(&index).with_context(|| format!("removing {}", index.display()))?;
     }
     Ok(())
 }

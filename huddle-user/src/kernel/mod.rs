@@ -11,3 +11,4 @@ pub mod mmap;
 pub mod object;
 pub mod packet;
 pub mod prog_run;
+pub mod service_index;
