@@ -326,6 +326,17 @@ pub const fn addr_v4(octets: [u8; 4]) -> Addr {
     (u32::from_le_bytes(octets) as u128).to_le_bytes()
 }
 
+/// A 16-byte address as two little-endian words, for comparing and
+/// hashing it without a byte loop.
+#[inline(always)]
+#[must_use]
+pub const fn addr_words(a: &Addr) -> [u64; 2] {
+    [
+        u64::from_le_bytes([a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7]]),
+        u64::from_le_bytes([a[8], a[9], a[10], a[11], a[12], a[13], a[14], a[15]]),
+    ]
+}
+
 /// Key of `SERVICES`: an IPv4 address the program answers for. For a VIP
 /// the port (network order) and protocol of the service; for a SNAT
 /// address port and protocol are 0 and `kind` is `SERVICE_KIND_SNAT`.
@@ -848,23 +859,23 @@ impl NatKey {
     }
 
     /// Where this tuple's half-open flow sits in the half-open NAT table
-    /// (before the mask), and the tag it carries there: a hash of every
-    /// field but the NAT port, plus the port's offset from `port_min`. The
-    /// NAT walk hands out consecutive ports toward a backend, so
-    /// consecutive SYNs write neighbouring slots, a cache line already
-    /// fetched or fetched ahead by the prefetcher, rather than a cold one
-    /// anywhere in the table.
+    /// of `mask` + 1 slots (before the mask), and the tag it carries
+    /// there: a hash of every field but the NAT port, plus the port's
+    /// offset from `port_min`. The NAT walk hands out consecutive ports
+    /// toward a backend, so consecutive SYNs write neighbouring slots, a
+    /// cache line already fetched or fetched ahead by the prefetcher,
+    /// rather than a cold one anywhere in the table. Ports a whole table
+    /// apart share a slot: the lap (the offset's bits above the mask) is
+    /// in the tag, so their tags, short ones too, differ.
     #[inline(always)]
     #[must_use]
-    pub fn half_open_slot(&self, seed: u64, port_min: u16) -> (u32, u64) {
+    pub fn half_open_slot(&self, seed: u64, port_min: u16, mask: u32) -> (u32, u64) {
         // SAFETY: as for `FlowKey::hash`.
         let w: &[u64; 5] = unsafe { &*(self as *const NatKey).cast() };
         let base = hash_words_masked(w, !NAT_PORT_BITS, seed);
-        let offset = u16::from_be(self.nat_port_be).wrapping_sub(port_min);
-        (
-            (base as u32).wrapping_add(u32::from(offset)),
-            slot_tag(base),
-        )
+        let offset = u32::from(u16::from_be(self.nat_port_be).wrapping_sub(port_min));
+        let lap = u64::from(offset & !mask).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+        ((base as u32).wrapping_add(offset), slot_tag(base ^ lap))
     }
 }
 
@@ -914,8 +925,9 @@ pub struct NextHop {
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct ClientHop {
-    /// The client address the hop is for.
-    pub addr: Addr,
+    /// The client address the hop is for (`addr_words`): compared and
+    /// stored as two words, not sixteen bytes.
+    pub addr: [u64; 2],
     pub hop: NextHop,
 }
 
@@ -923,15 +935,15 @@ pub struct ClientHop {
 pub const CLIENT_HOP_SLOTS: u32 = 1024;
 const _: () = assert!(CLIENT_HOP_SLOTS.is_power_of_two());
 
-/// The slot of `addr` in the client next-hop cache.
+/// The slot of `addr` (as `addr_words` gives it) in the client next-hop
+/// cache.
 #[inline(always)]
 #[must_use]
-pub fn client_hop_slot(addr: &Addr) -> u32 {
-    let w = |i: usize| u32::from_ne_bytes([addr[i], addr[i + 1], addr[i + 2], addr[i + 3]]);
-    let h = (w(0) ^ w(4) ^ w(8) ^ w(12)).wrapping_mul(0x9e37_79b1);
+pub fn client_hop_slot(addr: [u64; 2]) -> u32 {
+    let x = addr[0] ^ addr[1];
+    let h = ((x as u32) ^ ((x >> 32) as u32)).wrapping_mul(0x9e37_79b1);
     (h >> 16) & (CLIENT_HOP_SLOTS - 1)
 }
-
 /// Settings of the packet generator in the baseline object (`gen`):
 /// where to redirect frames, and over how many client ports to spread them.
 #[repr(C)]
@@ -1028,20 +1040,31 @@ mod tests {
             family: FAMILY_V4,
             _pad: [0; 2],
         };
-        let (first, tag) = key(1, 20000).half_open_slot(42, 20000);
+        let mask = 1023;
+        let (first, tag) = key(1, 20000).half_open_slot(42, 20000, mask);
         for off in 1..300u16 {
-            let (slot, t) = key(1, 20000 + off).half_open_slot(42, 20000);
+            let (slot, t) = key(1, 20000 + off).half_open_slot(42, 20000, mask);
             assert_eq!(slot, first.wrapping_add(u32::from(off)));
             assert_eq!(t, tag);
         }
-        let (other, other_tag) = key(2, 20000).half_open_slot(42, 20000);
+        let (other, other_tag) = key(2, 20000).half_open_slot(42, 20000, mask);
         assert_ne!(
             (other, other_tag),
             (first, tag),
             "another backend, another run"
         );
-        assert_ne!(key(1, 20000).half_open_slot(43, 20000).0, first, "seeded");
+        assert_ne!(
+            key(1, 20000).half_open_slot(43, 20000, mask).0,
+            first,
+            "seeded"
+        );
         assert_eq!(tag & 1, 1, "a tag is never 0");
+        // Laps later: the same slot, told apart by the tag, short tag too.
+        for lap in 1..6u16 {
+            let (slot, t) = key(1, 20000 + lap * 1024).half_open_slot(42, 20000, mask);
+            assert_eq!(slot & mask, first & mask);
+            assert_ne!(short_tag(t), short_tag(tag), "lap {lap}");
+        }
     }
 
     #[test]

@@ -370,8 +370,8 @@ fn promote(
                     nat::forget(&sc.nkey);
                 }
             }
-            // SAFETY: as above.
-            unsafe { *old = flow };
+            // A copy, not an assignment (a call of the object's memmove).
+            put(old, &flow);
             old
         }
         None => {
@@ -579,7 +579,9 @@ fn reply<F: Family>(ctx: &XdpContext, p: &Packet<F>, cfg: &Config) -> u32 {
     // SAFETY: copied out at once.
     let half = match unsafe { NAT.get(&sc.nkey) } {
         Some(n) => {
-            sc.nval = *n;
+            // `put`, not an assignment: that compiled to a call of the
+            // object's memmove, a byte loop (two maps never overlap).
+            put(&mut sc.nval, n);
             false
         }
         None => match halfopen::find_nat(cfg, &sc.nkey) {

@@ -21,7 +21,7 @@ use aya_ebpf::{
     programs::XdpContext,
 };
 use core::mem::{size_of, zeroed};
-use huddle_common::{client_hop_slot, NextHop};
+use huddle_common::{addr_words, client_hop_slot, NextHop};
 use network_types::eth::EthHdr;
 
 /// Forwards the already rewritten packet `p` toward its new destination:
@@ -67,8 +67,8 @@ pub fn send<F: Family>(
 /// first if it held another client's.
 #[inline(always)]
 fn client_hop<F: Family>(dst: &F::Addr) -> Option<*mut NextHop> {
-    let addr = F::wide(dst);
-    let c = CLIENT_HOP.get_ptr_mut(client_hop_slot(&addr))?;
+    let addr = addr_words(&F::wide(dst));
+    let c = CLIENT_HOP.get_ptr_mut(client_hop_slot(addr))?;
     // SAFETY: this CPU's element, used by this run only.
     unsafe {
         if (*c).addr != addr {

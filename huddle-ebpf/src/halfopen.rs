@@ -44,7 +44,7 @@ pub fn short_tag_of(cfg: &Config, h: u64) -> Option<*mut u32> {
 /// `key` carries there.
 #[inline(always)]
 fn nat_slot(cfg: &Config, key: &NatKey) -> Option<(*mut HalfOpenNat, u32, u64)> {
-    let (i, tag) = key.half_open_slot(cfg.hash_seed, cfg.nat_port_min);
+    let (i, tag) = key.half_open_slot(cfg.hash_seed, cfg.nat_port_min, cfg.half_open_mask);
     let i = i & cfg.half_open_mask;
     HALF_OPEN_NAT.get_ptr_mut(i).map(|s| (s, i, tag))
 }
@@ -101,9 +101,9 @@ pub fn find_nat(cfg: &Config, key: &NatKey) -> Option<*mut HalfOpenNat> {
 
 /// Writes the NAT side of the half-open flow in `sc` (`nkey` -> `nval`)
 /// into its slot, counting a handshake it takes the slot from. Reads only
-/// the short tag: a slot of another tuple toward the same backend has
-/// another index, so a matching short tag is this tuple's (a
-/// retransmission).
+/// the short tag: another tuple toward the same backend has another slot
+/// or, a whole table of ports apart, another tag, so a matching short
+/// tag is this tuple's (a retransmission).
 #[inline(always)]
 pub fn write_nat(cfg: &Config, service: u32, sc: &Scratch) {
     let Some((n, i, tag)) = nat_slot(cfg, &sc.nkey) else {

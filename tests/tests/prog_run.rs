@@ -486,11 +486,11 @@ fn unresolved_neighbour_hands_the_rewritten_packet_to_the_kernel() {
 /// Clients after `CLIENT` on its segment whose replies share its slot in
 /// the per-CPU next-hop cache.
 fn clients_sharing_a_hop_slot(n: usize) -> Vec<Ipv4Addr> {
-    use huddle_common::{addr_v4, client_hop_slot};
-    let slot = client_hop_slot(&addr_v4(CLIENT.octets()));
+    use huddle_common::{addr_v4, addr_words, client_hop_slot};
+    let slot = client_hop_slot(addr_words(&addr_v4(CLIENT.octets())));
     (1u32..65_000)
         .map(|i| Ipv4Addr::from(u32::from(CLIENT) + i))
-        .filter(|a| client_hop_slot(&addr_v4(a.octets())) == slot)
+        .filter(|a| client_hop_slot(addr_words(&addr_v4(a.octets()))) == slot)
         .take(n)
         .collect()
 }
@@ -947,6 +947,22 @@ fn short_tags_tell_a_retransmission_a_handshake_under_way_and_a_free_slot_apart(
 #[test]
 fn half_open_losses_counted_from_short_tags_match_a_model_of_both_tables() {
     let env = env("pr-lost");
+    losses_match_a_model(&env);
+}
+
+/// As above, all toward one backend: its NAT walk goes more than a table
+/// of ports round, so tuples a table apart share a NAT slot (and, but for
+/// the lap in the tag, a short tag: such losses went uncounted whenever a
+/// walk happened to wrap).
+#[test]
+fn half_open_losses_of_nat_tuples_a_table_apart_are_counted() {
+    let env = nat_env("pr-laps", 8000, &[BALANCER_IP]);
+    losses_match_a_model(&env);
+}
+
+/// Sends 3,000 SYNs (client ports 10000..13000, never answered) and checks
+/// the kernel's `half_open_lost` against a model of both tables.
+fn losses_match_a_model(env: &ProgRun) {
     pin_to(0);
     let seed = env.dp.hash_seed();
     let mut client_slots = HashMap::new();
@@ -964,9 +980,10 @@ fn half_open_losses_counted_from_short_tags_match_a_model_of_both_tables() {
             6,
             FAMILY_V4,
         );
-        let nat_slot = key.half_open_slot(seed, NAT.min).0 & (HALF_OPEN_SLOTS - 1);
+        let nat_slot =
+            key.half_open_slot(seed, NAT.min, HALF_OPEN_SLOTS - 1).0 & (HALF_OPEN_SLOTS - 1);
         if client_slots
-            .insert(client_slot(&env, sport), sport)
+            .insert(client_slot(env, sport), sport)
             .is_some()
         {
             client_lost += 1;
@@ -977,15 +994,12 @@ fn half_open_losses_counted_from_short_tags_match_a_model_of_both_tables() {
     }
     assert!(client_lost > 0 && nat_lost > 0, "{client_lost} {nat_lost}");
     assert_eq!(
-        half_open_lost(&env),
+        half_open_lost(env),
         client_lost + nat_lost,
         "lost on the client side {client_lost}, on the NAT side {nat_lost}"
     );
 }
 
-/// TCP options carrying timestamp `ts`: a SYN's as Linux lays them out
-/// (MSS, SACK permitted, timestamps, window scale), or a later segment's
-/// (two NOPs, timestamps).
 fn ts_options(syn: bool, ts: u32) -> Vec<u8> {
     let mut o = if syn {
         vec![2, 4, 5, 0xb4, 4, 2, 8, 10]
