@@ -29,8 +29,8 @@ use aya_ebpf::{
 };
 use aya_log_ebpf::warn;
 use huddle_common::{
-    backend_flags, flow_flags, service_mode, short_tag, slot_tag, Config, FlowKey, FlowValue,
-    HalfOpen, NatKey, MAX_SYN_RETRIES, NAT_PORT_TRIES,
+    backend_flags, flow_flags, service_mode, short_tag, Config, FlowKey, FlowValue, HalfOpen,
+    NatKey, MAX_SYN_RETRIES, NAT_PORT_TRIES,
 };
 
 /// `reply`'s answer for a refused SYN that may be retried: the packet is
@@ -39,6 +39,9 @@ const RETRY: u32 = u32::MAX;
 /// `request`'s answer for a packet to translate and send toward its
 /// backend: untouched, its flow in the scratch map (`fwd`).
 const FORWARD: u32 = u32::MAX - 1;
+/// `FORWARD` for a new flow whose half-open slots are still to write
+/// (`halfopen::commit`, after the packet).
+const FORWARD_NEW: u32 = u32::MAX - 2;
 
 #[inline(always)]
 pub fn balance<F: Family>(ctx: &XdpContext, p: &Packet<F>) -> u32 {
@@ -64,15 +67,26 @@ pub fn balance<F: Family>(ctx: &XdpContext, p: &Packet<F>) -> u32 {
         // then take no room under `request`'s frame.
         Some(s) if s.flags == service_mode::SNAT => match request::<F, false>(ctx, p, cfg, s.id) {
             FORWARD => to_backend(ctx, p, cfg),
+            FORWARD_NEW => {
+                let verdict = to_backend(ctx, p, cfg);
+                halfopen::commit(cfg);
+                verdict
+            }
             verdict => verdict,
         },
         // Sent from here for the same reason (IPv6 encapsulation's
         // header and FIB request did not fit under `request`).
         Some(s) => match request::<F, true>(ctx, p, cfg, s.id) {
-            FORWARD => match dsr_send(ctx, p, cfg, s.flags) {
-                dsr::TOO_BIG => F::too_big(ctx),
-                verdict => verdict,
-            },
+            forward @ (FORWARD | FORWARD_NEW) => {
+                let verdict = match dsr_send(ctx, p, cfg, s.flags) {
+                    dsr::TOO_BIG => F::too_big(ctx),
+                    verdict => verdict,
+                };
+                if forward == FORWARD_NEW {
+                    halfopen::commit(cfg);
+                }
+                verdict
+            }
             verdict => verdict,
         },
         None => {
@@ -141,6 +155,7 @@ fn request<F: Family, const DSR: bool>(
         },
     };
     let Some(backend) = BACKENDS.get(flow.backend) else {
+        halfopen::commit(cfg);
         return xdp_action::XDP_DROP;
     };
     if let Some(f) = entry {
@@ -187,7 +202,11 @@ fn request<F: Family, const DSR: bool>(
         s.bytes_to += bytes;
     });
     sc.fwd = flow;
-    FORWARD
+    if sc.pending != 0 {
+        FORWARD_NEW
+    } else {
+        FORWARD
+    }
 }
 
 /// Sends a client packet of the DSR flow `request` left in the scratch
@@ -518,26 +537,14 @@ fn new_flow<F: Family>(
         stamp_ns: now,
         turn_ns: now,
     };
-    if let Some((s, t)) = slot {
-        if !dsr {
-            halfopen::write_nat(cfg, service, sc);
-        }
-        // SAFETY: map value pointers, valid for this run. A slot with a
-        // short tag holds a handshake that had not completed: it loses it.
-        // Field by field, tag last: no 80-byte temporary on the stack, and
-        // a reader on another CPU sees the new tag after the new key.
-        unsafe {
-            if *t != 0 {
-                bump(&SERVICE_STATS, service, |st| st.half_open_lost += 1);
-            }
-            put(&mut (*s).key, &sc.nval.flow);
-            put(&mut (*s).flow, &flow);
-            if tcp_half {
-                put(&mut (*s).syn, &sc.syn);
-            }
-            (*s).tag = slot_tag(h);
-            *t = short_tag(h);
-        }
+    if slot.is_some() {
+        // Written by `halfopen::commit` once the packet is rewritten.
+        sc.fwd = flow;
+        sc.pending_hash = h;
+        sc.pending_service = service;
+        sc.pending = halfopen::PENDING_CLIENT
+            | if dsr { 0 } else { halfopen::PENDING_NAT }
+            | if tcp_half { halfopen::PENDING_SYN } else { 0 };
         bump(&SERVICE_STATS, service, |s| s.half_open += 1);
         if p.is_tcp() {
             bump(&BACKEND_STATS, backend_id, |s| s.syns += 1);
@@ -586,8 +593,8 @@ fn reply<F: Family>(ctx: &XdpContext, p: &Packet<F>, cfg: &Config) -> u32 {
         }
         None => match halfopen::find_nat(cfg, &sc.nkey) {
             Some(n) => {
-                // SAFETY: map value pointer, copied out at once.
-                sc.nval = unsafe { (*n).nat };
+                // SAFETY: map value pointer, valid for this run.
+                put(&mut sc.nval, unsafe { &(*n).nat });
                 true
             }
             None => {

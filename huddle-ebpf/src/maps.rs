@@ -109,10 +109,17 @@ pub struct Scratch {
     /// the NAT tuple (a TIME_WAIT's ACK), not the backend. In memory, not
     /// an argument: see `retry::plan`.
     pub retry_tuple: u32,
-    pub _pad: u32,
+    /// Half-open slots a new flow still has to write (`halfopen::PENDING_*`
+    /// bits): written by `halfopen::commit` after the packet, not before.
+    pub pending: u32,
     /// A TCP segment's options (a SYN's, kept for its half-open slot, or a
     /// closing flow's, for its timestamp; see `timewait`).
     pub syn: SynCopy,
+    /// The pending flow's hash (`nval.flow` is its key, `fwd` its flow)
+    /// and its service.
+    pub pending_hash: u64,
+    pub pending_service: u32,
+    pub _pad: u32,
 }
 
 /// Backend id -> this CPU's cached next hop toward it.
