@@ -541,7 +541,6 @@ fn new_flow<F: Family>(
         // Written by `halfopen::commit` once the packet is rewritten.
         sc.fwd = flow;
         sc.pending_hash = h;
-        sc.pending_service = service;
         sc.pending = halfopen::PENDING_CLIENT
             | if dsr { 0 } else { halfopen::PENDING_NAT }
             | if tcp_half { halfopen::PENDING_SYN } else { 0 };

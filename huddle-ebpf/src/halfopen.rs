@@ -45,7 +45,7 @@ pub fn commit(cfg: &Config) {
         return;
     }
     sc.pending = 0;
-    let (h, service) = (sc.pending_hash, sc.pending_service);
+    let (h, service) = (sc.pending_hash, sc.fwd.service);
     if pending & PENDING_NAT != 0 {
         write_nat(cfg, service, sc);
     }

@@ -115,11 +115,8 @@ pub struct Scratch {
     /// A TCP segment's options (a SYN's, kept for its half-open slot, or a
     /// closing flow's, for its timestamp; see `timewait`).
     pub syn: SynCopy,
-    /// The pending flow's hash (`nval.flow` is its key, `fwd` its flow)
-    /// and its service.
+    /// The pending flow's hash (`nval.flow` is its key, `fwd` its flow).
     pub pending_hash: u64,
-    pub pending_service: u32,
-    pub _pad: u32,
 }
 
 /// Backend id -> this CPU's cached next hop toward it.
