@@ -488,7 +488,7 @@ pub struct FlowKey {
 
 /// Value of `FLOWS`.
 #[repr(C)]
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct FlowValue {
     pub backend: u32,
     pub service: u32,

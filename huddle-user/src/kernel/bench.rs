@@ -672,17 +672,7 @@ fn pps(
                 family: FAMILY_V4,
                 _pad: [0; 2],
             };
-            let value = FlowValue {
-                backend: 0,
-                service: 0,
-                nat_port_be: 0,
-                flags: 0,
-                snat: 0,
-                synack_seq: 0,
-                stamp_ns: 0,
-                turn_ns: 0,
-            };
-            flows.insert(key, value, 0)?;
+            flows.insert(key, FlowValue::default(), 0)?;
         }
     }
     env.dp.attach(env.ifindex, XdpMode::Native)?;
