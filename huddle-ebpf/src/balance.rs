@@ -115,15 +115,14 @@ fn request<F: Family, const DSR: bool>(
     };
     // SAFETY: this CPU's element, used by this run only.
     let sc = unsafe { &mut *sc };
-    sc.nval.flow = FlowKey {
-        client: F::wide(p.src()),
-        vip: F::wide(p.dst()),
-        client_port_be: u16::from_ne_bytes(p.sport),
-        vip_port_be: u16::from_ne_bytes(p.dport),
-        proto: p.proto,
-        family: F::FAMILY,
-        _pad: [0; 2],
-    };
+    sc.nval.flow = FlowKey::new(
+        &F::wide(p.src()),
+        &F::wide(p.dst()),
+        u16::from_ne_bytes(p.sport),
+        u16::from_ne_bytes(p.dport),
+        p.proto,
+        F::FAMILY,
+    );
     // A SYN always starts a connection: it never looks in the flow table
     // (a flow left there by an earlier connection on this tuple is
     // replaced when the new one is promoted).

@@ -79,15 +79,14 @@ pub fn lookup_tx(ctx: XdpContext) -> u32 {
             return xdp_action::XDP_PASS;
         }
         let tcp = (start + EthHdr::LEN + Ipv4Hdr::LEN) as *const TcpHdr;
-        let key = FlowKey {
-            client: addr_v4((*ip).src_addr),
-            vip: addr_v4((*ip).dst_addr),
-            client_port_be: u16::from_ne_bytes((*tcp).source),
-            vip_port_be: u16::from_ne_bytes((*tcp).dest),
-            proto: 6,
-            family: FAMILY_V4,
-            _pad: [0; 2],
-        };
+        let key = FlowKey::new(
+            &addr_v4((*ip).src_addr),
+            &addr_v4((*ip).dst_addr),
+            u16::from_ne_bytes((*tcp).source),
+            u16::from_ne_bytes((*tcp).dest),
+            6,
+            FAMILY_V4,
+        );
         if GEN_FLOWS.get(key).is_none() {
             return xdp_action::XDP_PASS;
         }
