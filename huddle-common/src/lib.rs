@@ -1007,6 +1007,23 @@ pub struct GenConfig {
     pub _pad2: u32,
 }
 
+/// Value of the packet generator's `GEN_NAT` table (key: the frame's
+/// addresses and ports as two words): a bare NAT forwarder's whole state
+/// for a flow, its rewrite worked out beforehand.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct GenNat {
+    /// New source and destination addresses, as they lie in the header.
+    pub addrs: [u8; 8],
+    /// New source and destination ports, as they lie in the header.
+    pub ports: [u8; 4],
+    /// One's-complement changes of the IP and the TCP checksum.
+    pub ip_diff: u32,
+    pub l4_diff: u32,
+    /// Destination and source MAC.
+    pub macs: [u8; 12],
+}
+
 /// Bytes of the generator's frame template (Ethernet, IPv4, TCP, some
 /// payload).
 pub const GEN_FRAME: usize = 64;
@@ -1027,6 +1044,7 @@ assert_size!(FlowValue, 32);
 assert_size!(Latency, 8 * LATENCY_BUCKETS);
 assert_size!(Pulse, 16);
 assert_size!(GenConfig, 16);
+assert_size!(GenNat, 32);
 assert_size!(NextHop, 32);
 assert_size!(NatKey, 40);
 assert_size!(NatValue, 48);
@@ -1066,6 +1084,7 @@ mod pod {
     unsafe impl aya::Pod for Latency {}
     unsafe impl aya::Pod for Pulse {}
     unsafe impl aya::Pod for GenConfig {}
+    unsafe impl aya::Pod for GenNat {}
     unsafe impl aya::Pod for NextHop {}
     unsafe impl aya::Pod for NatCursor {}
     unsafe impl aya::Pod for TwHint {}
