@@ -23,10 +23,6 @@ const WIDE: [&str; 3] = ["huddle", "baseline", "trafficgen"];
 /// access.
 const STRICT: [&str; 1] = ["decap"];
 
-/// `rustflags` of `huddle-ebpf/.cargo/config.toml`, which `RUSTFLAGS`
-/// replaces.
-const BASE_FLAGS: &str = "-C debuginfo=2 -C link-arg=--btf";
-
 fn main() {
     let manifest = PathBuf::from(env::var_os("CARGO_MANIFEST_DIR").expect("CARGO_MANIFEST_DIR"));
     let root = manifest.parent().expect("workspace root").to_path_buf();
@@ -48,12 +44,11 @@ fn main() {
         .unwrap_or_else(|| root.join("target"));
     // Each kind in a target folder of its own: the flags differ, and one
     // folder would rebuild `core` for each kind on every build.
-    let wide_flags = format!("{BASE_FLAGS} -C target-feature=+allows-misaligned-mem-access");
-    for (objects, dir, flags) in [
-        (&WIDE[..], targets.join("ebpf"), Some(wide_flags.as_str())),
-        (&STRICT[..], targets.join("ebpf-strict"), None),
+    for (objects, dir, wide) in [
+        (&WIDE[..], targets.join("ebpf"), true),
+        (&STRICT[..], targets.join("ebpf-strict"), false),
     ] {
-        build(&ebpf, objects, &dir, flags);
+        build(&ebpf, objects, &dir, wide);
         for name in objects {
             copy(
                 &dir.join("bpfel-unknown-none/release").join(name),
@@ -63,19 +58,19 @@ fn main() {
     }
 }
 
-/// Builds `objects` in `target_dir` with the nightly toolchain, with
-/// `rustflags` in place of the config's if given.
-fn build(ebpf: &Path, objects: &[&str], target_dir: &Path, rustflags: Option<&str>) {
+/// Builds `objects` in `target_dir` with the nightly toolchain; `wide`:
+/// allowing misaligned access (added to the config's `rustflags`:
+/// `--config` arrays are appended).
+fn build(ebpf: &Path, objects: &[&str], target_dir: &Path, wide: bool) {
     let mut cmd = Command::new("rustup");
-    cmd.current_dir(ebpf)
-        .args([
-            "run",
-            "nightly",
-            "cargo",
-            "build",
-            "--release",
-            "--target-dir",
-        ])
+    cmd.current_dir(ebpf).args(["run", "nightly", "cargo"]);
+    if wide {
+        cmd.args([
+            "--config",
+            r#"target.bpfel-unknown-none.rustflags=["-C", "target-feature=+allows-misaligned-mem-access"]"#,
+        ]);
+    }
+    cmd.args(["build", "--release", "--target-dir"])
         .arg(target_dir);
     for name in objects {
         cmd.args(["--bin", name]);
@@ -92,9 +87,6 @@ fn build(ebpf: &Path, objects: &[&str], target_dir: &Path, rustflags: Option<&st
         if leaks {
             cmd.env_remove(key.as_ref());
         }
-    }
-    if let Some(flags) = rustflags {
-        cmd.env("RUSTFLAGS", flags);
     }
     let status = cmd.status().unwrap_or_else(|e| {
         panic!("cannot run `rustup run nightly cargo` to build the XDP program: {e}. Run `cargo xtask setup` first.")
