@@ -15,6 +15,11 @@ use huddle_common::{
 };
 use network_types::{eth::EthHdr, ip::Ipv4Hdr, tcp::TcpHdr};
 
+/// The balancer's checksum arithmetic (only `apply` is used here).
+#[allow(dead_code)]
+mod csum;
+use csum::apply;
+
 /// The frame `gen` writes on every run (user space fills it in).
 #[map]
 static GEN_TEMPLATE: Array<[u8; GEN_FRAME]> = Array::with_max_entries(1, 0);
@@ -100,15 +105,6 @@ pub fn lookup_tx(ctx: XdpContext) -> u32 {
 static GEN_NAT: LruHashMap<[u64; 2], GenNat> =
     LruHashMap::with_max_entries(DEFAULT_FLOW_TABLE_SIZE, 0);
 
-/// Folds a one's-complement sum to 16 bits.
-#[inline(always)]
-fn fold(mut s: u64) -> u16 {
-    s = (s & 0xffff) + (s >> 16);
-    s = (s & 0xffff) + (s >> 16);
-    s = (s & 0xffff) + (s >> 16);
-    s as u16
-}
-
 /// A bare NAT forwarder: no more than any balancer that rewrites a flow
 /// must do. One lookup with the narrowest key (addresses and ports, 16
 /// bytes), then the new addresses, ports, checksums and MACs from the
@@ -139,13 +135,9 @@ pub fn nat_tx(ctx: XdpContext) -> u32 {
         ip.add(12).cast::<[u8; 8]>().write_unaligned(n.addrs);
         l4.cast::<[u8; 4]>().write_unaligned(n.ports);
         let check = ip.add(10).cast::<u16>();
-        check.write_unaligned(!fold(
-            u64::from(!check.read_unaligned()) + u64::from(n.ip_diff),
-        ));
+        check.write_unaligned(apply(check.read_unaligned(), u64::from(n.ip_diff)));
         let check = l4.add(16).cast::<u16>();
-        check.write_unaligned(!fold(
-            u64::from(!check.read_unaligned()) + u64::from(n.l4_diff),
-        ));
+        check.write_unaligned(apply(check.read_unaligned(), u64::from(n.l4_diff)));
         eth.cast::<[u8; 12]>().write_unaligned(n.macs);
     }
     xdp_action::XDP_TX
