@@ -291,11 +291,7 @@ fn measure(args: &BenchArgs) -> Result<()> {
     }
     let mut base = Ebpf::load(object::BASELINE).context("loading the baseline programs")?;
     for name in ["pass", "swap_tx"] {
-        let p: &mut Xdp = base
-            .program_mut(name)
-            .context("baseline program missing")?
-            .try_into()?;
-        p.load()?;
+        xdp_of(&mut base, name)?.load()?;
     }
     let pass: &Xdp = base.program("pass").context("pass")?.try_into()?;
     let swap: &Xdp = base.program("swap_tx").context("swap_tx")?.try_into()?;
@@ -574,6 +570,14 @@ fn csum_diff(was: &[u8], now: &[u8]) -> u32 {
         .sum()
 }
 
+/// The XDP program `name` of `obj`.
+fn xdp_of<'a>(obj: &'a mut Ebpf, name: &str) -> Result<&'a mut Xdp> {
+    Ok(obj
+        .program_mut(name)
+        .with_context(|| format!("program {name} missing"))?
+        .try_into()?)
+}
+
 /// Rounds of the packets-per-second run.
 const PPS_ROUNDS: usize = 3;
 
@@ -637,15 +641,10 @@ fn pps(
         },
         0,
     )?;
-    for name in ["gen", "sink"] {
-        let p: &mut Xdp = tg
-            .program_mut(name)
-            .context("generator program missing")?
-            .try_into()?;
-        p.load()?;
+    for name in ["gen", "sink", "lookup_tx", "nat_tx"] {
+        xdp_of(tg, name)?.load()?;
     }
-    let sink: &mut Xdp = tg.program_mut("sink").context("sink")?.try_into()?;
-    let sink_link = sink
+    let sink_link = xdp_of(tg, "sink")?
         .attach_to_if_index(peer, Mode::Driver)
         .context("attaching the sink")?;
     // struct xdp_md: data_end must be the frame's length, as in `test_run`.
@@ -680,15 +679,14 @@ fn pps(
             tg.map_mut("GEN_FLOWS").context("GEN_FLOWS")?,
         )?;
         for k in 0..PPS_FLOWS {
-            let key = FlowKey {
-                client: addr_v4(client.octets()),
-                vip: addr_v4(VIP.octets()),
-                client_port_be: (PPS_BASE_PORT + k).to_be(),
-                vip_port_be: 80u16.to_be(),
-                proto: 6,
-                family: FAMILY_V4,
-                _pad: [0; 2],
-            };
+            let key = FlowKey::new(
+                &addr_v4(client.octets()),
+                &addr_v4(VIP.octets()),
+                (PPS_BASE_PORT + k).to_be(),
+                80u16.to_be(),
+                6,
+                FAMILY_V4,
+            );
             flows.insert(key, FlowValue::default(), 0)?;
         }
     }
@@ -699,18 +697,18 @@ fn pps(
             tg.map_mut("GEN_NAT").context("GEN_NAT")?,
         )?;
         let backend = Ipv4Addr::new(10, 213, 1, 1);
+        let was = [client.octets(), VIP.octets()].concat();
+        let now = [BALANCER_IP.octets(), backend.octets()].concat();
+        let ip_diff = csum_diff(&was, &now);
+        let mut macs = [0; 12];
+        macs[..6].copy_from_slice(&crate::prog_run::mac_of(backend));
+        macs[6..].copy_from_slice(&BALANCER_MAC);
+        let addrs_key = u64::from_le_bytes(was[..].try_into()?);
         for k in 0..PPS_FLOWS {
-            let was = [client.octets(), VIP.octets()].concat();
-            let now = [BALANCER_IP.octets(), backend.octets()].concat();
             let was_ports = [(PPS_BASE_PORT + k).to_be_bytes(), 80u16.to_be_bytes()].concat();
             let now_ports = [(20_000 + k).to_be_bytes(), 8080u16.to_be_bytes()].concat();
-            let ip_diff = csum_diff(&was, &now);
-            let mut macs = [0; 12];
-            macs[..6].copy_from_slice(&crate::prog_run::mac_of(backend));
-            macs[6..].copy_from_slice(&BALANCER_MAC);
-            let word = |b: &[u8]| u64::from_le_bytes(b.try_into().expect("8 bytes"));
             let key = [
-                word(&was),
+                addrs_key,
                 u64::from(u32::from_le_bytes(was_ports[..].try_into()?)),
             ];
             let entry = GenNat {
@@ -723,51 +721,33 @@ fn pps(
             nat.insert(key, entry, 0)?;
         }
     }
-    for name in ["lookup_tx", "nat_tx"] {
-        let prog: &mut Xdp = tg
-            .program_mut(name)
-            .context("program missing")?
-            .try_into()?;
-        prog.load()?;
-    }
     // Rounds of the four in turn, so that a slower spell of the host
     // (this is a virtual machine) falls on all of them; medians reported.
     const PROGRAMS: usize = 4;
     let mut rates: [Vec<f64>; PROGRAMS] = Default::default();
     for _ in 0..PPS_ROUNDS {
         for (which, rate) in rates.iter_mut().enumerate() {
-            let r = match which {
-                0 => {
-                    env.dp.attach(env.ifindex, XdpMode::Native)?;
-                    let r = run(tg);
-                    env.dp.detach()?;
-                    r
-                }
-                1 => {
-                    let swap: &mut Xdp =
-                        base.program_mut("swap_tx").context("swap_tx")?.try_into()?;
-                    let link = swap.attach_to_if_index(env.ifindex, Mode::Driver)?;
-                    let r = run(tg);
-                    let swap: &mut Xdp =
-                        base.program_mut("swap_tx").context("swap_tx")?.try_into()?;
-                    swap.detach(link)?;
-                    r
-                }
-                _ => {
-                    let name = if which == 2 { "lookup_tx" } else { "nat_tx" };
-                    let prog: &mut Xdp = tg.program_mut(name).context(name)?.try_into()?;
-                    let link = prog.attach_to_if_index(env.ifindex, Mode::Driver)?;
-                    let r = run(tg);
-                    let prog: &mut Xdp = tg.program_mut(name).context(name)?.try_into()?;
-                    prog.detach(link)?;
-                    r
-                }
+            let r = if which == 0 {
+                env.dp.attach(env.ifindex, XdpMode::Native)?;
+                let r = run(tg);
+                env.dp.detach()?;
+                r
+            } else {
+                // The forwarder is in the baseline object, the others in
+                // the generator's.
+                let name = ["swap_tx", "lookup_tx", "nat_tx"][which - 1];
+                let in_base = which == 1;
+                let obj = if in_base { &mut *base } else { &mut *tg };
+                let link = xdp_of(obj, name)?.attach_to_if_index(env.ifindex, Mode::Driver)?;
+                let r = run(tg);
+                let obj = if in_base { &mut *base } else { &mut *tg };
+                xdp_of(obj, name)?.detach(link)?;
+                r
             };
             rate.push(r?);
         }
     }
-    let sink: &mut Xdp = tg.program_mut("sink").context("sink")?.try_into()?;
-    sink.detach(sink_link)?;
+    xdp_of(tg, "sink")?.detach(sink_link)?;
     let [ours, theirs, lookup, bare] = rates.map(|mut r| {
         r.sort_by(f64::total_cmp);
         r[r.len() / 2]
