@@ -1000,6 +1000,9 @@ fn losses_match_a_model(env: &ProgRun) {
     );
 }
 
+/// TCP options carrying timestamp `ts`: a SYN's as Linux lays them out
+/// (MSS, SACK permitted, timestamps, window scale), or a later segment's
+/// (two NOPs, timestamps).
 fn ts_options(syn: bool, ts: u32) -> Vec<u8> {
     let mut o = if syn {
         vec![2, 4, 5, 0xb4, 4, 2, 8, 10]
