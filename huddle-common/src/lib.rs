@@ -226,6 +226,22 @@ pub const MAGLEV_SEED: u64 = 0x6d61_676c_6576_0001;
 pub const MAGLEV_MAP_FLAGS: u32 = 1 << 10;
 /// A Maglev entry no backend holds.
 pub const MAGLEV_EMPTY: u16 = u16::MAX;
+/// Whether `n` is prime (trial division; table sizes are small): a Maglev
+/// table's size must be.
+#[must_use]
+pub const fn is_prime(n: u32) -> bool {
+    if n < 2 {
+        return false;
+    }
+    let mut d = 2u32;
+    while d.saturating_mul(d) <= n {
+        if n.is_multiple_of(d) {
+            return false;
+        }
+        d += 1;
+    }
+    true
+}
 /// Elements of the MAGLEV map for tables of `size` entries: two per
 /// service, four entries to an element (an array's elements take 8 bytes
 /// whatever their value's size: 16-bit ids, four to one, keep the map at

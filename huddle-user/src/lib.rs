@@ -1,18 +1,26 @@
-//! HuddleCluster's control plane, by concern: `kernel` (loading the XDP
-//! program, its maps, running it on crafted packets), `huddle` (readings,
-//! temperatures, rotation, saved state), `net` (probes, scrapes, agent,
-//! metrics, HTTP, control socket) and `ops` (CLI, config, daemon, host,
-//! status, the live view). Each module is also reachable at the top, as
-//! `huddle_user::dataplane`, `huddle_user::config` and so on.
+//! HuddleCluster's control plane. Dependencies point one way, from the
+//! entry points down (a unit test, `layers`, holds every file to it):
+//!
+//! - entry points: `daemon` (`huddle run`), `cli` (every other command);
+//! - reports: `status` (status, `/metrics`, the control socket);
+//! - services: `huddle` (readings, temperatures, rotation), `cluster`
+//!   (several balancers), `agent` (the backend agent), `bench`;
+//! - the kernel and the network: `kernel` (the XDP object, the data plane),
+//!   `net` (HTTP, probes, scrapes);
+//! - foundations: `sys` (host facts and changes), `config`.
 
+pub mod agent;
+pub mod bench;
+pub mod cli;
+pub mod cluster;
+pub mod config;
+pub mod daemon;
 pub mod huddle;
 pub mod kernel;
+#[cfg(test)]
+mod layers;
 pub mod net;
-pub mod ops;
-
-pub use huddle::{maglev, rotation, state, thermal};
-pub use kernel::{
-    bench, dataplane, decap, link, logs, mmap, object, packet, prog_run, service_index,
-};
-pub use net::{agent, bgp, control, handoff, http, metrics, peers, pooled, probe, scrape};
-pub use ops::{cli, config, daemon, host, netns, status, top};
+pub mod status;
+pub mod sys;
+#[cfg(test)]
+mod test_rng;

@@ -10,9 +10,9 @@ pub mod scaleout;
 
 use anyhow::{bail, Context, Result};
 use huddle_user::{
-    control::{self, Reply, Request},
-    netns::Netns,
+    status::control::{self, Reply, Request},
     status::Status,
+    sys::netns::Netns,
 };
 use std::{
     io::{BufRead, BufReader, Read, Write},
@@ -47,7 +47,7 @@ pub fn pin_dir(name: &str) -> PathBuf {
 /// Removes the pins in `dir` (after its balancer stopped), and the root
 /// folder once no testbed uses it.
 pub fn drop_pins(dir: &Path) {
-    let _ = huddle_user::dataplane::unpin(dir);
+    let _ = huddle_user::kernel::dataplane::unpin(dir);
     let _ = std::fs::remove_dir(PIN_ROOT);
 }
 
@@ -137,7 +137,7 @@ pub fn sweep_stale() {
 pub fn in_ns<T: Send + 'static>(ns: &Netns, f: impl FnOnce() -> T + Send + 'static) -> T {
     let name = ns.name.clone();
     thread::spawn(move || {
-        huddle_user::netns::enter(&name).expect("enter namespace");
+        huddle_user::sys::netns::enter(&name).expect("enter namespace");
         f()
     })
     .join()
@@ -362,7 +362,7 @@ impl Testbed {
         // runs XDP itself (with only GRO on the peer, this kernel accepted
         // the frames and then lost them): give the peer an XDP_PASS program.
         let obj = self.dir.join("baseline.o");
-        std::fs::write(&obj, huddle_user::object::BASELINE)?;
+        std::fs::write(&obj, huddle_user::kernel::object::BASELINE)?;
         self.switch.ip(&[
             "link",
             "set",
@@ -625,7 +625,7 @@ impl Testbed {
         if let Some(mut p) = self.huddle.take() {
             let _ = p.terminate(Duration::from_secs(5));
         }
-        let _ = huddle_user::dataplane::unpin(&self.pins);
+        let _ = huddle_user::kernel::dataplane::unpin(&self.pins);
         let _ = std::fs::remove_file(self.socket().with_extension("state"));
     }
 
@@ -653,7 +653,7 @@ impl Testbed {
                 .arg(&self.huddle_bin);
             c
         } else {
-            huddle_user::netns::command_in(&self.lb.name, &self.huddle_bin)?
+            huddle_user::sys::netns::command_in(&self.lb.name, &self.huddle_bin)?
         };
         cmd.args(&args)
             .stdin(Stdio::null())
@@ -757,7 +757,7 @@ impl OpenLoop {
         let name = ns.name.clone();
         let start = Instant::now();
         let handle = thread::spawn(move || {
-            huddle_user::netns::enter(&name).expect("enter client namespace");
+            huddle_user::sys::netns::enter(&name).expect("enter client namespace");
             let (tx, rx) = std::sync::mpsc::channel();
             let gap = Duration::from_secs_f64(per_conn as f64 / rate);
             let mut n = 0u32;
@@ -888,7 +888,7 @@ impl HeldConnections {
                     ns.name.clone(),
                 );
                 thread::spawn(move || {
-                    huddle_user::netns::enter(&ns).expect("enter client namespace");
+                    huddle_user::sys::netns::enter(&ns).expect("enter client namespace");
                     let mut errors = Vec::new();
                     let mut conns = Vec::new();
                     for _ in 0..per_thread {

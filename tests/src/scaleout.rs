@@ -12,10 +12,10 @@
 use crate::{plug, segment, spawn_in, start_bird, wait_until, Proc, HTTP_PORT, UDP_PORT};
 use anyhow::{Context, Result};
 use huddle_user::{
-    bgp,
-    control::{self, Request},
-    netns::Netns,
+    cluster::bgp,
+    status::control::{self, Request},
     status::Status,
+    sys::netns::Netns,
 };
 use std::{
     collections::BTreeSet,

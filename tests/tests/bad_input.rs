@@ -80,7 +80,7 @@ fn reloads_change_services_in_place_and_bad_ones_change_nothing() {
     // A long-lived connection that must survive every reload.
     let (tx, rx) = std::sync::mpsc::channel::<()>();
     let held = thread::spawn(move || -> Result<(String, u32), String> {
-        huddle_user::netns::enter(&ns).map_err(|e| e.to_string())?;
+        huddle_user::sys::netns::enter(&ns).map_err(|e| e.to_string())?;
         let mut c = KeepAlive::connect(vip, TIMEOUT).map_err(|e| format!("{e:#}"))?;
         let first = c.get().map_err(|e| format!("{e:#}"))?;
         let mut n = 1;
@@ -326,9 +326,9 @@ fn cluster_members_that_answer_garbage_or_nothing_leave_the_balancer_deciding_al
         println!("{n}");
     }
     // It decides alone: a drained backend leaves its ring.
-    let r = huddle_user::control::call(
+    let r = huddle_user::status::control::call(
         &bed.socket(),
-        &huddle_user::control::Request::Drain {
+        &huddle_user::status::control::Request::Drain {
             backend: addr(1),
             vip: None,
         },

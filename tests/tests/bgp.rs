@@ -6,7 +6,7 @@
 //! is said in status and the log while the data plane keeps forwarding,
 //! and the announcement comes back with bird.
 
-use huddle_user::{bgp, control::Request};
+use huddle_user::{cluster::bgp, status::control::Request};
 use std::{
     collections::BTreeSet,
     net::SocketAddr,
@@ -21,7 +21,12 @@ use testbed::{
 const HUDDLE: &str = env!("CARGO_BIN_EXE_hc-huddle");
 const BACKEND: &str = env!("CARGO_BIN_EXE_hc-backend");
 
-fn bird(bed: &Testbed, ns: &huddle_user::netns::Netns, name: &str, conf: &str) -> (Proc, PathBuf) {
+fn bird(
+    bed: &Testbed,
+    ns: &huddle_user::sys::netns::Netns,
+    name: &str,
+    conf: &str,
+) -> (Proc, PathBuf) {
     start_bird(ns, &bed.dir, name, conf).expect("start bird")
 }
 
@@ -152,7 +157,7 @@ fn the_vip_is_announced_while_served_drained_on_demand_and_withdrawn_before_stop
     let socket = bed.socket();
     let pins = bed.pins.clone();
     let stopper = std::thread::spawn(move || {
-        huddle_user::daemon::stop(&socket, &pins, &socket.with_extension("state"))
+        huddle_user::daemon::stop::stop(&socket, &pins, &socket.with_extension("state"))
     });
     let withdrawn = router_sees(&router, false, Duration::from_secs(5));
     let still = testbed::xdp_attached(&bed.lb);

@@ -4,7 +4,7 @@
 //! all along. No connection may be reset or stall, and no new flow may get
 //! a backend outside the ring it was read from (the kernel counts that).
 
-use huddle_user::control::Request;
+use huddle_user::status::control::Request;
 use std::{
     net::SocketAddr,
     path::Path,

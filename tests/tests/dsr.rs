@@ -89,7 +89,7 @@ fn ipip_dsr_with_the_agents_decap_serves_every_request() {
 /// success, stderr).
 fn run_refused(bed: &Testbed, args: &[&str]) -> (bool, String) {
     let mut cmd =
-        huddle_user::netns::command_in(&bed.lb.name, Path::new(HUDDLE)).expect("namespace");
+        huddle_user::sys::netns::command_in(&bed.lb.name, Path::new(HUDDLE)).expect("namespace");
     let sock = bed.dir.join("refused.sock").display().to_string();
     cmd.args(["run", "--iface", "eth0", "--control-socket", &sock])
         .args(["--pin-dir", &bed.pins.display().to_string()])

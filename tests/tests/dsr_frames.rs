@@ -5,9 +5,9 @@
 use huddle_common::{BackendStats, GlobalStats};
 use huddle_user::{
     config::{Mode, PortRange, Proto, Service},
-    decap::Decap,
-    packet::{checksums_valid, icmp_checksums_valid, icmp_error, ipip, Frame, ACK, PSH},
-    prog_run::{mac_of, test_run, ProgRun, BALANCER_MAC},
+    kernel::decap::Decap,
+    kernel::packet::{checksums_valid, icmp_checksums_valid, icmp_error, ipip, Frame, ACK, PSH},
+    kernel::prog_run::{mac_of, test_run, ProgRun, BALANCER_MAC},
 };
 use std::net::{Ipv4Addr, SocketAddr};
 use testbed::{require_root, unique};
@@ -55,7 +55,7 @@ fn env(tag: &str) -> ProgRun {
         min: 20000,
         max: 32767,
     };
-    let mut cfg = huddle_user::prog_run::config(services, nat, 4096, 1024);
+    let mut cfg = huddle_user::kernel::prog_run::config(services, nat, 4096, 1024);
     cfg.encap_prefix = Some(ENCAP_PREFIX.parse().unwrap());
     let mut neigh = backends.to_vec();
     neigh.extend([CLIENT, GATEWAY]);
@@ -272,7 +272,7 @@ fn a_df_packet_too_big_once_wrapped_gets_fragmentation_needed_from_the_vip() {
     // addressed to this host's MAC).
     let mut no_df = big.clone();
     no_df[20] = 0;
-    let sum = huddle_user::packet::checksum(
+    let sum = huddle_user::kernel::packet::checksum(
         &{
             let mut h = no_df[14..34].to_vec();
             h[10] = 0;

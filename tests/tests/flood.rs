@@ -13,7 +13,7 @@
 //! established flow to a flood of any size is shown by PROG_TEST_RUN
 //! (`a_syn_flood_never_evicts_an_established_flow`).
 
-use huddle_user::packet::{Frame, ETH_LEN};
+use huddle_user::kernel::packet::{Frame, ETH_LEN};
 use std::{
     net::{Ipv4Addr, SocketAddr},
     path::Path,
@@ -36,7 +36,7 @@ const FLOOD: Duration = Duration::from_secs(10);
 /// nowhere, so their SYN-ACKs die at the balancer) until `stop`; returns
 /// how many were sent.
 fn flood(ns: &str, stop: &AtomicBool, pps: u64) -> u64 {
-    huddle_user::netns::enter(ns).expect("client namespace");
+    huddle_user::sys::netns::enter(ns).expect("client namespace");
     // SAFETY: plain socket call; the descriptor is closed below.
     let fd = unsafe { libc::socket(libc::AF_INET, libc::SOCK_RAW, libc::IPPROTO_RAW) };
     assert!(fd >= 0, "raw socket: {}", std::io::Error::last_os_error());

@@ -31,13 +31,13 @@
 
 use huddle_user::{
     config::{Config, Mode, PortRange, Proto, Service},
-    packet::{
+    kernel::packet::{
         checksum, checksums_valid, endpoints, icmp_checksums_valid, icmp_error, l4_checksum, Frame,
         ACK, ETH_LEN, FIN, RST, SYN,
     },
-    packet::{checksums6_valid, icmp6_checksum_valid, icmp6_error, tcp6},
-    prog_run::mac_of6,
-    prog_run::{mac_of, ProgRun, BALANCER_IP, BALANCER_MAC},
+    kernel::packet::{checksums6_valid, icmp6_checksum_valid, icmp6_error, tcp6},
+    kernel::prog_run::mac_of6,
+    kernel::prog_run::{mac_of, ProgRun, BALANCER_IP, BALANCER_MAC},
 };
 use std::net::{Ipv4Addr, Ipv6Addr, SocketAddr};
 use testbed::{require_root, unique};
@@ -728,7 +728,7 @@ fn config() -> Config {
         s.mode = mode;
         s
     };
-    let mut c = huddle_user::prog_run::config(
+    let mut c = huddle_user::kernel::prog_run::config(
         vec![
             svc(80, Proto::Tcp, 8080),
             svc(53, Proto::Udp, 5353),

@@ -11,10 +11,10 @@
 
 use huddle_user::{
     config::{Mode, PortRange, Proto, Service},
-    packet::{
+    kernel::packet::{
         checksums6_valid, icmp6_checksum_valid, icmp6_error, tcp6, tcp6_options, ACK, PSH, RST, SYN,
     },
-    prog_run::{mac_of6, ProgRun, BALANCER_MAC},
+    kernel::prog_run::{mac_of6, ProgRun, BALANCER_MAC},
 };
 use std::net::{Ipv6Addr, SocketAddr};
 use testbed::{require_root, unique};
@@ -46,7 +46,7 @@ fn env(tag: &str) -> ProgRun {
         s.mode = mode;
         s
     };
-    let mut cfg = huddle_user::prog_run::config(
+    let mut cfg = huddle_user::kernel::prog_run::config(
         vec![
             service(80, 8080, Mode::Snat),
             service(8080, 8080, Mode::DsrL2),

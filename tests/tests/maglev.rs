@@ -8,10 +8,11 @@
 
 use huddle_common::{addr_v4, FlowKey, FAMILY_V4, PROTO_TCP};
 use huddle_user::{
+    cluster::handoff::FlowBook,
     config::{Mode, PortRange, Proto, Selection, Service},
-    maglev,
-    packet::{endpoints, Frame, ACK, PSH},
-    prog_run::{mac_of, ProgRun, BALANCER_MAC},
+    kernel::maglev,
+    kernel::packet::{endpoints, Frame, ACK, PSH},
+    kernel::prog_run::{mac_of, ProgRun, BALANCER_MAC},
 };
 use std::net::{Ipv4Addr, SocketAddr};
 use testbed::{require_root, unique};
@@ -49,7 +50,7 @@ fn balancer(tag: &str, order: &[u8]) -> ProgRun {
         s.selection = selection;
         s
     };
-    let cfg = huddle_user::prog_run::config(
+    let cfg = huddle_user::kernel::prog_run::config(
         vec![
             service(80, 8080, Mode::Snat, Selection::Maglev),
             service(DSR_MAGLEV, DSR_MAGLEV, Mode::DsrL2, Selection::Maglev),
@@ -287,15 +288,15 @@ fn a_connection_a_peer_shared_keeps_its_backend_after_the_ring_changed() {
         env.dp.swap_ring(1, &ring).unwrap();
     }
     // a lists both flows; b takes only the first one's.
-    let (list, truncated) = a.dp.flow_book().unwrap().scan(&a.dp.handoff_tables());
+    let (list, truncated) = FlowBook::new(a.dp.flow_map().unwrap()).scan(&a.dp.maglev_tables());
     assert!(!truncated);
     assert_eq!(list.len(), 2, "{list:?}");
-    let mut book = b.dp.flow_book().unwrap();
+    let mut book = FlowBook::new(b.dp.flow_map().unwrap());
     let one: Vec<_> = list.iter().filter(|f| f.1 == shared).cloned().collect();
     let got = book.adopt(
         "10.0.0.1:9477".parse().unwrap(),
         &one,
-        &b.dp.handoff_tables(),
+        &b.dp.maglev_tables(),
         1,
     );
     assert_eq!((got.added, got.held, got.foreign), (1, 1, 0));
@@ -319,14 +320,14 @@ fn a_connection_a_peer_shared_keeps_its_backend_after_the_ring_changed() {
     assert_eq!((st.taken_over, st.flows_new), (2, 2), "{st:?}");
     // b's own list now names the flow it took over (its table would send
     // it elsewhere too), for the next balancer to lose.
-    let (mine, _) = b.dp.flow_book().unwrap().scan(&b.dp.handoff_tables());
+    let (mine, _) = FlowBook::new(b.dp.flow_map().unwrap()).scan(&b.dp.maglev_tables());
     assert_eq!(mine, one);
     // a's next answer no longer lists it: b forgets only what it did not
     // use.
     let got = book.adopt(
         "10.0.0.1:9477".parse().unwrap(),
         &[],
-        &b.dp.handoff_tables(),
+        &b.dp.maglev_tables(),
         2,
     );
     assert_eq!(got.held, 0);
@@ -335,7 +336,7 @@ fn a_connection_a_peer_shared_keeps_its_backend_after_the_ring_changed() {
     // A new connection on a shared tuple that was never used: its SYN
     // opens a new flow by the table, and its ACK follows the SYN.
     let fresh = 47001;
-    let f = huddle_user::handoff::SharedFlow(
+    let f = huddle_user::cluster::handoff::SharedFlow(
         client.into(),
         fresh,
         (VIP, DSR_MAGLEV).into(),
@@ -345,7 +346,7 @@ fn a_connection_a_peer_shared_keeps_its_backend_after_the_ring_changed() {
     let got = book.adopt(
         "10.0.0.2:9477".parse().unwrap(),
         &[f],
-        &b.dp.handoff_tables(),
+        &b.dp.maglev_tables(),
         3,
     );
     assert_eq!(got.added, 1);

@@ -1,7 +1,7 @@
 //! Real traffic through the attached XDP program: client, balancer and
 //! backends each in their own network namespace.
 
-use huddle_user::control::Request;
+use huddle_user::status::control::Request;
 use std::{collections::BTreeMap, net::SocketAddr, path::Path, time::Duration};
 use testbed::{
     backend_ip, http_get, in_ns, output, require_root, udp_request, xdp_attached, KeepAlive,
@@ -153,7 +153,8 @@ fn long_lived_connection_survives_ring_swaps_and_new_connections_follow_the_ring
                     vip: None,
                 }
             };
-            let reply = huddle_user::control::call(&socket, &req).map_err(|e| e.to_string())?;
+            let reply =
+                huddle_user::status::control::call(&socket, &req).map_err(|e| e.to_string())?;
             if !reply.ok {
                 return Err(format!("swap {i}: {:?}", reply.error));
             }
@@ -246,7 +247,7 @@ fn sigterm_leaves_the_data_plane_running_and_stop_removes_it() {
 
     // `huddle stop` with no daemon removes it all and restores sysctls
     // (run in the balancer's namespace, as an operator would).
-    let out = huddle_user::netns::command_in(&bed.lb.name, Path::new(HUDDLE))
+    let out = huddle_user::sys::netns::command_in(&bed.lb.name, Path::new(HUDDLE))
         .unwrap()
         .args([
             "stop",
@@ -313,7 +314,7 @@ fn sigterm_leaves_the_data_plane_running_and_stop_removes_it() {
         "--pin-dir",
         &pins,
     ];
-    let mut cmd = huddle_user::netns::command_in(&bed.lb.name, Path::new(HUDDLE)).unwrap();
+    let mut cmd = huddle_user::sys::netns::command_in(&bed.lb.name, Path::new(HUDDLE)).unwrap();
     cmd.args(["run", "--iface", "eth0"]).args(args);
     cmd.stdout(std::process::Stdio::null())
         .stderr(std::process::Stdio::null());

@@ -4,12 +4,12 @@
 use huddle_common::{BackendStats, FlowKey, GlobalStats, NatKey, FAMILY_V4};
 use huddle_user::{
     config::{Config, PortRange, Proto, Service},
-    dataplane::ip_bytes,
-    packet::{
+    kernel::dataplane::ip_bytes,
+    kernel::packet::{
         checksums_valid, endpoints, icmp_checksums_valid, icmp_error, Frame, ACK, ETH_LEN, FIN,
         PSH, RST, SYN,
     },
-    prog_run::{mac_of, ProgRun, BALANCER_IP, BALANCER_MAC},
+    kernel::prog_run::{mac_of, ProgRun, BALANCER_IP, BALANCER_MAC},
 };
 use std::{
     collections::HashMap,
@@ -49,7 +49,7 @@ fn config(backends: &[Ipv4Addr], udp: bool) -> Config {
     if udp {
         services.push(service(53, Proto::Udp, 5353));
     }
-    huddle_user::prog_run::config(services, NAT, 4096, HALF_OPEN_SLOTS)
+    huddle_user::kernel::prog_run::config(services, NAT, 4096, HALF_OPEN_SLOTS)
 }
 
 /// An environment with three backends, all neighbours resolved.
@@ -797,7 +797,7 @@ fn syn_tuple(env: &ProgRun, sport: u16) -> (Ipv4Addr, u16) {
 }
 
 fn cpus() -> usize {
-    huddle_user::host::possible_cpus().expect("possible CPUs")
+    huddle_user::sys::host::possible_cpus().expect("possible CPUs")
 }
 
 #[test]

@@ -10,7 +10,7 @@
 //! the others kept, a cut-off one rested backends as unhealthy, and
 //! 35-135 of about 330 moved connections broke on another backend.
 
-use huddle_user::control::{self, Request};
+use huddle_user::status::control::{self, Request};
 use std::{
     path::Path,
     thread,
@@ -183,7 +183,10 @@ fn failover(rotation: bool, drain_first: bool) {
             "the balancer never came back: next hops {:?}\n{}\n{:?}\n{}",
             s.next_hops(),
             s.status(1).map(|st| st.render()).unwrap_or_default(),
-            huddle_user::bgp::bird(&s.dir.join("lb1-bird.ctl"), "show protocols all uplink"),
+            huddle_user::cluster::bgp::bird(
+                &s.dir.join("lb1-bird.ctl"),
+                "show protocols all uplink"
+            ),
             s.log(1)
         );
     }

@@ -2,12 +2,7 @@
 //! host metrics), temperatures, the rotation engine, and the state that
 //! carries them across restarts.
 
-pub mod maglev;
-mod readings;
+pub mod readings;
 pub mod rotation;
 pub mod state;
-#[cfg(test)]
-mod test_rng;
 pub mod thermal;
-
-pub use readings::*;

@@ -9,10 +9,10 @@
 
 use crate::{
     config::{BackendOptions, Huddle as Settings, Proto, Service},
-    probe::ProbeResult,
-    rotation::{Engine, Move, Place, Reason},
-    scrape::HostTracker,
-    thermal::{self, Components, Reading},
+    huddle::rotation::{Engine, Move, Place, Reason},
+    huddle::thermal::{self, Components, Reading},
+    net::probe::ProbeResult,
+    net::scrape::HostTracker,
 };
 use huddle_common::{latency::bucket_bounds, BackendStats, Latency, Pulse, LATENCY_BUCKETS};
 use std::{collections::VecDeque, time::Duration};
@@ -91,7 +91,7 @@ pub struct Tracker {
 pub struct AgentCal {
     /// At the last scrape: the agent's cumulative samples and the
     /// kernel's cumulative ACK-clock counters (answered, summed ns).
-    last: Option<(crate::scrape::AgentSample, u64, u64)>,
+    last: Option<(crate::net::scrape::AgentSample, u64, u64)>,
     /// Means over the last scrape interval with samples from both.
     pub ttfb_ms: Option<f64>,
     pub ack_ms: Option<f64>,
@@ -144,7 +144,11 @@ impl Tracker {
     /// DSR: the agent's cumulative samples at a scrape (`None`: its page
     /// has none for this VIP). With `min_samples` from both it and the ACK
     /// clock since the last scrape, the ACK clock's bias is updated.
-    pub fn agent_scraped(&mut self, sample: Option<crate::scrape::AgentSample>, min_samples: u64) {
+    pub fn agent_scraped(
+        &mut self,
+        sample: Option<crate::net::scrape::AgentSample>,
+        min_samples: u64,
+    ) {
         let Some(now) = sample else {
             self.agent = None;
             return;

@@ -18,37 +18,9 @@
 //!   coolest healthy resting ones are called back early, and failing
 //!   those the least hot unhealthy ones (panic mode): never an empty ring.
 
+use crate::config::tuning::RotationParams;
 use serde::{Deserialize, Serialize};
 use std::time::Duration;
-
-/// Settings of the rotation.
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub struct RotationParams {
-    pub heat: f64,
-    pub cool: f64,
-    pub min_inner: usize,
-    /// No hot eviction within this long of a member's last move.
-    pub cooldown: Duration,
-    /// Shortest rest; doubled per eviction in a row, up to `max_rest`.
-    pub min_rest: Duration,
-    pub max_rest: Duration,
-    /// A new member rests this long before it first joins (0: at once).
-    pub warmup: Duration,
-}
-
-impl Default for RotationParams {
-    fn default() -> Self {
-        RotationParams {
-            heat: 0.55,
-            cool: 0.30,
-            min_inner: 2,
-            cooldown: Duration::from_secs(5),
-            min_rest: Duration::from_secs(10),
-            max_rest: Duration::from_secs(160),
-            warmup: Duration::ZERO,
-        }
-    }
-}
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
@@ -540,7 +512,7 @@ mod tests {
         assert!(m.iter().all(|m| m.reason == Reason::WarmedUp));
     }
 
-    use crate::huddle::test_rng::Rng;
+    use crate::test_rng::Rng;
 
     #[test]
     fn property_random_signals_never_break_the_rules() {

@@ -6,58 +6,8 @@
 //! Every input is sanitised: a NaN, infinite or negative reading counts as
 //! unknown (0), so no input can make a temperature NaN or leave [0, 1].
 
+use crate::config::tuning::ThermalParams;
 use serde::{Deserialize, Serialize};
-
-/// How much each term weighs in the raw score.
-#[derive(Clone, Copy, Debug, PartialEq, Deserialize, Serialize)]
-#[serde(deny_unknown_fields, default)]
-pub struct Weights {
-    pub latency: f64,
-    pub cpu: f64,
-    pub memory: f64,
-    /// Error rate plus connection load.
-    pub load: f64,
-}
-
-impl Default for Weights {
-    /// The original's: latency dominates.
-    fn default() -> Self {
-        Weights {
-            latency: 0.7,
-            cpu: 0.1,
-            memory: 0.1,
-            load: 0.1,
-        }
-    }
-}
-
-/// Settings of the temperature.
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub struct ThermalParams {
-    pub weights: Weights,
-    /// EMA weight of the newest raw score.
-    pub alpha: f64,
-    /// Latency ratio to the median at which the anomaly is full (1.0).
-    pub full_anomaly_ratio: f64,
-    /// Above this mean latency a backend is fully anomalous whatever the
-    /// median (covers the whole cluster slowing down).
-    pub ceiling_ms: Option<f64>,
-    /// The median is taken as at least this: below a millisecond, a 3x
-    /// ratio is scheduler noise, not a slow server.
-    pub floor_ms: f64,
-}
-
-impl Default for ThermalParams {
-    fn default() -> Self {
-        ThermalParams {
-            weights: Weights::default(),
-            alpha: 0.6,
-            full_anomaly_ratio: 3.0,
-            ceiling_ms: None,
-            floor_ms: 1.0,
-        }
-    }
-}
 
 /// One tick's signals of one backend. `None`: not known this tick.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]

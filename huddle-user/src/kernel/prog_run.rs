@@ -7,8 +7,8 @@
 
 use crate::{
     config::{Config, Huddle, PortRange, Service, XdpMode},
-    dataplane::Dataplane,
-    netns::Netns,
+    kernel::dataplane::Dataplane,
+    sys::netns::Netns,
 };
 use anyhow::{Context, Result};
 use aya::{programs::Xdp, TestRun, TestRunOptions};
@@ -130,7 +130,7 @@ impl ProgRun {
         }
         ns.enter()?;
         ENTERED.with(|e| e.replace(ns.name.clone()));
-        let ifindex = crate::host::ifindex(IFACE)?;
+        let ifindex = crate::sys::host::ifindex(IFACE)?;
         let snat = if cfg.snat_ips.is_empty() {
             vec![BALANCER_IP]
         } else {

@@ -3,7 +3,8 @@
 //! memory), and a one-route-per-path server for `/metrics` and the agent.
 //! Only the URL form we accept is ours.
 
-use anyhow::{bail, Context, Result};
+use crate::config::url::Url;
+use anyhow::{Context, Result};
 use bytes::Bytes;
 use http_body_util::{BodyExt, Empty, Full, Limited};
 use hyper::{body::Incoming, header, Method, Request, StatusCode};
@@ -17,52 +18,6 @@ use std::{
 };
 use tokio::net::{TcpListener, TcpStream};
 use tracing::warn;
-
-/// An `http://host:port/path` URL (an IPv6 host in brackets).
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Url {
-    /// As written, brackets kept: what the Host header carries.
-    pub host: String,
-    pub port: u16,
-    pub path: String,
-}
-
-impl Url {
-    pub fn parse(s: &str) -> Result<Url> {
-        let rest = s
-            .strip_prefix("http://")
-            .with_context(|| format!("{s:?}: only http:// URLs are supported"))?;
-        let (hostport, path) = match rest.find('/') {
-            Some(i) => (&rest[..i], &rest[i..]),
-            None => (rest, "/"),
-        };
-        let (host, port) = match hostport.rsplit_once(':') {
-            Some((h, p)) if !hostport.ends_with(']') => (
-                h,
-                p.parse::<u16>()
-                    .with_context(|| format!("{s:?}: bad port {p:?}"))?,
-            ),
-            _ => (hostport, 80),
-        };
-        if host.is_empty() || port == 0 || path.contains(char::is_whitespace) {
-            bail!("{s:?} is not a usable http://HOST:PORT/PATH URL");
-        }
-        if host.starts_with('[')
-            && host
-                .strip_prefix('[')
-                .and_then(|h| h.strip_suffix(']'))
-                .and_then(|h| h.parse::<std::net::Ipv6Addr>().ok())
-                .is_none()
-        {
-            bail!("{s:?}: {host} is not an IPv6 address in brackets");
-        }
-        Ok(Url {
-            host: host.to_string(),
-            port,
-            path: path.to_string(),
-        })
-    }
-}
 
 /// What a GET brought back.
 #[derive(Debug)]

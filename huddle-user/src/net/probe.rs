@@ -5,7 +5,7 @@
 
 use crate::{
     config::{Probe, ProbeKind},
-    http,
+    net::http,
 };
 use std::{net::SocketAddr, time::Instant};
 use tokio::task::JoinSet;

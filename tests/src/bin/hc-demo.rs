@@ -17,7 +17,7 @@
 //! per backend ends it.
 
 use anyhow::{Context, Result};
-use huddle_user::control::Request;
+use huddle_user::status::control::Request;
 use std::{
     collections::BTreeMap,
     net::SocketAddr,
@@ -45,7 +45,7 @@ fn load(bed: &Testbed, vip: SocketAddr, threads: usize, n: usize) -> (BTreeMap<S
         .map(|_| {
             let name = bed.client.name.clone();
             thread::spawn(move || {
-                huddle_user::netns::enter(&name).expect("enter client namespace");
+                huddle_user::sys::netns::enter(&name).expect("enter client namespace");
                 let mut counts: BTreeMap<String, u32> = BTreeMap::new();
                 let mut failed = 0;
                 for _ in 0..n {

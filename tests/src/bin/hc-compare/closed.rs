@@ -130,7 +130,7 @@ pub fn run(
         .map(|_| {
             let (stop, ns) = (stop.clone(), bed.client.name.clone());
             thread::spawn(move || -> (Vec<f64>, u64) {
-                huddle_user::netns::enter(&ns).expect("client namespace");
+                huddle_user::sys::netns::enter(&ns).expect("client namespace");
                 let mut lat = Vec::new();
                 let mut failed = 0;
                 let mut conn: Option<KeepAlive> = None;

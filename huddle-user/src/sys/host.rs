@@ -286,7 +286,7 @@ pub fn warm_neighbours(backends: &[SocketAddr]) {
 }
 
 /// A UDP socket of `ip`'s family, on any address and port.
-fn udp_for(ip: IpAddr) -> std::io::Result<UdpSocket> {
+pub fn udp_for(ip: IpAddr) -> std::io::Result<UdpSocket> {
     if ip.is_ipv4() {
         UdpSocket::bind("0.0.0.0:0")
     } else {
@@ -478,22 +478,6 @@ pub fn pin_place(dir: &Path) -> Result<PinPlace> {
     })
 }
 
-/// Refuses backends this host has no route to (a UDP connect sends nothing
-/// but asks the kernel for a route). Errors name the field.
-pub fn check_reachable(cfg: &crate::config::Config) -> Result<()> {
-    for (i, s) in cfg.services.iter().enumerate() {
-        for (j, b) in s.backends.iter().enumerate() {
-            let sock = udp_for(b.ip()).context("opening a UDP socket")?;
-            if let Err(e) = sock.connect(b) {
-                bail!(
-                    "service[{i}].backends[{j}]: backend {b} is unreachable from this host ({e})"
-                );
-            }
-        }
-    }
-    Ok(())
-}
-
 /// The route the main table gives `ip` (from /proc/net/route text): its
 /// interface and gateway (`None`: on-link), longest prefix first, then
 /// lowest metric.
@@ -551,44 +535,6 @@ pub fn route6_of(table: &str, ip: Ipv6Addr) -> Option<(String, Option<Ipv6Addr>)
         .filter(|(_, _, iface, _)| iface != "lo")
         .min_by_key(|(plen, metric, _, _)| (std::cmp::Reverse(*plen), *metric))
         .map(|(_, _, iface, gw)| (iface, (gw != 0).then(|| Ipv6Addr::from(gw))))
-}
-
-/// Refuses a `dsr-l2` backend that is not a neighbour on the interface:
-/// only its MAC address changes, so it must be on the balancer's segment.
-pub fn check_dsr(cfg: &crate::config::Config) -> Result<()> {
-    let l2 = cfg
-        .services
-        .iter()
-        .any(|s| s.mode == crate::config::Mode::DsrL2);
-    if !l2 {
-        return Ok(());
-    }
-    let table = fs::read_to_string("/proc/net/route").context("reading /proc/net/route")?;
-    let table6 = fs::read_to_string("/proc/net/ipv6_route").unwrap_or_default();
-    for (i, s) in cfg.services.iter().enumerate() {
-        if s.mode != crate::config::Mode::DsrL2 {
-            continue;
-        }
-        for (j, b) in s.backends.iter().enumerate() {
-            let ip = b.ip();
-            let route = match ip {
-                IpAddr::V4(v4) => route_of(&table, v4).map(|(i, gw)| (i, gw.map(IpAddr::V4))),
-                IpAddr::V6(v6) => route6_of(&table6, v6).map(|(i, gw)| (i, gw.map(IpAddr::V6))),
-            };
-            match route {
-                Some((iface, None)) if iface == cfg.interface => {}
-                Some((iface, gw)) => bail!(
-                    "service[{i}].backends[{j}]: backend {ip} is not on the segment of {} (the route goes {}on {iface}); dsr-l2 changes only the destination MAC, so the backend must be a neighbour: move it to this segment or use mode = \"dsr-ipip\"",
-                    cfg.interface,
-                    gw.map(|g| format!("via {g} ")).unwrap_or_default()
-                ),
-                None => bail!(
-                    "service[{i}].backends[{j}]: backend {ip}: no route from this host"
-                ),
-            }
-        }
-    }
-    Ok(())
 }
 
 #[cfg(test)]

@@ -31,22 +31,6 @@ pub struct Member {
     pub weight: f64,
 }
 
-/// Whether `n` is prime (trial division; table sizes are small).
-#[must_use]
-pub fn is_prime(n: u32) -> bool {
-    if n < 2 {
-        return false;
-    }
-    let mut d = 2u32;
-    while d.saturating_mul(d) <= n {
-        if n.is_multiple_of(d) {
-            return false;
-        }
-        d += 1;
-    }
-    true
-}
-
 /// The 64-bit words a backend's identity hashes from.
 fn words(addr: SocketAddr) -> [u64; 5] {
     let (bytes, family) = match addr.ip() {
@@ -125,7 +109,7 @@ pub fn changed(a: &[u32], b: &[u32]) -> usize {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::huddle::test_rng::Rng;
+    use crate::test_rng::Rng;
     use std::collections::HashMap;
 
     const M: u32 = huddle_common::DEFAULT_MAGLEV_SIZE;
@@ -150,8 +134,18 @@ mod tests {
 
     #[test]
     fn primes_are_told_apart() {
-        assert!(is_prime(65_537) && is_prime(251) && is_prime(131_071) && is_prime(2));
-        assert!(!is_prime(65_536) && !is_prime(1) && !is_prime(0) && !is_prime(65_535));
+        assert!(
+            huddle_common::is_prime(65_537)
+                && huddle_common::is_prime(251)
+                && huddle_common::is_prime(131_071)
+                && huddle_common::is_prime(2)
+        );
+        assert!(
+            !huddle_common::is_prime(65_536)
+                && !huddle_common::is_prime(1)
+                && !huddle_common::is_prime(0)
+                && !huddle_common::is_prime(65_535)
+        );
     }
 
     #[test]

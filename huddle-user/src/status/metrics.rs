@@ -5,11 +5,7 @@
 //! several balancers' figures can be summed. OpenMetrics text from the
 //! `prometheus-client` crate (escaping, HELP, TYPE, `_total`, EOF).
 
-use crate::{
-    daemon::{lock, Balancer},
-    http::Answer,
-    status::{BackendStatus, ServiceStatus, Status},
-};
+use crate::status::{BackendStatus, ServiceStatus, Status};
 use huddle_common::{latency::bucket_bounds, Latency, LATENCY_BUCKETS};
 use prometheus_client::{
     collector::Collector,
@@ -17,53 +13,8 @@ use prometheus_client::{
     metrics::{exemplar::Exemplar, MetricType},
     registry::Registry,
 };
-use std::sync::Mutex;
 
-const OPENMETRICS: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
-
-/// Answers a GET of `path`.
-pub fn route(shared: &Mutex<Balancer>, path: &str) -> Answer {
-    match path {
-        "/metrics" => match snapshot(shared) {
-            Ok(s) => (200, OPENMETRICS, render(s)),
-            Err(e) => (
-                500,
-                "text/plain",
-                format!("reading the kernel's counters: {e:#}\n"),
-            ),
-        },
-        // The rings this balancer's huddle decides, for the other members
-        // of its cluster (see `peers`).
-        "/ring" => {
-            let rings = crate::daemon::lock(shared).own_rings();
-            json(&crate::peers::RingsAnswer { rings })
-        }
-        // This balancer's own counters per backend, for the other members
-        // (see `pooled`).
-        "/readings" => json(&crate::daemon::lock(shared).own_readings()),
-        // The flows this balancer's Maglev tables no longer explain, for
-        // the other members (see `handoff`).
-        "/flows" => {
-            // Serialised off the lock: the list may be long.
-            let flows = crate::daemon::lock(shared).shared_flows.clone();
-            json(&*flows)
-        }
-        "/" => (
-            200,
-            "text/plain",
-            "HuddleCluster balancer: metrics at /metrics\n".into(),
-        ),
-        _ => (404, "text/plain", "not found: try /metrics\n".into()),
-    }
-}
-
-/// `v` as a JSON answer.
-fn json(v: &impl serde::Serialize) -> Answer {
-    match serde_json::to_string(v) {
-        Ok(j) => (200, "application/json", j),
-        Err(e) => (500, "text/plain", format!("{e}\n")),
-    }
-}
+pub const OPENMETRICS: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
 
 /// Everything one scrape shows, read under the lock once.
 #[derive(Debug)]
@@ -113,33 +64,6 @@ impl Histogram {
             count,
         }
     }
-}
-
-fn snapshot(shared: &Mutex<Balancer>) -> anyhow::Result<Snapshot> {
-    let b = lock(shared);
-    let status = b.status()?;
-    let (mut ttfb, mut connect) = (Vec::new(), Vec::new());
-    for s in &status.services {
-        for be in &s.backends {
-            let sum = |c: &str| be.counters.get(c).copied().unwrap_or(0);
-            let key = (s.name.clone(), be.addr.clone());
-            ttfb.push((
-                key.0.clone(),
-                key.1.clone(),
-                Histogram::from_kernel(&b.dp.latency(be.id)?, sum("ttfb_ns")),
-            ));
-            connect.push((
-                key.0,
-                key.1,
-                Histogram::from_kernel(&b.dp.connect_latency(be.id)?, sum("connect_ns")),
-            ));
-        }
-    }
-    Ok(Snapshot {
-        status,
-        ttfb,
-        connect,
-    })
 }
 
 /// The whole exposition, ending in `# EOF`.

@@ -2,11 +2,14 @@
 //! attaching the XDP program, writing services, backends and rings, and
 //! reading counters.
 
+pub mod walk;
+
 use crate::{
     config::{Config, PortRange, Proto, Selection, Service, XdpMode},
-    maglev,
-    mmap::MappedArray,
-    object, service_index,
+    kernel::maglev,
+    kernel::mmap::MappedArray,
+    kernel::object,
+    kernel::service_index,
 };
 use anyhow::{bail, Context, Result};
 use aya::{
@@ -33,6 +36,19 @@ use std::{
     time::{Duration, Instant},
 };
 use tracing::{info, warn};
+
+/// One DSR Maglev service as the data plane has it now.
+#[derive(Clone, Debug)]
+pub struct MaglevTable {
+    /// Service id in the kernel.
+    pub service: u32,
+    pub vip: SocketAddr,
+    pub proto: u8,
+    /// The live table (backend ids).
+    pub entries: Vec<u32>,
+    /// Backend id -> address.
+    pub backends: StdHashMap<u32, SocketAddr>,
+}
 
 /// How long a retired ring slot is left alone before it is rewritten. A
 /// packet reads a ring within microseconds; this is orders of magnitude
@@ -162,7 +178,7 @@ pub struct Dataplane {
     /// `NAT_CURSOR` was made by this load: every backend's cursor starts.
     fresh_cursors: bool,
     /// Where an earlier run's NAT walk stood (`start_cursor`).
-    resume: Option<crate::state::NatWalk>,
+    resume: Option<walk::NatWalk>,
     /// Possible CPUs: per-CPU map values have one entry each.
     cpus: usize,
     pub services: Vec<ServiceSlot>,
@@ -279,7 +295,7 @@ impl Dataplane {
         snat: &[Ipv4Addr],
         snat6: &[std::net::Ipv6Addr],
         pins: Option<&Path>,
-        resume: Option<crate::state::NatWalk>,
+        resume: Option<walk::NatWalk>,
     ) -> Result<Dataplane> {
         if snat.len() + snat6.len() > MAX_SNAT {
             bail!(
@@ -287,7 +303,7 @@ impl Dataplane {
                 snat.len() + snat6.len()
             );
         }
-        let cpus = crate::host::possible_cpus()?;
+        let cpus = crate::sys::host::possible_cpus()?;
         let (slice_ports, slices) = KernelConfig::slices_for(
             cfg.nat_ports.min,
             cfg.nat_ports.max,
@@ -353,7 +369,7 @@ impl Dataplane {
         }
         // After the program holds its maps: the logger owns the log map's fd.
         match aya_log::EbpfLogger::init(&mut ebpf) {
-            Ok(logger) => crate::logs::forward(logger),
+            Ok(logger) => crate::kernel::logs::forward(logger),
             Err(e) => warn!("kernel log forwarding unavailable: {e}"),
         }
         if adopted {
@@ -481,7 +497,7 @@ impl Dataplane {
                 .as_ref()
                 .map(|w| w.hints.clone())
                 .unwrap_or_default();
-            let n = dp.load_tw_hints(&hints, crate::host::monotonic_ns())?;
+            let n = dp.load_tw_hints(&hints, crate::sys::host::monotonic_ns())?;
             if n > 0 {
                 info!("{n} NAT tuples the backends may still hold in TIME_WAIT, from the last run, are checked against new SYNs for a minute");
             }
@@ -498,7 +514,7 @@ impl Dataplane {
     /// TIME_WAIT, as long as that run stayed within the capacity.
     fn start_cursor(&mut self, id: u32, addr: SocketAddr) -> Result<()> {
         let cursor = cursor_at(
-            crate::host::monotonic_ns(),
+            crate::sys::host::monotonic_ns(),
             u64::from(self.kernel_config.slice_ports),
             u64::from(self.kernel_config.snat_count),
         );
@@ -524,15 +540,11 @@ impl Dataplane {
     /// Writes the last run's TIME_WAIT tuples (those still under a minute
     /// old at `now_ns`) for the kernel to check new SYNs against; returns
     /// how many.
-    fn load_tw_hints(
-        &mut self,
-        hints: &[crate::state::TimeWaitHint],
-        now_ns: u64,
-    ) -> Result<usize> {
+    fn load_tw_hints(&mut self, hints: &[walk::TimeWaitHint], now_ns: u64) -> Result<usize> {
         let mut until = 0;
         let mut n = 0;
         for h in hints.iter().take(huddle_common::MAX_TW_HINTS as usize) {
-            let crate::state::TimeWaitHint(local, port, backend, proto, tsval, closed_ns) = *h;
+            let walk::TimeWaitHint(local, port, backend, proto, tsval, closed_ns) = *h;
             if now_ns.saturating_sub(closed_ns) >= huddle_common::TIME_WAIT_NS || tsval == 0 {
                 continue;
             }
@@ -583,7 +595,7 @@ impl Dataplane {
     /// source-NAT flows whose backend sent the first FIN, with the
     /// client's last timestamp, and the hints still loaded from the run
     /// before. Scans the flow table (for the exit, not every tick).
-    pub fn tw_hints(&self, now_ns: u64) -> Vec<crate::state::TimeWaitHint> {
+    pub fn tw_hints(&self, now_ns: u64) -> Vec<walk::TimeWaitHint> {
         use huddle_common::{flow_flags, TIME_WAIT_NS};
         type Tuple = (IpAddr, u16, SocketAddr, u8);
         let fresh = |closed: u64| now_ns.saturating_sub(closed) < TIME_WAIT_NS;
@@ -630,10 +642,10 @@ impl Dataplane {
                 keep(t, h.tsval, h.closed_ns);
             }
         }
-        let mut out: Vec<crate::state::TimeWaitHint> = latest
+        let mut out: Vec<walk::TimeWaitHint> = latest
             .into_iter()
             .map(|((local, port, backend, proto), (ts, at))| {
-                crate::state::TimeWaitHint(local, port, backend, proto, ts, at)
+                walk::TimeWaitHint(local, port, backend, proto, ts, at)
             })
             .collect();
         // The newest first, if there are more than the map holds.
@@ -644,8 +656,8 @@ impl Dataplane {
 
     /// Where each backend's NAT walk stands now, per CPU (for the next
     /// run: `start_cursor`).
-    pub fn nat_walk(&self) -> crate::state::NatWalk {
-        let mut w = crate::state::NatWalk {
+    pub fn nat_walk(&self) -> walk::NatWalk {
+        let mut w = walk::NatWalk {
             slice_ports: u32::from(self.kernel_config.slice_ports),
             snat_count: u32::from(self.kernel_config.snat_count),
             cpus: self.cpus,
@@ -1141,17 +1153,14 @@ impl Dataplane {
     }
 
     /// A handle of its own on the flow table, for sharing flows with the
-    /// other balancers of a cluster (see `handoff`).
-    pub fn flow_book(&self) -> Result<crate::handoff::FlowBook> {
-        Ok(crate::handoff::FlowBook::new(HashMap::try_from(reopen(
-            &self.ebpf,
-            maps::FLOWS,
-        )?)?))
+    /// other balancers of a cluster (see `cluster::handoff`).
+    pub fn flow_map(&self) -> Result<HashMap<MapData, FlowKey, FlowValue>> {
+        Ok(HashMap::try_from(reopen(&self.ebpf, maps::FLOWS)?)?)
     }
 
-    /// The live Maglev tables of the DSR services, for `handoff` (a
+    /// The live Maglev tables of the DSR services, for `cluster::handoff` (a
     /// takeover needs the client's own address at the backend).
-    pub fn handoff_tables(&self) -> Vec<crate::handoff::Table> {
+    pub fn maglev_tables(&self) -> Vec<MaglevTable> {
         (0..self.services.len())
             .filter_map(|i| {
                 let slot = &self.services[i];
@@ -1159,7 +1168,7 @@ impl Dataplane {
                     return None;
                 }
                 let entries = self.maglev_table(i).ok().filter(|t| !t.is_empty())?;
-                Some(crate::handoff::Table {
+                Some(MaglevTable {
                     service: slot.id,
                     vip: slot.service.vip,
                     proto: slot.service.proto.number(),
@@ -1415,8 +1424,8 @@ fn random_seed() -> Result<u64> {
 /// XDP_TX (the kernel counts it and moves on), so native mode forwards
 /// nothing there. Generic mode works on any veth.
 fn auto_generic_reason(ifindex: u32) -> Option<String> {
-    use crate::link::Peer;
-    let peer = match crate::link::veth_peer(ifindex) {
+    use crate::sys::link::Peer;
+    let peer = match crate::sys::link::veth_peer(ifindex) {
         Ok(Peer::VethXdp) => {
             info!(
                 "the interface is a veth whose peer runs an XDP program: native mode (senders must compute their own checksums, e.g. `ethtool -K IFACE tx off`, or rewritten frames arrive with bad checksums)"

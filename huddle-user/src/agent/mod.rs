@@ -4,7 +4,7 @@
 //! unwraps the balancer's `dsr-ipip` packets, and a check of the DSR
 //! set-up that says what is missing.
 
-use crate::{config::XdpMode, decap::Decap, http};
+use crate::{config::XdpMode, kernel::decap::Decap, net::http};
 use anyhow::{Context, Result};
 use huddle_common::{latency::bucket_bounds, AgentTtfb, Counters, DecapStats, LATENCY_BUCKETS};
 use std::{
@@ -95,8 +95,8 @@ pub async fn run(args: AgentArgs) -> Result<()> {
     current()?;
     let decap = match &args.decap {
         Some(iface) => {
-            crate::host::check_privileges()?;
-            let ifindex = crate::host::ifindex(iface)?;
+            crate::sys::host::check_privileges()?;
+            let ifindex = crate::sys::host::ifindex(iface)?;
             let mut d = Decap::load()?;
             d.set_local(&local_ips()?)?;
             let mode = d.attach(ifindex, args.xdp_mode)?;
@@ -221,10 +221,10 @@ pub fn render_ttfb(per_vip: &[(IpAddr, AgentTtfb)]) -> String {
 
 /// This host's addresses, both families.
 fn local_ips() -> Result<Vec<std::net::IpAddr>> {
-    let v4 = crate::host::ipv4_addrs()?
+    let v4 = crate::sys::host::ipv4_addrs()?
         .into_iter()
         .map(|(_, a)| a.into());
-    let v6 = crate::host::ipv6_addrs()?
+    let v6 = crate::sys::host::ipv6_addrs()?
         .into_iter()
         .map(|(_, a)| a.into());
     Ok(v4.chain(v6).collect())
@@ -233,7 +233,7 @@ fn local_ips() -> Result<Vec<std::net::IpAddr>> {
 /// The interface of the main table's default route, if any.
 fn default_route_iface() -> Option<String> {
     let table = std::fs::read_to_string("/proc/net/route").ok()?;
-    crate::host::route_of(&table, Ipv4Addr::new(192, 0, 2, 1)).map(|(i, _)| i)
+    crate::sys::host::route_of(&table, Ipv4Addr::new(192, 0, 2, 1)).map(|(i, _)| i)
 }
 
 fn sysctl(path: &str) -> Option<u32> {
@@ -251,7 +251,7 @@ fn sysctl(path: &str) -> Option<u32> {
 #[must_use]
 pub fn setup_problems(iface: Option<&str>, decap: bool, vips: &[IpAddr]) -> Vec<String> {
     let mut out = Vec::new();
-    let local = crate::host::ip_addrs().unwrap_or_default();
+    let local = crate::sys::host::ip_addrs().unwrap_or_default();
     for vip in vips {
         if !local.iter().any(|(_, a)| a == vip) {
             let len = if vip.is_ipv4() { 32 } else { 128 };
@@ -309,7 +309,7 @@ pub fn setup_problems(iface: Option<&str>, decap: bool, vips: &[IpAddr]) -> Vec<
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::scrape::{parse, HostTracker};
+    use crate::net::scrape::{parse, HostTracker};
 
     #[test]
     fn agent_output_is_what_the_scraper_reads() {

@@ -2,7 +2,9 @@
 //! the validation both go through. Every error names the field (and, for a
 //! file, the line) so a bad config never gets as far as the kernel.
 
-use crate::{rotation::RotationParams, thermal::ThermalParams};
+pub mod tuning;
+pub mod url;
+
 use anyhow::{bail, Context, Result};
 use huddle_common::{MAX_BACKENDS, MAX_SERVICES, RING_CAPACITY};
 use serde::Deserialize;
@@ -14,6 +16,7 @@ use std::{
     str::FromStr,
     time::Duration,
 };
+use tuning::{RotationParams, ThermalParams};
 
 /// Transport protocol of a service.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Deserialize, serde::Serialize)]
@@ -326,7 +329,7 @@ pub struct HuddleFile {
     pub latency_ceiling_ms: Option<f64>,
     /// The inner ring's median latency counts as at least this (ms).
     pub latency_floor_ms: Option<f64>,
-    pub weights: Option<crate::thermal::Weights>,
+    pub weights: Option<tuning::Weights>,
     /// A backend owing answers this long (two or more requests, or one
     /// for three times as long) is hung: the most it waits, when the ring's
     /// own answer times do not call for less.
@@ -684,7 +687,7 @@ impl ConfigFile {
             .maglev_table_size
             .unwrap_or(huddle_common::DEFAULT_MAGLEV_SIZE);
         if !(MIN_MAGLEV..=MAX_MAGLEV).contains(&maglev_table_size)
-            || !crate::maglev::is_prime(maglev_table_size)
+            || !huddle_common::is_prime(maglev_table_size)
         {
             bail!(
                 "maglev_table_size: {maglev_table_size} must be a prime in {MIN_MAGLEV}..={MAX_MAGLEV} (e.g. 65537), and at least 100 times a service's backends for an even spread"
@@ -979,7 +982,7 @@ fn backend_options(
         bail!("{field}.weight: {weight} must be a number in (0, 100]");
     }
     if let Some(url) = &metrics {
-        crate::http::Url::parse(url).with_context(|| format!("{field}.metrics"))?;
+        url::Url::parse(url).with_context(|| format!("{field}.metrics"))?;
     }
     let capacity = capacity.unwrap_or(default_capacity);
     if capacity == 0 {

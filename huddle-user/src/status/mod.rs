@@ -1,7 +1,10 @@
 //! What `huddle status` shows: a snapshot of services, rings and counters,
 //! as JSON for scripts or as a table for people.
 
-use crate::{rotation::Place, thermal::Components};
+pub mod control;
+pub mod metrics;
+
+use crate::{huddle::rotation::Place, huddle::thermal::Components};
 use serde::{Deserialize, Serialize};
 use std::{collections::BTreeMap, fmt::Write as _};
 
@@ -35,7 +38,7 @@ pub struct Status {
     pub notes: Vec<String>,
     /// The VIPs announced by BGP (with `[bgp]`).
     #[serde(default)]
-    pub bgp: Option<crate::bgp::BgpStatus>,
+    pub bgp: Option<crate::cluster::bgp::BgpStatus>,
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize)]

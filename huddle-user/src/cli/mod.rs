@@ -1,8 +1,10 @@
 //! The `huddle` command line.
 
+pub mod top;
+
 use crate::{
     config::{default_control_socket, BackendEntry, ConfigFile, PortRange, ServiceFile, XdpMode},
-    control::{call, Request},
+    status::control::{call, Request},
 };
 use anyhow::{bail, Context, Result};
 use clap::{Args, Parser, Subcommand};
@@ -199,8 +201,8 @@ fn running_balancers(dir: &Path, stopping: bool) -> Vec<(String, PathBuf)> {
     socks
         .into_iter()
         .filter(|(i, _)| {
-            let pins = crate::host::default_pin_dir(i);
-            let pins = crate::host::host_pin_dir(&pins).unwrap_or(pins);
+            let pins = crate::sys::host::default_pin_dir(i);
+            let pins = crate::sys::host::host_pin_dir(&pins).unwrap_or(pins);
             pins.join(huddle_common::maps::FLOWS).exists()
         })
         .collect()
@@ -356,12 +358,13 @@ fn dispatch(cmd: Cmd) -> Result<()> {
     match cmd {
         Cmd::Run(args) => {
             let cfg = args.config()?;
-            let reloader: crate::daemon::Reloader = std::sync::Arc::new(move || args.config());
+            let reloader: crate::daemon::balancer::Reloader =
+                std::sync::Arc::new(move || args.config());
             let rt = tokio::runtime::Builder::new_multi_thread()
                 .worker_threads(2)
                 .enable_all()
                 .build()?;
-            rt.block_on(crate::daemon::run(cfg, Some(reloader)))
+            rt.block_on(crate::daemon::run::run(cfg, Some(reloader)))
         }
         Cmd::Status { target, json } => {
             let reply = call(&target.socket()?, &Request::Status)?;
@@ -387,15 +390,18 @@ fn dispatch(cmd: Cmd) -> Result<()> {
             let (socket, iface) = target.resolve(true)?;
             let pins = match (pin_dir, &iface) {
                 (Some(p), _) => p,
-                (None, Some(i)) => crate::host::default_pin_dir(i),
+                (None, Some(i)) => crate::sys::host::default_pin_dir(i),
                 (None, None) => bail!("say which pin folder: --iface IFACE or --pin-dir PATH"),
             };
             let state_file = state_file.unwrap_or_else(|| socket.with_extension("state"));
-            println!("{}", crate::daemon::stop(&socket, &pins, &state_file)?);
+            println!(
+                "{}",
+                crate::daemon::stop::stop(&socket, &pins, &state_file)?
+            );
             Ok(())
         }
         Cmd::Reload { target } => control_message(&target, Request::Reload),
-        Cmd::Top { target } => crate::top::run(&target.socket()?),
+        Cmd::Top { target } => crate::cli::top::run(&target.socket()?),
         Cmd::Drain(a) => control_message(
             &a.target,
             Request::Drain {

@@ -10,9 +10,9 @@
 
 use crate::{
     config::{Config, Mode, PortRange, Proto, Service, XdpMode},
-    object,
-    packet::{endpoints, tcp6, Frame, ACK, FIN, SYN},
-    prog_run::{mac_of6, test_run, ProgRun, BALANCER_IP, BALANCER_MAC},
+    kernel::object,
+    kernel::packet::{endpoints, tcp6, Frame, ACK, FIN, SYN},
+    kernel::prog_run::{mac_of6, test_run, ProgRun, BALANCER_IP, BALANCER_MAC},
 };
 use anyhow::{bail, Context, Result};
 use aya::{programs::Xdp, Ebpf};
@@ -87,7 +87,7 @@ fn bench_config(half_open: u32) -> Config {
         s.mode = mode;
         s
     };
-    let mut cfg = crate::prog_run::config(
+    let mut cfg = crate::kernel::prog_run::config(
         vec![
             service(80, 8080, Mode::Snat),
             service(L2_PORT, L2_PORT, Mode::DsrL2),
@@ -225,7 +225,7 @@ fn median(mut v: Vec<f64>) -> f64 {
 }
 
 pub fn run(args: &BenchArgs) -> Result<()> {
-    crate::host::check_privileges()?;
+    crate::sys::host::check_privileges()?;
     if args.calls == 0 || args.rounds == 0 {
         bail!("--calls and --rounds must be at least 1");
     }
@@ -236,7 +236,7 @@ pub fn run(args: &BenchArgs) -> Result<()> {
 }
 
 fn measure(args: &BenchArgs) -> Result<()> {
-    let stale = crate::netns::remove_orphans(&["huddle-bench-", "huddle-pps-"]);
+    let stale = crate::sys::netns::remove_orphans(&["huddle-bench-", "huddle-pps-"]);
     if stale > 0 {
         eprintln!("removed {stale} network namespaces an interrupted benchmark left");
     }
@@ -265,7 +265,7 @@ fn measure(args: &BenchArgs) -> Result<()> {
     // a walk has gone round (the steady state).
     let mut reuse_cfg = bench_config(HALF_OPEN_SLOTS);
     // One slice of the port range (1024-65535) per possible CPU.
-    let slices = u32::try_from(crate::host::possible_cpus()?)?.max(1);
+    let slices = u32::try_from(crate::sys::host::possible_cpus()?)?.max(1);
     let per_backend = (REUSE_TUPLES / u32::from(BACKENDS)).min(64_512 / slices);
     let reuse_tuples = per_backend * u32::from(BACKENDS);
     reuse_cfg.nat_ports = PortRange {
@@ -608,7 +608,7 @@ fn pps(
         cfg,
         neighbours,
     )?;
-    let peer = crate::host::ifindex("hb1")?;
+    let peer = crate::sys::host::ifindex("hb1")?;
     // Establish the flows the frames belong to.
     for k in 0..PPS_FLOWS {
         handshake(&env, (client, PPS_BASE_PORT + k))?;
@@ -620,8 +620,8 @@ fn pps(
         .seq_ack(1001, 5001)
         .payload(&[0x61; GEN_FRAME - 54])
         .macs(
-            crate::prog_run::mac_of(client),
-            crate::prog_run::BALANCER_MAC,
+            crate::kernel::prog_run::mac_of(client),
+            crate::kernel::prog_run::BALANCER_MAC,
         )
         .build();
     tpl.resize(GEN_FRAME, 0);
@@ -701,7 +701,7 @@ fn pps(
         let now = [BALANCER_IP.octets(), backend.octets()].concat();
         let ip_diff = csum_diff(&was, &now);
         let mut macs = [0; 12];
-        macs[..6].copy_from_slice(&crate::prog_run::mac_of(backend));
+        macs[..6].copy_from_slice(&crate::kernel::prog_run::mac_of(backend));
         macs[6..].copy_from_slice(&BALANCER_MAC);
         let addrs_key = u64::from_le_bytes(was[..].try_into()?);
         for k in 0..PPS_FLOWS {

@@ -18,7 +18,8 @@
 //! answers drops those it no longer lists (closed, or explained again). A
 //! garbage answer is passed over like no answer.
 
-use crate::dataplane::ip_bytes;
+use crate::kernel::dataplane::ip_bytes;
+use crate::kernel::dataplane::MaglevTable;
 use anyhow::Result;
 use aya::maps::{HashMap, MapData};
 use huddle_common::{
@@ -51,24 +52,11 @@ pub const MAX_SHARED: usize = 65_536;
 /// The most a `/flows` answer may weigh.
 const MAX_ANSWER: usize = 8 << 20;
 
-/// One Maglev service as this balancer's data plane has it now.
-#[derive(Clone, Debug)]
-pub struct Table {
-    /// Service id in the kernel.
-    pub service: u32,
-    pub vip: SocketAddr,
-    pub proto: u8,
-    /// The live table (backend ids).
-    pub entries: Vec<u32>,
-    /// Backend id -> address.
-    pub backends: StdHashMap<u32, SocketAddr>,
-}
-
 /// The flow of `key` on `value`'s backend if `tables` would send it
 /// elsewhere (or has no table for its service): the flows a takeover
 /// would break.
 #[must_use]
-pub fn unexplained(key: &FlowKey, value: &FlowValue, tables: &[Table]) -> Option<SharedFlow> {
+pub fn unexplained(key: &FlowKey, value: &FlowValue, tables: &[MaglevTable]) -> Option<SharedFlow> {
     if value.flags & (flow_flags::CLOSING | flow_flags::ADOPTED) != 0 {
         return None;
     }
@@ -92,14 +80,14 @@ pub fn unexplained(key: &FlowKey, value: &FlowValue, tables: &[Table]) -> Option
 }
 
 fn addr(a: [u8; 16], family: u8) -> Option<IpAddr> {
-    matches!(family, FAMILY_V4 | FAMILY_V6).then(|| crate::dataplane::ip_of(&a, family))
+    matches!(family, FAMILY_V4 | FAMILY_V6).then(|| crate::kernel::dataplane::ip_of(&a, family))
 }
 
 /// The flow-table entry this balancer writes for a peer's flow: its own
 /// service and backend ids (`tables` gives them by address); `None` when
 /// it does not balance that service or know that backend.
 #[must_use]
-pub fn entry(f: &SharedFlow, tables: &[Table], now_ns: u64) -> Option<(FlowKey, FlowValue)> {
+pub fn entry(f: &SharedFlow, tables: &[MaglevTable], now_ns: u64) -> Option<(FlowKey, FlowValue)> {
     let SharedFlow(client, client_port, vip, proto, backend) = *f;
     if client.is_ipv4() != vip.is_ipv4() || (proto != PROTO_TCP && proto != PROTO_UDP) {
         return None;
@@ -137,7 +125,7 @@ pub fn entry(f: &SharedFlow, tables: &[Table], now_ns: u64) -> Option<(FlowKey, 
 
 /// Asks member `addr` for the flows it shares.
 pub async fn fetch(addr: SocketAddr, timeout: Duration) -> Result<FlowsAnswer> {
-    crate::peers::get_json(addr, "/flows", "flows", timeout, MAX_ANSWER).await
+    crate::cluster::peers::get_json(addr, "/flows", "flows", timeout, MAX_ANSWER).await
 }
 
 /// This balancer's flow table, through a handle of its own: scanned for
@@ -173,7 +161,7 @@ impl FlowBook {
     /// The flows `tables` no longer explain, at most `MAX_SHARED`; and
     /// whether there were more.
     #[must_use]
-    pub fn scan(&self, tables: &[Table]) -> (Vec<SharedFlow>, bool) {
+    pub fn scan(&self, tables: &[MaglevTable]) -> (Vec<SharedFlow>, bool) {
         let mut out = Vec::new();
         if tables.is_empty() {
             return (out, false);
@@ -197,7 +185,7 @@ impl FlowBook {
         &mut self,
         peer: SocketAddr,
         flows: &[SharedFlow],
-        tables: &[Table],
+        tables: &[MaglevTable],
         now_ns: u64,
     ) -> Adoption {
         let mut a = Adoption::default();
@@ -284,9 +272,9 @@ impl Pace {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::maglev;
+    use crate::kernel::maglev;
 
-    fn table() -> Table {
+    fn table() -> MaglevTable {
         let addrs: Vec<SocketAddr> = (1..=4)
             .map(|i| format!("10.0.0.{i}:80").parse().unwrap())
             .collect();
@@ -299,7 +287,7 @@ mod tests {
                 weight: 1.0,
             })
             .collect();
-        Table {
+        MaglevTable {
             service: 3,
             vip: "10.0.100.1:80".parse().unwrap(),
             proto: PROTO_TCP,

@@ -12,7 +12,7 @@
 //! ring naming no backend the follower knows is ignored (its own is kept).
 //! The leader decides from the traffic the router sends it alone.
 
-use crate::http;
+use crate::net::http;
 use anyhow::{bail, Context, Result};
 use serde::{Deserialize, Serialize};
 use std::{collections::BTreeMap, net::SocketAddr, time::Duration};

@@ -7,7 +7,7 @@
 //! away (a restart) and carries on when it is back. Fits 80x24.
 
 use crate::{
-    control::{call, Request},
+    status::control::{call, Request},
     status::{BackendStatus, Status},
 };
 use anyhow::Result;

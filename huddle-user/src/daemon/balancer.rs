@@ -1,0 +1,332 @@
+//! The running balancer's state, behind one lock: its data plane, config,
+//! huddle per service, and what it reports; reloads and the ring swaps
+//! every other part goes through.
+
+use crate::huddle::state::Saved;
+use crate::{
+    config::Config, huddle::readings::ServiceHuddle, kernel::dataplane::Dataplane,
+    status::RotationEvent, sys::host,
+};
+use anyhow::{bail, Context, Result};
+use std::{
+    collections::{HashSet, VecDeque},
+    net::SocketAddr,
+    path::PathBuf,
+    sync::{Arc, Mutex},
+    time::{Duration, Instant},
+};
+use tracing::{info, warn};
+
+/// The running balancer's state, behind one lock.
+pub struct Balancer {
+    pub dp: Dataplane,
+    pub cfg: Config,
+    /// One per service, parallel to `cfg.services`.
+    pub huddles: Vec<ServiceHuddle>,
+    /// Recent rotations, newest last.
+    pub events: VecDeque<RotationEvent>,
+    /// Backends whose flows the kernel is moving off (marked dead).
+    pub(super) moving: HashSet<u32>,
+    pub(super) started: Instant,
+    /// Told when an operator asks the daemon to stop and remove everything.
+    pub stop: Arc<tokio::sync::Notify>,
+    /// Set with `stop`: remove the data plane on the way out.
+    pub remove_on_exit: bool,
+    /// Sysctl values from before the first start, kept in the state file.
+    pub sysctl_originals: Vec<(PathBuf, String)>,
+    /// Re-reads the configuration (file and flags) for a reload.
+    pub reloader: Option<Reloader>,
+    /// Things about the data plane an operator must know (shown by
+    /// `huddle status`): how it was attached and why, pins that do not
+    /// outlive the daemon, a mode that forwards nothing.
+    pub notes: Vec<String>,
+    /// Start-up check that transmitted frames get answers.
+    pub(super) watch: Option<TxWatch>,
+    /// Per backend id: early NAT tuple reuses counted so far, and whether
+    /// they are being reported (one line when they start, one when they
+    /// stop).
+    pub(super) nat_reuse: std::collections::HashMap<u32, (u64, bool)>,
+    /// Pass-over limits last written, per service id.
+    pub(super) tuned: std::collections::HashMap<u32, huddle_common::Tuning>,
+    /// The member of `[cluster]` whose rings this balancer takes (`None`:
+    /// it decides its own), and what the poll last found wrong.
+    pub leader: Option<crate::cluster::peers::Leader>,
+    pub(super) cluster_note: Option<String>,
+    /// The flows this balancer shares with its cluster (`/flows`), and
+    /// what the last exchange did (see `handoff`).
+    pub shared_flows: Arc<crate::cluster::handoff::FlowsAnswer>,
+    pub(super) handoff_note: Option<String>,
+    /// The other balancers' readings, added to this one's (see `pooled`),
+    /// and what the last poll found.
+    pub(super) pool: crate::cluster::pooled::Pool,
+    pub(super) pool_note: Option<String>,
+    /// Per service: when it was last seen in panic mode.
+    pub(super) last_panic: std::collections::HashMap<usize, Instant>,
+    /// Announces the VIPs through bird (with `[bgp]`); its own lock, so
+    /// a slow bird never holds up a tick or `huddle status`.
+    pub bgp: Option<Arc<Mutex<crate::cluster::bgp::Announcer>>>,
+}
+
+/// SYNs sent toward backends and answers translated at the first tick, to
+/// tell an attach mode that loses what it transmits (SYNs sent, nothing
+/// ever answered) in the first seconds.
+#[derive(Clone, Copy)]
+pub(super) struct TxWatch {
+    pub(super) sent: u64,
+    pub(super) answered: u64,
+    /// Answered, or already reported: nothing more to watch.
+    pub(super) done: bool,
+}
+
+/// How long after start the daemon checks that sent frames are answered.
+pub(super) const TX_WATCH: Duration = Duration::from_secs(5);
+
+/// SYNs that must go out unanswered before it says so.
+pub(super) const TX_WATCH_MIN_SENT: u64 = 20;
+
+/// Produces a fresh, validated configuration.
+pub type Reloader = Arc<dyn Fn() -> Result<Config> + Send + Sync>;
+
+/// Rotations kept for `huddle status`.
+pub(super) const EVENTS_KEPT: usize = 50;
+
+/// Locks the balancer; a panic elsewhere must not stop the data plane's
+/// control.
+pub fn lock<T>(shared: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    shared
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+impl Balancer {
+    /// The balancer over a loaded data plane, carrying on from `saved` if
+    /// given.
+    #[must_use]
+    pub fn new(dp: Dataplane, cfg: Config, saved: Option<&Saved>) -> Balancer {
+        let huddles = cfg
+            .services
+            .iter()
+            .zip(&dp.services)
+            .map(|(s, slot)| ServiceHuddle::new(s, &slot.backend_ids, &cfg.huddle, Duration::ZERO))
+            .collect();
+        let bgp = cfg
+            .bgp
+            .clone()
+            .map(|b| Arc::new(Mutex::new(crate::cluster::bgp::Announcer::new(b))));
+        let mut b = Balancer {
+            dp,
+            cfg,
+            huddles,
+            events: VecDeque::new(),
+            moving: HashSet::new(),
+            started: Instant::now(),
+            stop: Arc::new(tokio::sync::Notify::new()),
+            remove_on_exit: false,
+            sysctl_originals: Vec::new(),
+            reloader: None,
+            notes: Vec::new(),
+            watch: None,
+            nat_reuse: std::collections::HashMap::new(),
+            tuned: std::collections::HashMap::new(),
+            last_panic: std::collections::HashMap::new(),
+            leader: None,
+            cluster_note: None,
+            shared_flows: Arc::default(),
+            handoff_note: None,
+            pool: crate::cluster::pooled::Pool::default(),
+            pool_note: None,
+            bgp,
+        };
+        if let Some(saved) = saved {
+            b.restore(saved);
+        }
+        // A warm-up or the saved state may have some backends resting.
+        for si in 0..b.huddles.len() {
+            if let Err(e) = b.publish(si) {
+                warn!("{e:#}");
+            }
+        }
+        b
+    }
+
+    pub(super) fn now(&self) -> Duration {
+        self.started.elapsed()
+    }
+
+    /// Re-reads the configuration and applies it to the running data plane:
+    /// services and backends are added, removed or changed in place, flows
+    /// that stay valid are untouched, temperatures carry on. A new config
+    /// that fails validation, or changes what only a restart can change,
+    /// changes nothing.
+    pub fn reload(&mut self) -> Result<String> {
+        let reloader = self
+            .reloader
+            .clone()
+            .context("this balancer has no configuration to reload")?;
+        let new = reloader().context("reload refused, nothing changed")?;
+        let old = &self.cfg;
+        let fixed = [
+            ("interface", old.interface == new.interface),
+            ("snat_ips", old.snat_ips == new.snat_ips),
+            ("snat_ips6", old.snat_ips6 == new.snat_ips6),
+            ("nat_ports", old.nat_ports == new.nat_ports),
+            (
+                "flow_table_size",
+                old.flow_table_size == new.flow_table_size,
+            ),
+            (
+                "maglev_table_size",
+                old.maglev_table_size == new.maglev_table_size,
+            ),
+            ("bgp", old.bgp == new.bgp),
+            ("cluster", old.cluster == new.cluster),
+            ("xdp_mode", old.xdp_mode == new.xdp_mode),
+            ("pin_dir", old.pin_dir == new.pin_dir),
+            ("control_socket", old.control_socket == new.control_socket),
+            ("state_file", old.state_file == new.state_file),
+            ("huddle.tick_ms", old.huddle.tick == new.huddle.tick),
+            ("huddle.probe", old.huddle.probe == new.huddle.probe),
+            (
+                "huddle.metrics_listen",
+                old.huddle.metrics_listen == new.huddle.metrics_listen,
+            ),
+            (
+                "huddle.metrics_interval_ms",
+                old.huddle.metrics_interval == new.huddle.metrics_interval,
+            ),
+            (
+                "huddle.metrics_timeout_ms",
+                old.huddle.metrics_timeout == new.huddle.metrics_timeout,
+            ),
+        ];
+        if let Some((field, _)) = fixed.iter().find(|(_, same)| !same) {
+            bail!(
+                "reload refused, nothing changed: {field} cannot change while running; \
+                 restart `huddle run` instead (it takes over the data plane without dropping flows)"
+            );
+        }
+        super::preflight::backends(&new).context("reload refused, nothing changed")?;
+        for s in &new.services {
+            if let Some(o) = old
+                .services
+                .iter()
+                .find(|o| o.vip == s.vip && o.proto == s.proto)
+            {
+                if o.mode != s.mode {
+                    warn!(
+                        "service {}: mode {} -> {}: its established connections break (their packets now reach the backends another way)",
+                        s.name(),
+                        o.mode,
+                        s.mode
+                    );
+                }
+            }
+        }
+        let saved = self.snapshot();
+        self.dp.reconcile(&new)?;
+        let now = self.now();
+        self.huddles = new
+            .services
+            .iter()
+            .zip(&self.dp.services)
+            .map(|(s, slot)| ServiceHuddle::new(s, &slot.backend_ids, &new.huddle, now))
+            .collect();
+        self.cfg = new;
+        // Reconciling rewrote every backend without flags.
+        self.moving.clear();
+        self.restore(&saved);
+        for si in 0..self.huddles.len() {
+            self.publish(si)?;
+        }
+        self.save_state();
+        host::warm_neighbours(&self.backend_addrs());
+        let n: usize = self.cfg.services.iter().map(|s| s.backends.len()).sum();
+        let msg = format!(
+            "reloaded: {} service(s), {n} backend(s)",
+            self.cfg.services.len()
+        );
+        info!("{msg}");
+        Ok(msg)
+    }
+
+    /// Every backend address, for neighbour resolution.
+    #[must_use]
+    pub fn backend_addrs(&self) -> Vec<SocketAddr> {
+        self.cfg
+            .services
+            .iter()
+            .flat_map(|s| s.backends.iter().copied())
+            .collect()
+    }
+
+    /// Writes service `si`'s pass-over limits into the kernel when they
+    /// moved by more than a millisecond (they follow the ring's p99).
+    pub(super) fn tune(&mut self, si: usize) {
+        let udp = self.cfg.services[si].proto == crate::config::Proto::Udp;
+        let t = self.huddles[si].tuning(&self.cfg.huddle, udp);
+        let id = self.dp.services[si].id;
+        let close = |a: u64, b: u64| a.abs_diff(b) < 1_000_000;
+        let last = self.tuned.get(&id).copied();
+        if last.is_some_and(|l| {
+            close(l.turn_skip_ns, t.turn_skip_ns) && close(l.syn_skip_ns, t.syn_skip_ns)
+        }) {
+            return;
+        }
+        match self.dp.set_tuning(id, t) {
+            Ok(()) => {
+                self.tuned.insert(id, t);
+            }
+            Err(e) => warn!(
+                "writing the pass-over limits of {}: {e:#}",
+                self.cfg.services[si].name()
+            ),
+        }
+    }
+
+    /// Writes service `si`'s inner ring into the kernel if it changed.
+    pub(super) fn publish(&mut self, si: usize) -> Result<()> {
+        let ring = self
+            .leader_ring(si)
+            .unwrap_or_else(|| self.huddles[si].ring());
+        if ring != self.dp.services[si].ring {
+            self.dp.swap_ring(si, &ring).with_context(|| {
+                format!("swapping the ring of {}", self.cfg.services[si].name())
+            })?;
+        }
+        Ok(())
+    }
+
+    /// (service, backend, address) of every backend of a TCP service, for
+    /// probes (a UDP service's protocol is unknown to us).
+    #[must_use]
+    pub fn probe_targets(&self) -> Vec<(usize, usize, SocketAddr)> {
+        self.cfg
+            .services
+            .iter()
+            .enumerate()
+            .filter(|(_, s)| s.proto == crate::config::Proto::Tcp)
+            .flat_map(|(si, s)| {
+                s.backends
+                    .iter()
+                    .enumerate()
+                    .map(move |(bi, a)| (si, bi, *a))
+            })
+            .collect()
+    }
+
+    /// (service, backend, URL) of every backend with a metrics endpoint.
+    #[must_use]
+    /// (service, backend, metrics URL, the service's VIP address, whose
+    /// agent figures the page may hold) of every backend with a URL.
+    pub fn scrape_targets(&self) -> Vec<(usize, usize, String, String)> {
+        let mut v = Vec::new();
+        for (si, s) in self.cfg.services.iter().enumerate() {
+            for (bi, o) in s.options.iter().enumerate() {
+                if let Some(url) = &o.metrics {
+                    v.push((si, bi, url.clone(), s.vip.ip().to_string()));
+                }
+            }
+        }
+        v
+    }
+}

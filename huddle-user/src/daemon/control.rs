@@ -1,0 +1,181 @@
+//! The control socket: requests from `huddle` commands (status, drain,
+//! reload, stop) answered under the balancer's lock.
+
+use super::{
+    balancer::{lock, Balancer},
+    cluster::log_bgp,
+};
+use crate::status::control::{Reply, Request, MAX_REQUEST};
+use anyhow::{bail, Context, Result};
+use std::{
+    os::unix::net::UnixStream as StdUnixStream,
+    path::{Path, PathBuf},
+    sync::{Arc, Mutex},
+    time::Duration,
+};
+use tokio::{
+    io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader},
+    net::{UnixListener, UnixStream},
+};
+use tracing::{info, warn};
+
+impl Balancer {
+    /// Withdraws every VIP (`drain`) or announces them again.
+    pub(super) fn drain_balancer(&mut self, drain: bool) -> Result<String> {
+        let Some(bgp) = self.bgp.clone() else {
+            bail!("this balancer announces nothing: its config has no [bgp]");
+        };
+        let want = self.vips_to_announce();
+        let mut b = lock(&bgp);
+        b.drained = drain;
+        b.retry_now();
+        log_bgp(b.sync(want));
+        let st = b.status();
+        if let Some(e) = st.error {
+            bail!("bird did not take it: {e}");
+        }
+        Ok(if drain {
+            "drained: every VIP withdrawn; the data plane keeps forwarding what still arrives, so its flows finish".into()
+        } else {
+            format!("announcing again: {}", st.announced.join(", "))
+        })
+    }
+
+    /// Finds (service index, backend index) of `backend`, optionally within
+    /// the service `vip` (`IP:PORT[/proto]`).
+    pub(super) fn locate(&self, backend: &str, vip: Option<&str>) -> Result<Vec<(usize, usize)>> {
+        let addr = crate::config::parse_endpoint(backend)?;
+        let vip = vip.map(crate::config::parse_vip).transpose()?;
+        let found: Vec<_> = self
+            .cfg
+            .services
+            .iter()
+            .enumerate()
+            .filter(|(_, s)| vip.is_none_or(|(v, p)| s.vip == v && p.is_none_or(|p| p == s.proto)))
+            .filter_map(|(si, s)| {
+                s.backends
+                    .iter()
+                    .position(|b| *b == addr)
+                    .map(|bi| (si, bi))
+            })
+            .collect();
+        if found.is_empty() {
+            bail!(
+                "backend {addr} is not configured{}",
+                vip.map_or(String::new(), |(v, _)| format!(" for {v}"))
+            );
+        }
+        Ok(found)
+    }
+
+    /// Drains (`drain = true`) or restores a backend, swapping the affected
+    /// rings. Refuses to empty a ring.
+    pub fn set_drained(&mut self, backend: &str, vip: Option<&str>, drain: bool) -> Result<String> {
+        let targets = self.locate(backend, vip)?;
+        if drain {
+            for &(si, bi) in &targets {
+                if self.huddles[si].engine.inner() == [bi] {
+                    bail!(
+                        "refusing to drain the last backend of {}",
+                        self.cfg.services[si].name()
+                    );
+                }
+            }
+        }
+        let now = self.now();
+        for &(si, bi) in &targets {
+            self.huddles[si].engine.set_drained(bi, drain, now);
+            self.publish(si)?;
+        }
+        self.save_state();
+        let verb = if drain { "drained" } else { "restored" };
+        let msg = format!("{backend} {verb} in {} service(s)", targets.len());
+        info!("{msg}");
+        Ok(msg)
+    }
+
+    pub(super) fn handle(&mut self, req: Request) -> Reply {
+        let result = match req {
+            Request::Status => self.status().map(|s| Reply {
+                ok: true,
+                error: None,
+                status: Some(s),
+                message: None,
+            }),
+            Request::Drain { backend, vip } => self
+                .set_drained(&backend, vip.as_deref(), true)
+                .map(Reply::message),
+            Request::Undrain { backend, vip } => self
+                .set_drained(&backend, vip.as_deref(), false)
+                .map(Reply::message),
+            Request::Reload => self.reload().map(Reply::message),
+            Request::DrainBalancer { undo } => self.drain_balancer(!undo).map(Reply::message),
+            Request::Stop => {
+                self.remove_on_exit = true;
+                self.stop.notify_one();
+                Ok(Reply::message(format!(
+                    "stopping: detaching from {} and removing its pinned maps",
+                    self.cfg.interface
+                )))
+            }
+        };
+        result.unwrap_or_else(|e| Reply::error(&e))
+    }
+}
+
+/// Claims the control socket path, refusing if a live daemon owns it.
+pub(super) fn bind_control(path: &Path) -> Result<UnixListener> {
+    if path.exists() {
+        if StdUnixStream::connect(path).is_ok() {
+            bail!(
+                "a balancer already answers on {} (stop it first)",
+                path.display()
+            );
+        }
+        std::fs::remove_file(path)
+            .with_context(|| format!("removing stale socket {}", path.display()))?;
+    }
+    if let Some(dir) = path.parent() {
+        std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+    }
+    UnixListener::bind(path).with_context(|| format!("binding control socket {}", path.display()))
+}
+
+/// Removes the control socket when dropped.
+pub(super) struct SocketFile(pub(super) PathBuf);
+
+impl Drop for SocketFile {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.0);
+    }
+}
+
+pub(super) async fn serve(listener: UnixListener, shared: Arc<Mutex<Balancer>>) {
+    loop {
+        match listener.accept().await {
+            Ok((stream, _)) => {
+                tokio::spawn(client(stream, shared.clone()));
+            }
+            Err(e) => {
+                warn!("control socket accept failed: {e}");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        }
+    }
+}
+
+async fn client(stream: UnixStream, shared: Arc<Mutex<Balancer>>) {
+    let (read, mut write) = stream.into_split();
+    let mut lines = BufReader::new(read.take(MAX_REQUEST as u64)).lines();
+    while let Ok(Some(line)) = lines.next_line().await {
+        let reply = match serde_json::from_str::<Request>(&line) {
+            Ok(req) => lock(&shared).handle(req),
+            Err(e) => Reply::error(&anyhow::anyhow!("bad request: {e}")),
+        };
+        let mut out = serde_json::to_string(&reply).unwrap_or_else(|_| "{\"ok\":false}".into());
+        out.push('\n');
+        if write.write_all(out.as_bytes()).await.is_err() {
+            return;
+        }
+    }
+}

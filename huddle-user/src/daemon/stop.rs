@@ -1,0 +1,63 @@
+//! `huddle stop`: through the running daemon if there is one, otherwise
+//! straight on the pins.
+
+use crate::huddle::state::{self};
+use crate::{
+    kernel::dataplane::{self},
+    status::control::Request,
+    sys::host,
+};
+use anyhow::{bail, Result};
+use std::{path::Path, time::Duration};
+use tracing::warn;
+
+/// Stops the balancer of `cfg`'s interface: through its daemon if one
+/// answers, else by removing what a daemon left pinned. Returns what was
+/// done.
+pub fn stop(socket: &Path, pins: &Path, state_file: &Path) -> Result<String> {
+    if let Ok(reply) = crate::status::control::call(socket, &Request::Stop) {
+        if !reply.ok {
+            bail!("{}", reply.error.unwrap_or_default());
+        }
+        // Wait for the daemon to finish (it removes its socket last).
+        for _ in 0..100 {
+            if !socket.exists() {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        return Ok(reply.message.unwrap_or_default());
+    }
+    let saved = state::load(state_file);
+    let n = dataplane::unpin(&host::host_pin_dir(pins).unwrap_or_else(|| pins.to_path_buf()))?;
+    let mut restored = false;
+    if let Some(s) = &saved {
+        // The sysctls are per namespace: restore only in the daemon's own.
+        if s.netns == state::netns_inode() {
+            host::Sysctls::restore_saved(&s.sysctls);
+            restored = true;
+        } else {
+            warn!(
+                "the daemon ran in another network namespace: its sysctls on {} are left as they are",
+                s.interface
+            );
+        }
+    }
+    let _ = std::fs::remove_file(state_file);
+    if n == 0 && saved.is_none() {
+        bail!(
+            "nothing to stop: no daemon answers on {} and nothing is pinned under {}",
+            socket.display(),
+            pins.display()
+        );
+    }
+    Ok(format!(
+        "no daemon was running; removed {n} pinned objects under {} (the program detached){}",
+        pins.display(),
+        if restored {
+            " and restored the sysctls"
+        } else {
+            ""
+        }
+    ))
+}

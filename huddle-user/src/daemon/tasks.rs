@@ -1,0 +1,271 @@
+//! The daemon's periodic tasks: the tick, probes, scrapes, the state file
+//! and the idle UDP sweep.
+
+use super::{
+    balancer::{lock, Balancer},
+    cluster::{announcer, follower, handoff, pool},
+    control::serve,
+    pages,
+};
+use crate::config::Config;
+use crate::sys::host;
+use anyhow::bail;
+use anyhow::Result;
+use std::{
+    net::SocketAddr,
+    sync::{Arc, Mutex},
+    time::Duration,
+};
+use tokio::{
+    net::{TcpListener, UnixListener},
+    task::JoinHandle,
+};
+use tracing::{debug, info, warn};
+
+/// Writes the state file every second (and `tick` after any rotation),
+/// and moves the next-hop generation on so every CPU asks the FIB again.
+pub(super) async fn saver(shared: Arc<Mutex<Balancer>>) {
+    let mut tick = tokio::time::interval(Duration::from_secs(1));
+    let mut unresolved = 0;
+    loop {
+        tick.tick().await;
+        let mut b = lock(&shared);
+        b.save_state();
+        if let Err(e) = b.dp.refresh_next_hops() {
+            warn!("{e:#}");
+        }
+        // L2 DSR cannot hand a packet to the kernel to resolve its next
+        // hop (the kernel would route it by its VIP): resolve it here.
+        if let Ok(g) = b.dp.global_stats() {
+            if g.drop_no_neigh != unresolved {
+                unresolved = g.drop_no_neigh;
+                host::warm_neighbours(&b.backend_addrs());
+            }
+        }
+    }
+}
+
+/// Every second, removes the established UDP flows silent past their
+/// service's `udp_idle_ms` (on a blocking thread, without the lock: a
+/// large flow table takes a while to walk).
+pub(super) async fn sweep_idle(
+    shared: Arc<Mutex<Balancer>>,
+    sweeper: Option<crate::kernel::dataplane::Sweeper>,
+) {
+    let Some(mut sweeper) = sweeper else {
+        return;
+    };
+    let mut tick = tokio::time::interval(Duration::from_secs(1));
+    loop {
+        tick.tick().await;
+        let idle: std::collections::HashMap<u32, u64> = {
+            let b = lock(&shared);
+            b.cfg
+                .services
+                .iter()
+                .zip(&b.dp.services)
+                .filter(|(s, _)| s.proto == crate::config::Proto::Udp)
+                .map(|(s, slot)| (slot.id, s.udp_idle.as_nanos() as u64))
+                .collect()
+        };
+        if idle.is_empty() {
+            continue;
+        }
+        let now = host::monotonic_ns();
+        let done = tokio::task::spawn_blocking(move || {
+            let r = sweeper.sweep(now, &idle);
+            (sweeper, r)
+        })
+        .await;
+        match done {
+            Ok((s, r)) => {
+                sweeper = s;
+                match r {
+                    Ok(0) => {}
+                    Ok(n) => debug!("removed {n} idle UDP flows"),
+                    Err(e) => warn!("sweeping idle UDP flows: {e:#}"),
+                }
+            }
+            Err(e) => {
+                warn!("the idle UDP sweep stopped: {e}");
+                return;
+            }
+        }
+    }
+}
+
+pub(super) async fn ticker(shared: Arc<Mutex<Balancer>>, every: Duration) {
+    let mut tick = tokio::time::interval(every);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tick.tick().await;
+        lock(&shared).tick();
+    }
+}
+
+/// Probes every backend concurrently, every `p.interval`.
+pub(super) async fn prober(shared: Arc<Mutex<Balancer>>, p: crate::config::Probe) {
+    let mut tick = tokio::time::interval(p.interval);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tick.tick().await;
+        let targets = lock(&shared).probe_targets();
+        let addrs: Vec<SocketAddr> = targets.iter().map(|t| t.2).collect();
+        let results = crate::net::probe::probe_all(&addrs, &p).await;
+        let mut b = lock(&shared);
+        for ((si, bi, _), r) in targets.into_iter().zip(results) {
+            b.huddles[si].trackers[bi].probed(r);
+        }
+    }
+}
+
+/// Largest metrics page read from a backend.
+const MAX_METRICS_BYTES: usize = 4 << 20;
+
+/// Scrapes every backend's metrics URL concurrently, every `every`.
+pub(super) async fn scraper(shared: Arc<Mutex<Balancer>>, every: Duration, timeout: Duration) {
+    let mut tick = tokio::time::interval(every);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tick.tick().await;
+        let targets = lock(&shared).scrape_targets();
+        if targets.is_empty() {
+            continue;
+        }
+        let mut set = tokio::task::JoinSet::new();
+        for (i, (_, _, url, vip)) in targets.iter().enumerate() {
+            let (url, vip) = (url.clone(), vip.clone());
+            set.spawn(async move {
+                let r = async {
+                    let u = crate::config::url::Url::parse(&url)?;
+                    let addr = tokio::time::timeout(timeout, crate::net::http::resolve(&u))
+                        .await
+                        .map_err(|_| anyhow::anyhow!("resolving {} timed out", u.host))??;
+                    let resp = crate::net::http::get(addr, &u.host, &u.path, timeout, MAX_METRICS_BYTES)
+                        .await?;
+                    if resp.status != 200 {
+                        bail!("HTTP status {}", resp.status);
+                    }
+                    let text = String::from_utf8_lossy(&resp.body);
+                    let sample = crate::net::scrape::parse(&text);
+                    if sample.cpu_total_s.is_none() && sample.mem_total.is_none() {
+                        bail!("no usable node_cpu_seconds_total or node_memory_* values in the answer");
+                    }
+                    Ok((sample, crate::net::scrape::agent_ttfb(&text, &vip)))
+                }
+                .await;
+                (
+                    i,
+                    r.map_err(|e: anyhow::Error| format!("metrics {url}: {e:#}")),
+                )
+            });
+        }
+        let mut results = Vec::new();
+        while let Some(r) = set.join_next().await {
+            if let Ok(r) = r {
+                results.push(r);
+            }
+        }
+        let mut b = lock(&shared);
+        for (i, r) in results {
+            let (si, bi, _, _) = &targets[i];
+            let dsr = b.cfg.services[*si].mode.is_dsr();
+            let min_samples = b.cfg.huddle.min_samples;
+            let t = &mut b.huddles[*si].trackers[*bi];
+            match r {
+                Ok((sample, agent)) => {
+                    t.host.update(sample);
+                    t.host_error = None;
+                    if dsr {
+                        t.agent_scraped(agent, min_samples);
+                    }
+                }
+                Err(e) => {
+                    if t.host_error.is_none() {
+                        warn!("{e}; its cpu and memory count as unknown (0)");
+                    }
+                    t.host.clear();
+                    t.host_error = Some(e);
+                }
+            }
+        }
+    }
+}
+
+/// How often backend neighbours are refreshed in the kernel's cache.
+const NEIGHBOUR_REFRESH: Duration = Duration::from_secs(15);
+
+/// What the tasks are handed at start, taken out of the balancer.
+pub(super) struct Handles {
+    pub sweeper: Option<crate::kernel::dataplane::Sweeper>,
+    pub flow_book: Option<crate::cluster::handoff::FlowBook>,
+    pub bgp: Option<Arc<Mutex<crate::cluster::bgp::Announcer>>>,
+}
+
+/// Starts every task of a running balancer: the control socket, the
+/// neighbour refresh, the tick, the state file, the idle sweep, probes,
+/// scrapes, the cluster's and BGP's tasks and the HTTP listener.
+pub(super) fn spawn(
+    cfg: &Config,
+    shared: &Arc<Mutex<Balancer>>,
+    control: UnixListener,
+    metrics: Option<TcpListener>,
+    handles: Handles,
+) -> Result<Vec<JoinHandle<()>>> {
+    let backends = lock(shared).backend_addrs();
+    let Handles {
+        sweeper,
+        flow_book,
+        bgp,
+    } = handles;
+    let mut tasks = vec![
+        tokio::spawn(serve(control, shared.clone())),
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(NEIGHBOUR_REFRESH);
+            loop {
+                tick.tick().await;
+                host::warm_neighbours(&backends);
+            }
+        }),
+        tokio::spawn(ticker(shared.clone(), cfg.huddle.tick)),
+        tokio::spawn(saver(shared.clone())),
+        tokio::spawn(sweep_idle(shared.clone(), sweeper)),
+        tokio::spawn(prober(shared.clone(), cfg.huddle.probe.clone())),
+        tokio::spawn(scraper(
+            shared.clone(),
+            cfg.huddle.metrics_interval,
+            cfg.huddle.metrics_timeout,
+        )),
+    ];
+    if let Some(c) = cfg.cluster.clone() {
+        tasks.push(tokio::spawn(follower(
+            shared.clone(),
+            c.clone(),
+            cfg.huddle.tick,
+        )));
+        tasks.push(tokio::spawn(pool(
+            shared.clone(),
+            c.clone(),
+            cfg.huddle.tick,
+        )));
+        if let Some(book) = flow_book {
+            tasks.push(tokio::spawn(handoff(shared.clone(), c, book)));
+        }
+    }
+    if let Some(b) = &bgp {
+        tasks.push(tokio::spawn(announcer(
+            shared.clone(),
+            b.clone(),
+            cfg.huddle.tick,
+        )));
+    }
+    if let Some(l) = metrics {
+        info!("Prometheus metrics on http://{}/metrics", l.local_addr()?);
+        let shared = shared.clone();
+        tasks.push(tokio::spawn(crate::net::http::serve(l, move |path| {
+            let shared = shared.clone();
+            async move { pages::route(&shared, &path) }
+        })));
+    }
+    Ok(tasks)
+}

@@ -1,0 +1,232 @@
+//! One tick of the huddle: read every backend, judge, rotate, swap the
+//! rings that changed, and watch what the data plane does.
+
+use super::{
+    balancer::{Balancer, TxWatch, EVENTS_KEPT, TX_WATCH, TX_WATCH_MIN_SENT},
+    cluster::CALM_BEFORE_MOVING,
+};
+use crate::{status::RotationEvent, sys::host};
+use anyhow::Result;
+use huddle_common::{backend_flags, Pulse};
+use std::time::{Duration, Instant};
+use tracing::{info, warn};
+
+impl Balancer {
+    /// One huddle tick: read the kernel's counters, update temperatures,
+    /// rotate, and swap changed rings in. Errors are logged, never fatal.
+    pub fn tick(&mut self) {
+        let now = self.now();
+        let now_ns = host::monotonic_ns();
+        let mut rotated = false;
+        // SYNs sent and answers seen over all backends, for `watch_tx`.
+        let mut tx = TxWatch {
+            sent: 0,
+            answered: 0,
+            done: false,
+        };
+        for si in 0..self.huddles.len() {
+            let hung_after = self.huddles[si].hung_after(&self.cfg.huddle);
+            let service = self.cfg.services[si].name();
+            for bi in 0..self.huddles[si].trackers.len() {
+                let id = self.huddles[si].trackers[bi].id;
+                let read = (|| -> Result<_> {
+                    let mut pulse = self.dp.pulse(id)?;
+                    if std::mem::take(&mut self.huddles[si].trackers[bi].clear_pulse) {
+                        self.dp.clear_pulse(id)?;
+                        pulse = Pulse::default();
+                    }
+                    let mut own = crate::cluster::pooled::Counts {
+                        stats: self.dp.backend_stats(id)?,
+                        ttfb: self.dp.latency(id)?,
+                        connect: huddle_common::Latency::default(),
+                    };
+                    if self.cfg.services[si].mode.is_dsr() {
+                        own.connect = self.dp.connect_latency(id)?;
+                    }
+                    Ok((own, pulse))
+                })();
+                match read {
+                    Ok((own, pulse)) => {
+                        let st = own.stats;
+                        // The huddle judges from every balancer's samples.
+                        let mut all = own;
+                        let addr = self.cfg.services[si].backends[bi];
+                        if let Some(peers) = self.pool.sum(&service, addr) {
+                            all.add(peers);
+                        }
+                        if self.cfg.services[si].mode.is_dsr() {
+                            self.huddles[si].trackers[bi].observe_connect(&all.connect);
+                        }
+                        tx.sent += st.syns;
+                        // DSR replies bypass the balancer: a completed
+                        // handshake is the proof that SYNs arrived.
+                        tx.answered += if self.cfg.services[si].mode.is_dsr() {
+                            st.syn_acks
+                        } else {
+                            st.pkts_from
+                        };
+                        self.watch_nat_reuse(si, bi, id, st.nat_reuse_early);
+                        self.huddles[si].trackers[bi].observe(
+                            &all.stats,
+                            &all.ttfb,
+                            &pulse,
+                            now_ns,
+                            &self.cfg.huddle,
+                            hung_after,
+                        );
+                    }
+                    Err(e) => warn!("reading counters of backend {id}: {e:#}"),
+                }
+            }
+            let was_panic = self.huddles[si].engine.panic;
+            let moves = self.huddles[si].step(&self.cfg.huddle, now);
+            rotated |= !moves.is_empty();
+            for m in moves {
+                let backend = self.cfg.services[si].backends[m.member];
+                let ev = RotationEvent {
+                    at_s: now.as_secs_f64(),
+                    service: service.clone(),
+                    backend: backend.to_string(),
+                    to: m.to,
+                    reason: m.reason.to_string(),
+                    temperature: m.temperature,
+                };
+                info!(
+                    event = "rotation",
+                    service = %service,
+                    backend = %backend,
+                    to = m.to.as_str(),
+                    reason = %ev.reason,
+                    temperature = m.temperature,
+                    "rotation: {service} backend {backend} -> {} ring ({}), temperature {:.2}",
+                    m.to.as_str(),
+                    ev.reason,
+                    m.temperature
+                );
+                self.events.push_back(ev);
+                if self.events.len() > EVENTS_KEPT {
+                    self.events.pop_front();
+                }
+            }
+            let panic = self.huddles[si].engine.panic;
+            if panic && !was_panic {
+                warn!("{service}: panic mode: too few healthy backends; keeping the least hot ones in the ring");
+            } else if was_panic && !panic {
+                info!("{service}: panic mode over");
+            }
+            if let Err(e) = self.publish(si) {
+                warn!("{e:#}");
+            }
+            self.tune(si);
+            if self.cfg.huddle.move_flows_off_dead {
+                self.mark_dead(si);
+            }
+        }
+        // A restart must not undo a rotation: save it at once.
+        if rotated {
+            self.save_state();
+        }
+        if now < TX_WATCH + self.cfg.huddle.tick {
+            self.watch_tx(now, tx);
+        }
+    }
+
+    /// Says when new flows toward a backend start (and stop) getting NAT
+    /// tuples used less than a TIME_WAIT ago: the backend may still hold
+    /// the old connection, and then the client waits a retransmission.
+    pub(super) fn watch_nat_reuse(&mut self, si: usize, bi: usize, id: u32, count: u64) {
+        let e = self.nat_reuse.entry(id).or_insert((count, false));
+        let new = count.wrapping_sub(e.0);
+        e.0 = count;
+        let addr = self.cfg.services[si].backends[bi];
+        let tuples = u64::from(self.dp.nat_ports.max - self.dp.nat_ports.min + 1)
+            * self.dp.snat.len() as u64;
+        if new > 0 && !e.1 {
+            e.1 = true;
+            warn!(
+                event = "nat_reuse_early",
+                backend = %addr,
+                new_flows = new,
+                "NAT tuples toward backend {addr} are being reused less than 60 s after their last use ({new} new flows this tick): more new connections a second toward it than {tuples} tuples / 60 s = {} a second; the oldest tuple goes first, but the backend may still hold it in TIME_WAIT (widen nat_ports or add snat_ips); counted in nat_reuse_early",
+                tuples / 60
+            );
+        } else if new == 0 && e.1 {
+            e.1 = false;
+            info!(
+                event = "nat_reuse_over",
+                backend = %addr,
+                "NAT tuples toward backend {addr} rest 60 s again before reuse"
+            );
+        }
+    }
+
+    /// In the first seconds: frames sent toward backends while not one
+    /// answer came back means every backend is down or the attach mode
+    /// loses transmitted frames; either way the operator must hear it.
+    /// `cur`: the SYNs sent and answers seen so far, read by this tick.
+    /// TCP only: a SYN always gets an answer (SYN-ACK or RST) from a live
+    /// backend, while a UDP service may be one-way by design.
+    pub(super) fn watch_tx(&mut self, now: Duration, cur: TxWatch) {
+        if self.watch.is_some_and(|w| w.done) {
+            return;
+        }
+        let Some(first) = self.watch else {
+            self.watch = Some(cur);
+            return;
+        };
+        let sent = cur.sent.wrapping_sub(first.sent);
+        if cur.answered != first.answered {
+            self.watch = Some(TxWatch { done: true, ..cur });
+            return;
+        }
+        if sent >= TX_WATCH_MIN_SENT && now >= TX_WATCH {
+            let mode = self.dp.mode.map_or("detached", |m| m.as_str());
+            let note = format!(
+                "forwarding nothing: {sent} SYNs sent toward backends in the first {}s in {mode} mode and not one answer came back; either every backend is down, or this mode loses what it transmits (on a veth, native XDP_TX needs an XDP program on the peer and senders that compute checksums: try --xdp-mode generic)",
+                TX_WATCH.as_secs()
+            );
+            warn!(event = "forwarding_nothing", mode, sent, "{note}");
+            self.notes.push(note);
+            self.watch = Some(TxWatch { done: true, ..cur });
+        }
+    }
+
+    /// Flags backends that left for being unhealthy so the kernel moves
+    /// their flows; unflags them once healthy.
+    pub(super) fn mark_dead(&mut self, si: usize) {
+        // In panic mode (too few healthy backends), and for a while after,
+        // nothing is moved: a balancer that finds most backends gone at
+        // once is likelier cut off itself. Measured: a balancer whose link
+        // was cut reset 43-45 of its connections when the link came back,
+        // moving them off backends it had judged dead from its own
+        // isolation (also when only panic mode itself held it back: the
+        // panic ended a tick before the backends' probes passed again).
+        if self.huddles[si].engine.panic {
+            self.last_panic.insert(si, Instant::now());
+        }
+        let calm = self
+            .last_panic
+            .get(&si)
+            .is_none_or(|t| t.elapsed() >= CALM_BEFORE_MOVING);
+        for bi in 0..self.huddles[si].trackers.len() {
+            let h = &self.huddles[si];
+            let id = h.trackers[bi].id;
+            let dead = calm && h.out_sick(bi) && h.trackers[bi].unhealthy.is_some();
+            if dead == self.moving.contains(&id) {
+                continue;
+            }
+            let addr = self.cfg.services[si].backends[bi];
+            let flags = if dead { backend_flags::MOVE_FLOWS } else { 0 };
+            match self.dp.set_backend_flags(id, addr, flags) {
+                Ok(()) if dead => {
+                    info!("moving existing flows off dead backend {addr}");
+                    self.moving.insert(id);
+                }
+                Ok(()) => {
+                    self.moving.remove(&id);
+                }
+                Err(e) => warn!("{e:#}"),
+            }
+        }
+    }
+}
