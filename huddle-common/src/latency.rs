@@ -18,6 +18,7 @@ const MIN_SHIFT: u32 = 10;
 pub struct Latency {
     pub buckets: [u64; LATENCY_BUCKETS],
 }
+shared!(Latency, 8 * LATENCY_BUCKETS);
 
 impl Default for Latency {
     fn default() -> Self {
@@ -38,6 +39,7 @@ pub struct Pulse {
     /// First SYN not followed by any SYN-ACK or RST from the backend.
     pub syn_wait_ns: u64,
 }
+shared!(Pulse, 16);
 
 /// Index of the most significant set bit (0 for 0), without a loop or a
 /// count-leading-zeros instruction (BPF has none).

@@ -25,6 +25,7 @@ macro_rules! counters {
         pub struct $name {
             $($(#[$fm])* pub $field: u64,)+
         }
+        shared!($name);
 
         impl Counters for $name {
             fn accumulate(&mut self, other: &Self) {

@@ -8,29 +8,20 @@
 // of 512 for the whole call chain.
 #![allow(clippy::needless_borrows_for_generic_args)]
 
-mod ackclock;
-mod balance;
 mod csum;
-mod dsr;
-mod family;
-mod forward;
-mod halfopen;
-mod icmp;
-mod icmp6;
-mod maglev;
-mod maps;
-mod nat;
-mod parse;
-mod pick;
-mod retry;
-mod rewrite;
-mod ring;
-mod timewait;
-mod timing;
+mod lb;
+mod mem;
+mod net;
 
 use aya_ebpf::{bindings::xdp_action, macros::xdp, programs::XdpContext};
-use family::{V4, V6};
-use parse::Skip;
+use lb::{balance, icmp, maps};
+use net::{
+    family::{V4, V6},
+    parse::{self, Skip},
+};
+
+// The in-band verdicts lie above every XDP action (see `huddle_common::verdict`).
+const _: () = assert!(xdp_action::XDP_REDIRECT == huddle_common::verdict::LAST_XDP_ACTION);
 
 #[xdp]
 pub fn huddle(ctx: XdpContext) -> u32 {
@@ -44,7 +35,7 @@ pub fn huddle(ctx: XdpContext) -> u32 {
     }
     match parse::parse(&ctx) {
         Ok(p) => balance::balance::<V4>(&ctx, &p),
-        Err(Skip::NotTcpUdp) if parse::is_icmp(&ctx) => icmp::inbound(&ctx),
+        Err(Skip::NotTcpUdp) if parse::is_icmp(&ctx) => icmp::v4::inbound(&ctx),
         Err(skip) => {
             maps::global(|s| match skip {
                 Skip::NotIpv4 => s.pass_not_ipv4 += 1,
@@ -64,7 +55,7 @@ pub fn huddle(ctx: XdpContext) -> u32 {
 pub fn huddle6(ctx: XdpContext) -> u32 {
     match parse::parse6(&ctx) {
         Ok(p) => balance::balance::<V6>(&ctx, &p),
-        Err(Skip::V6Extension) if icmp6::is_icmp6(&ctx) => icmp6::inbound(&ctx),
+        Err(Skip::V6Extension) if icmp::v6::is_icmp6(&ctx) => icmp::v6::inbound(&ctx),
         Err(skip) => {
             maps::global(|s| match skip {
                 Skip::V6Extension | Skip::NotTcpUdp => s.pass_v6_ext += 1,

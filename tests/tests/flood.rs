@@ -13,7 +13,8 @@
 //! established flow to a flood of any size is shown by PROG_TEST_RUN
 //! (`a_syn_flood_never_evicts_an_established_flow`).
 
-use huddle_user::kernel::packet::{Frame, ETH_LEN};
+use huddle_common::headers::ETH_LEN;
+use huddle_user::kernel::packet::Frame;
 use std::{
     net::{Ipv4Addr, SocketAddr},
     path::Path,

@@ -29,11 +29,12 @@
 //! 10 s), `HUDDLE_FUZZ_SEED` the seed. A failure prints the seed, the case and the
 //! packet in hex.
 
+use huddle_common::headers::ETH_LEN;
 use huddle_user::{
     config::{Config, Mode, PortRange, Proto, Service},
     kernel::packet::{
         checksum, checksums_valid, endpoints, icmp_checksums_valid, icmp_error, l4_checksum, Frame,
-        ACK, ETH_LEN, FIN, RST, SYN,
+        ACK, FIN, RST, SYN,
     },
     kernel::packet::{checksums6_valid, icmp6_checksum_valid, icmp6_error, tcp6},
     kernel::prog_run::mac_of6,

@@ -1,13 +1,14 @@
 //! The real XDP program on crafted frames (BPF_PROG_TEST_RUN), fixture
 //! style: input frame from the builder, expected verdict, expected bytes.
 
+use huddle_common::headers::ETH_LEN;
 use huddle_common::{BackendStats, FlowKey, GlobalStats, NatKey, FAMILY_V4};
 use huddle_user::{
     config::{Config, PortRange, Proto, Service},
     kernel::dataplane::ip_bytes,
     kernel::packet::{
-        checksums_valid, endpoints, icmp_checksums_valid, icmp_error, Frame, ACK, ETH_LEN, FIN,
-        PSH, RST, SYN,
+        checksums_valid, endpoints, icmp_checksums_valid, icmp_error, Frame, ACK, FIN, PSH, RST,
+        SYN,
     },
     kernel::prog_run::{mac_of, ProgRun, BALANCER_IP, BALANCER_MAC},
 };

@@ -1,12 +1,8 @@
 //! Crafting and checking Ethernet/IPv4/TCP/UDP frames, for `huddle bench`
 //! and the PROG_TEST_RUN tests: `Frame::tcp(..).syn().payload(..).build()`.
 
+use huddle_common::headers::{ETH_LEN, IP_LEN, TCP_LEN, UDP_LEN};
 use std::net::{Ipv4Addr, Ipv6Addr};
-
-pub const ETH_LEN: usize = 14;
-pub const IP_LEN: usize = 20;
-pub const TCP_LEN: usize = 20;
-pub const UDP_LEN: usize = 8;
 
 pub const FIN: u8 = 0x01;
 pub const SYN: u8 = 0x02;

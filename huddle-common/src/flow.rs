@@ -1,0 +1,107 @@
+//! Established flows: the flow table's key and value.
+
+use crate::*;
+
+/// `FlowValue::flags` bits.
+pub mod flow_flags {
+    /// A FIN or RST was seen: the flow is counted closed; a new SYN on the
+    /// same tuple starts a new flow.
+    pub const CLOSING: u8 = 1;
+    /// A SYN went to the backend and no SYN-ACK or RST came back yet;
+    /// `FlowValue::turn_ns` is when.
+    pub const SYN_WAIT: u8 = 2;
+    /// The client sent data and the backend has not answered with data yet;
+    /// `FlowValue::turn_ns` is when the turn started.
+    pub const TURN_WAIT: u8 = 4;
+    /// A half-open flow whose SYN-ACK went by: `FlowValue::synack_seq` is
+    /// its sequence number, which the client's ACK must acknowledge. A
+    /// half-open UDP flow whose backend answered: the client's next
+    /// datagram promotes it.
+    pub const SYNACK_SEEN: u8 = 8;
+    /// Written by the control plane from a peer balancer's list of flows
+    /// its Maglev table no longer explains (see `huddle_user::handoff`):
+    /// the router may move the connection here, and it must keep its
+    /// backend. The first packet that uses it clears the flag and counts
+    /// it taken over; a half-open connection on the same tuple wins over it.
+    pub const ADOPTED: u8 = 16;
+    /// Source NAT: the backend sent its FIN first, so it holds the tuple
+    /// in TIME_WAIT for 60 s after the close; `FlowValue::synack_seq`
+    /// then keeps the client's latest TCP timestamp, which that TIME_WAIT
+    /// holds too (see `nat::allocate` in the XDP program).
+    pub const BACKEND_TIME_WAIT: u8 = 32;
+}
+
+/// Key of `FLOWS`: the client's side of a flow.
+#[repr(C, align(8))]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct FlowKey {
+    pub client: Addr,
+    pub vip: Addr,
+    pub client_port_be: u16,
+    pub vip_port_be: u16,
+    pub proto: u8,
+    pub family: u8,
+    pub _pad: [u8; 2],
+}
+shared!(FlowKey, 40);
+
+/// Value of `FLOWS`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct FlowValue {
+    pub backend: u32,
+    pub service: u32,
+    /// The balancer's source port toward the backend (network order).
+    pub nat_port_be: u16,
+    /// `flow_flags` bits.
+    pub flags: u8,
+    /// Index of the flow's SNAT address in `Config::snat_addrs`.
+    pub snat: u8,
+    /// Sequence number of the backend's SYN-ACK (half-open flows); in DSR
+    /// the client's ACK number during a turn (`ackclock`); for a closed
+    /// source-NAT flow with `BACKEND_TIME_WAIT`, the client's latest TCP
+    /// timestamp value (0: none seen).
+    pub synack_seq: u32,
+    /// `bpf_ktime_get_ns()` when the flow was created, then when it started
+    /// closing; for an established UDP flow, its last datagram either way
+    /// (`bpf_ktime_get_coarse_ns()`, for the idle timeout).
+    pub stamp_ns: u64,
+    /// When the pending SYN or request turn started (see `flow_flags`).
+    pub turn_ns: u64,
+}
+shared!(FlowValue, 32);
+
+impl FlowKey {
+    /// The key of a flow from `client`:`client_port_be` to
+    /// `vip`:`vip_port_be`.
+    #[inline(always)]
+    #[must_use]
+    pub const fn new(
+        client: &Addr,
+        vip: &Addr,
+        client_port_be: u16,
+        vip_port_be: u16,
+        proto: u8,
+        family: u8,
+    ) -> FlowKey {
+        let [c0, c1] = addr_words(client);
+        let [v0, v1] = addr_words(vip);
+        key_from_words([
+            c0,
+            c1,
+            v0,
+            v1,
+            key_tail(client_port_be, vip_port_be, proto, family),
+        ])
+    }
+
+    /// Hash for the half-open table.
+    #[inline(always)]
+    #[must_use]
+    pub fn hash(&self, seed: u64) -> u64 {
+        // SAFETY: 40 bytes of integers and byte arrays, 8-byte aligned:
+        // every bit pattern is a valid [u64; 5].
+        let w: &[u64; 5] = unsafe { &*(self as *const FlowKey).cast() };
+        hash_words(w, seed)
+    }
+}

@@ -1,0 +1,84 @@
+//! Names of the programs, the limits compiled into the maps, and the
+//! family and protocol numbers.
+
+use crate::*;
+
+/// Name of the XDP program in the object.
+pub const PROGRAM_NAME: &str = "huddle";
+
+/// Name of the IPv6 program the main one tail-calls.
+pub const PROGRAM6_NAME: &str = "huddle6";
+
+/// Services (VIP:port/proto) one balancer can serve.
+pub const MAX_SERVICES: u32 = 64;
+
+/// Backends over all services; a backend id indexes `BACKENDS`.
+pub const MAX_BACKENDS: u32 = 1024;
+
+const _: () = assert!(MAX_BACKENDS < MAGLEV_EMPTY as u32);
+
+/// Entries one ring can hold.
+pub const RING_CAPACITY: usize = 256;
+
+/// Flow table entries unless configured otherwise.
+pub const DEFAULT_FLOW_TABLE_SIZE: u32 = 131_072;
+
+/// Half-open table slots unless configured otherwise (a power of two).
+pub const DEFAULT_HALF_OPEN_SIZE: u32 = 65_536;
+
+/// Entries of a Maglev table unless configured otherwise (a prime; the
+/// paper's and Katran's).
+pub const DEFAULT_MAGLEV_SIZE: u32 = 65_537;
+
+/// A closing flow keeps its NAT port this long, so its last segments
+/// (final ACKs, retransmitted FINs) are still translated to it.
+pub const NAT_LINGER_NS: u64 = 2_000_000_000;
+
+/// Backends a client's SYN is sent to after the first one refused it or
+/// left it unanswered (so at most 1 + this many backends per connection).
+pub const MAX_SYN_RETRIES: u8 = 2;
+
+/// NAT tuples a client's SYN is sent from after the first one toward a
+/// backend that answered it with an ACK of an older connection (its
+/// TIME_WAIT). Without TCP timestamps that is a coin toss per tuple past
+/// the capacity, so five tuples leave one SYN in 32 to the client's own
+/// resend.
+pub const MAX_TUPLE_RETRIES: u8 = 4;
+
+/// Bytes of TCP options a half-open slot keeps of the client's SYN (the
+/// most a TCP header carries).
+pub const SYN_OPTS: usize = 40;
+
+/// Tries to find a free NAT port before a new flow is refused.
+pub const NAT_PORT_TRIES: u32 = 8;
+
+/// How long a backend keeps a closed connection's 4-tuple in TIME_WAIT
+/// (Linux: 60 s). A NAT tuple handed out again sooner may meet it.
+pub const TIME_WAIT_NS: u64 = 60_000_000_000;
+
+/// SNAT addresses one balancer can use (a power of two: the program masks
+/// indexes with it).
+pub const MAX_SNAT: usize = 16;
+
+const _: () = assert!(MAX_SNAT.is_power_of_two());
+
+/// CPUs whose NAT port slices the program tells apart; a CPU id at or
+/// above the configured count shares the slice of its id modulo it.
+pub const MAX_NAT_SLICES: u16 = 1024;
+
+/// Ring slot of `service` for generation `generation` (double buffer).
+#[inline(always)]
+#[must_use]
+pub const fn ring_slot(service: u32, generation: u64) -> u32 {
+    service * 2 + (generation & 1) as u32
+}
+
+/// Address families, as in `AF_INET`/`AF_INET6`.
+pub const FAMILY_V4: u8 = 2;
+
+pub const FAMILY_V6: u8 = 10;
+
+/// IP protocol numbers we balance.
+pub const PROTO_TCP: u8 = 6;
+
+pub const PROTO_UDP: u8 = 17;

@@ -1,0 +1,40 @@
+//! The Maglev tables the kernel reads: their size, seed and empty entry.
+
+use crate::*;
+
+/// Seed of the 5-tuple hash a Maglev table is indexed by: fixed, so every
+/// balancer sends the same new flow to the same backend.
+pub const MAGLEV_SEED: u64 = 0x6d61_676c_6576_0001;
+
+/// The MAGLEV map's flags: BPF_F_MMAPABLE, so the control plane writes a
+/// table of 65,537 entries as memory, not one syscall each.
+pub const MAGLEV_MAP_FLAGS: u32 = 1 << 10;
+
+/// A Maglev entry no backend holds.
+pub const MAGLEV_EMPTY: u16 = u16::MAX;
+
+/// Whether `n` is prime (trial division; table sizes are small): a Maglev
+/// table's size must be.
+#[must_use]
+pub const fn is_prime(n: u32) -> bool {
+    if n < 2 {
+        return false;
+    }
+    let mut d = 2u32;
+    while d.saturating_mul(d) <= n {
+        if n.is_multiple_of(d) {
+            return false;
+        }
+        d += 1;
+    }
+    true
+}
+
+/// Elements of the MAGLEV map for tables of `size` entries: two per
+/// service, four entries to an element (an array's elements take 8 bytes
+/// whatever their value's size: 16-bit ids, four to one, keep the map at
+/// a quarter of what one id per element would take).
+#[must_use]
+pub const fn maglev_elements(size: u32) -> u32 {
+    (size * MAX_SERVICES * 2).div_ceil(4)
+}

@@ -1,0 +1,102 @@
+//! Services: the keys the packet's destination is looked up by, the
+//! direct-mapped IPv4 index, and what a service is.
+
+/// Key of `SERVICES`: an IPv4 address the program answers for. For a VIP
+/// the port (network order) and protocol of the service; for a SNAT
+/// address port and protocol are 0 and `kind` is `SERVICE_KIND_SNAT`.
+/// Every packet is looked up here first (8 bytes hash fast), so traffic
+/// that is not ours costs one small lookup.
+#[repr(C, align(8))]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct ServiceKey {
+    pub addr: [u8; 4],
+    pub port_be: u16,
+    pub proto: u8,
+    pub kind: u8,
+}
+shared!(ServiceKey, 8);
+
+impl ServiceKey {
+    /// The key as one word, for `SERVICE_INDEX`'s hash and compare.
+    #[inline(always)]
+    #[must_use]
+    pub const fn word(&self) -> u64 {
+        // Composed, not transmuted: read back whole from the stack, the
+        // fields' narrow stores stalled the load (store forwarding).
+        u32::from_le_bytes(self.addr) as u64
+            | (self.port_be as u64) << 32
+            | (self.proto as u64) << 48
+            | (self.kind as u64) << 56
+    }
+}
+
+/// Bits of a `SERVICE_INDEX` slot number: each of its two halves has
+/// `SERVICE_INDEX_SLOTS` slots.
+pub const SERVICE_INDEX_BITS: u32 = 11;
+
+pub const SERVICE_INDEX_SLOTS: u32 = 1 << SERVICE_INDEX_BITS;
+
+/// An element of `SERVICE_INDEX`: one `SERVICES` entry, in the slot its
+/// key's word hashes to. An empty slot holds an all-zero key, which no
+/// packet's key equals (its protocol is never 0; a SNAT key's kind is 1).
+#[repr(C, align(8))]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ServiceEntry {
+    pub key: ServiceKey,
+    pub value: ServiceValue,
+}
+shared!(ServiceEntry, 16);
+
+/// The slot, within its half, of a key whose word is `word`, under the
+/// half's multiplier `mul` (odd): a multiply-shift hash, which the control
+/// plane picks so that no two services share a slot.
+#[inline(always)]
+#[must_use]
+pub const fn service_slot(word: u64, mul: u64) -> u32 {
+    (word.wrapping_mul(mul) >> (64 - SERVICE_INDEX_BITS)) as u32
+}
+
+/// Key of `SERVICES6`: an IPv6 address the program answers for, as
+/// `ServiceKey`.
+#[repr(C, align(8))]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct ServiceKey6 {
+    pub addr: [u8; 16],
+    pub port_be: u16,
+    pub proto: u8,
+    pub kind: u8,
+    pub _pad: u32,
+}
+shared!(ServiceKey6, 24);
+
+/// `ServiceKey::kind` of a balanced VIP:port/proto.
+pub const SERVICE_KIND_VIP: u8 = 0;
+
+/// `ServiceKey::kind` of a SNAT address (replies from backends come to it).
+pub const SERVICE_KIND_SNAT: u8 = 1;
+
+/// Value of `SERVICES`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ServiceValue {
+    /// A VIP: index into `RING_GEN`, `RR_CURSOR` and `SERVICE_STATS`. A
+    /// SNAT address: its index in `Config::snat_addrs`.
+    pub id: u32,
+    /// A VIP: its `service_mode`.
+    pub flags: u32,
+}
+shared!(ServiceValue, 8);
+
+/// How a VIP's packets reach their backend (`ServiceValue::flags`).
+pub mod service_mode {
+    /// Source NAT: addresses and ports rewritten both ways; replies come
+    /// back through the balancer.
+    pub const SNAT: u32 = 0;
+    /// Direct server return on one L2 segment: only the destination MAC
+    /// changes; the backend has the VIP on a local interface and answers
+    /// the client itself.
+    pub const DSR_L2: u32 = 1;
+    /// Direct server return by IP-in-IP: the packet, unchanged, inside an
+    /// outer header to the backend, whose decap hands it to its stack.
+    pub const DSR_IPIP: u32 = 2;
+}

@@ -1,0 +1,35 @@
+//! Every special value the XDP program's steps return in band, defined
+//! once (as Cilium's `drop_reasons.h` does). A step returns either an XDP
+//! action (the kernel's `xdp_action`, 0 to `LAST_XDP_ACTION`) or one of
+//! these, and a few return a backend id or one of these, so no two may be
+//! equal, none may be an action and none a backend id: the unit test
+//! `verdicts_never_collide` holds them to it.
+
+/// The largest XDP action (`XDP_REDIRECT`).
+pub const LAST_XDP_ACTION: u32 = 4;
+
+/// `reply`'s answer for a refused SYN that may be retried: the packet is
+/// untouched and the scratch map holds its keys.
+pub const RETRY: u32 = u32::MAX;
+/// `request`'s answer for a packet to translate and send toward its
+/// backend: untouched, its flow in the scratch map.
+pub const FORWARD: u32 = u32::MAX - 1;
+/// `FORWARD` for a new flow whose half-open slots are still to write
+/// (`halfopen::commit`, after the packet).
+pub const FORWARD_NEW: u32 = u32::MAX - 2;
+/// The IP-in-IP encapsulation's answer for a packet too big once wrapped:
+/// the scratch map holds what the ICMP answer needs.
+pub const TOO_BIG: u32 = u32::MAX - 3;
+/// `route`'s error for a destination the FIB reaches only through a
+/// gateway, when it had to be on the balancer's own segment (its other
+/// errors are the FIB's own `BPF_FIB_LKUP_RET_*`, all small).
+pub const ROUTED: u32 = u32::MAX - 4;
+/// No backend: none to avoid, or none chosen.
+pub const NO_BACKEND: u32 = u32::MAX - 5;
+
+/// Every value above, for the test.
+pub const ALL: [u32; 6] = [RETRY, FORWARD, FORWARD_NEW, TOO_BIG, ROUTED, NO_BACKEND];
+
+/// The path MTU `route` gives when none is known: no packet is too big
+/// for it.
+pub const MTU_ANY: u16 = u16::MAX;

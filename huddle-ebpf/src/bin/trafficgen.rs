@@ -1,0 +1,161 @@
+//! The packets-per-second measurement of `huddle bench`: a generator run
+//! with BPF_PROG_TEST_RUN in live-frames mode, and a counting sink.
+#![no_std]
+#![no_main]
+
+use aya_ebpf::{
+    bindings::xdp_action,
+    helpers::bpf_redirect,
+    macros::{map, xdp},
+    maps::{Array, LruHashMap, PerCpuArray},
+    programs::XdpContext,
+};
+use huddle_common::{
+    addr_v4, FlowKey, FlowValue, GenConfig, GenNat, DEFAULT_FLOW_TABLE_SIZE, FAMILY_V4, GEN_FRAME,
+};
+use network_types::{eth::EthHdr, ip::Ipv4Hdr, tcp::TcpHdr};
+
+/// The balancer's checksum arithmetic (only `apply` is used here).
+#[allow(dead_code)]
+#[path = "../csum.rs"]
+mod csum;
+use csum::apply;
+
+/// The frame `gen` writes on every run (user space fills it in).
+#[map]
+static GEN_TEMPLATE: Array<[u8; GEN_FRAME]> = Array::with_max_entries(1, 0);
+
+#[map]
+static GEN_CONFIG: Array<GenConfig> = Array::with_max_entries(1, 0);
+
+/// Per CPU: frames generated (index 0) and frames the sink took (1).
+#[map]
+static GEN_COUNT: PerCpuArray<u64> = PerCpuArray::with_max_entries(2, 0);
+
+/// Run with BPF_PROG_TEST_RUN in live-frames mode: writes the template
+/// into the frame (the kernel reuses pages without copying the template
+/// again, and the program under test rewrites them), gives it the next
+/// client port, and redirects it to the configured interface.
+#[xdp]
+pub fn gen(ctx: XdpContext) -> u32 {
+    let (Some(cfg), Some(tpl)) = (GEN_CONFIG.get(0), GEN_TEMPLATE.get(0)) else {
+        return xdp_action::XDP_ABORTED;
+    };
+    let start = ctx.data();
+    if start + GEN_FRAME > ctx.data_end() {
+        return xdp_action::XDP_ABORTED;
+    }
+    let Some(n) = GEN_COUNT.get_ptr_mut(0) else {
+        return xdp_action::XDP_ABORTED;
+    };
+    // SAFETY: the frame holds GEN_FRAME bytes (checked); the counter is
+    // this CPU's.
+    unsafe {
+        core::ptr::copy_nonoverlapping(tpl.as_ptr(), start as *mut u8, GEN_FRAME);
+        let flow = (*n % u64::from(cfg.flows.max(1))) as u16;
+        *n += 1;
+        let port = cfg.base_port.wrapping_add(flow).to_be_bytes();
+        let sport = (start + EthHdr::LEN + Ipv4Hdr::LEN) as *mut [u8; 2];
+        *sport = port;
+        bpf_redirect(cfg.ifindex, 0) as u32
+    }
+}
+
+/// The generator's flows, for `lookup_tx`: the balancer's flow-table type,
+/// key, value and size.
+#[map]
+static GEN_FLOWS: LruHashMap<FlowKey, FlowValue> =
+    LruHashMap::with_max_entries(DEFAULT_FLOW_TABLE_SIZE, 0);
+
+/// The minimal forwarder plus one lookup in a table like the balancer's
+/// flow table (its key, value and size). Timed next to the balancer, it
+/// shows how much of the forwarder's packet rate that lookup alone
+/// leaves on this veth pair (a 16-byte key costs less: see the README).
+#[xdp]
+pub fn lookup_tx(ctx: XdpContext) -> u32 {
+    let start = ctx.data();
+    if start + EthHdr::LEN + Ipv4Hdr::LEN + TcpHdr::LEN > ctx.data_end() {
+        return xdp_action::XDP_PASS;
+    }
+    let eth = start as *mut EthHdr;
+    // SAFETY: bounds checked above.
+    unsafe {
+        let ip = (start + EthHdr::LEN) as *const Ipv4Hdr;
+        if u16::from_be((*eth).ether_type) != 0x0800 || (*ip).proto != 6 {
+            return xdp_action::XDP_PASS;
+        }
+        let tcp = (start + EthHdr::LEN + Ipv4Hdr::LEN) as *const TcpHdr;
+        let key = FlowKey::new(
+            &addr_v4((*ip).src_addr),
+            &addr_v4((*ip).dst_addr),
+            u16::from_ne_bytes((*tcp).source),
+            u16::from_ne_bytes((*tcp).dest),
+            6,
+            FAMILY_V4,
+        );
+        if GEN_FLOWS.get(key).is_none() {
+            return xdp_action::XDP_PASS;
+        }
+        core::mem::swap(&mut (*eth).dst_addr, &mut (*eth).src_addr);
+    }
+    xdp_action::XDP_TX
+}
+
+/// The bare NAT forwarder's flows (see `nat_tx`).
+#[map]
+static GEN_NAT: LruHashMap<[u64; 2], GenNat> =
+    LruHashMap::with_max_entries(DEFAULT_FLOW_TABLE_SIZE, 0);
+
+/// A bare NAT forwarder: no more than any balancer that rewrites a flow
+/// must do. One lookup with the narrowest key (addresses and ports, 16
+/// bytes), then the new addresses, ports, checksums and MACs from the
+/// entry, worked out beforehand, and XDP_TX. Timed next to the balancer,
+/// it is the ceiling a source-NAT balancer reaches on this veth pair.
+#[xdp]
+pub fn nat_tx(ctx: XdpContext) -> u32 {
+    let start = ctx.data();
+    if start + EthHdr::LEN + Ipv4Hdr::LEN + TcpHdr::LEN > ctx.data_end() {
+        return xdp_action::XDP_PASS;
+    }
+    // SAFETY: bounds checked above; the object allows misaligned access,
+    // which the verifier allows in packets.
+    unsafe {
+        let eth = start as *mut u8;
+        let ip = eth.add(EthHdr::LEN);
+        let l4 = ip.add(Ipv4Hdr::LEN);
+        if *eth.add(12).cast::<[u8; 2]>() != [8, 0] || *ip != 0x45 || *ip.add(9) != 6 {
+            return xdp_action::XDP_PASS;
+        }
+        let key = [
+            ip.add(12).cast::<u64>().read_unaligned(),
+            u64::from(l4.cast::<u32>().read_unaligned()),
+        ];
+        let Some(n) = GEN_NAT.get(key) else {
+            return xdp_action::XDP_PASS;
+        };
+        ip.add(12).cast::<[u8; 8]>().write_unaligned(n.addrs);
+        l4.cast::<[u8; 4]>().write_unaligned(n.ports);
+        let check = ip.add(10).cast::<u16>();
+        check.write_unaligned(apply(check.read_unaligned(), u64::from(n.ip_diff)));
+        let check = l4.add(16).cast::<u16>();
+        check.write_unaligned(apply(check.read_unaligned(), u64::from(n.l4_diff)));
+        eth.cast::<[u8; 12]>().write_unaligned(n.macs);
+    }
+    xdp_action::XDP_TX
+}
+
+/// Counts and drops whatever arrives.
+#[xdp]
+pub fn sink(_ctx: XdpContext) -> u32 {
+    if let Some(n) = GEN_COUNT.get_ptr_mut(1) {
+        // SAFETY: this CPU's counter.
+        unsafe { *n += 1 };
+    }
+    xdp_action::XDP_DROP
+}
+
+#[cfg(not(test))]
+#[panic_handler]
+fn panic(_info: &core::panic::PanicInfo) -> ! {
+    loop {}
+}

@@ -1,0 +1,256 @@
+//! Sending a rewritten packet: next hop from the kernel's FIB, then XDP_TX
+//! or a redirect; anything the FIB cannot settle goes to the kernel.
+//!
+//! The FIB's answer is cached per CPU until the control plane bumps
+//! `Config::hop_generation` (every second): toward a backend by its id,
+//! toward a client in a small direct-mapped cache by address. A FIB lookup
+//! costs more than the rest of the established-flow path, a next hop
+//! rarely changes, and comparing a generation costs no clock read.
+
+use crate::{
+    lb::maps::{global, CLIENT_HOP, NEXT_HOP},
+    mem::put,
+    net::family::Family,
+    net::parse::Packet,
+};
+use aya_ebpf::{
+    bindings::{
+        bpf_fib_lookup, xdp_action, BPF_FIB_LKUP_RET_FRAG_NEEDED, BPF_FIB_LKUP_RET_NO_NEIGH,
+        BPF_FIB_LKUP_RET_SUCCESS,
+    },
+    helpers::generated::{bpf_fib_lookup as fib_lookup, bpf_redirect},
+    programs::XdpContext,
+};
+use core::mem::{size_of, zeroed};
+use huddle_common::{
+    addr_words, client_hop_slot,
+    verdict::{MTU_ANY, ROUTED},
+    NextHop,
+};
+use network_types::eth::EthHdr;
+
+/// Forwards the already rewritten packet `p` toward its new destination:
+/// backend `backend`, or a client (`None`); `generation` is the control
+/// plane's current next-hop generation.
+///
+/// When the neighbour is not resolved the packet goes up to the kernel,
+/// which resolves it and forwards (the control plane enables forwarding
+/// and `accept_local` on the interface for this); it is never dropped here.
+#[inline(always)]
+pub fn send<F: Family>(
+    ctx: &XdpContext,
+    p: &Packet<F>,
+    backend: Option<u32>,
+    generation: u64,
+) -> u32 {
+    // SAFETY: `parse` checked the header's bounds.
+    let (src, dst) = unsafe { F::addrs(p.ip) };
+    let cache = match backend {
+        Some(id) => NEXT_HOP.get_ptr_mut(id),
+        None => client_hop::<F>(dst),
+    };
+    // Read once for the whole path: LLVM otherwise may keep the field's
+    // address in a register, which the verifier refuses for a context.
+    let ingress = ctx.ingress_ifindex() as u32;
+    match route_via::<F>(
+        ctx, ingress, p.eth, src, dst, p.proto, p.tot_len, cache, generation, false,
+    ) {
+        // A reply bigger than the path toward its client takes: the
+        // kernel's (a FIB lookup with its length would have said so).
+        Ok((_, mtu)) if backend.is_none() && p.tot_len > mtu => {
+            unsettled(BPF_FIB_LKUP_RET_FRAG_NEEDED);
+            xdp_action::XDP_PASS
+        }
+        Ok((ifindex, _)) => out_from(ingress, ifindex),
+        Err(rc) => {
+            unsettled(rc);
+            xdp_action::XDP_PASS
+        }
+    }
+}
+
+/// This CPU's cache slot for the next hop toward client `dst`, emptied
+/// first if it held another client's.
+#[inline(always)]
+fn client_hop<F: Family>(dst: &F::Addr) -> Option<*mut NextHop> {
+    let addr = addr_words(&F::wide(dst));
+    let c = CLIENT_HOP.get_ptr_mut(client_hop_slot(addr))?;
+    // SAFETY: this CPU's element, used by this run only.
+    unsafe {
+        if (*c).addr != addr {
+            (*c).addr = addr;
+            (*c).hop.generation = 0;
+        }
+        Some(core::ptr::addr_of_mut!((*c).hop))
+    }
+}
+
+/// Sets the MAC addresses of the frame whose Ethernet header is `eth` for
+/// a packet from `src` to `dst` (network order) and returns the interface
+/// to leave by and the path's MTU: the next hop cached for `backend` while
+/// current, else the FIB's (cached again; without a backend the MTU is
+/// not asked and given as `MTU_ANY`). `onlink`: the destination must be a
+/// neighbour, not behind a gateway. The error is the FIB's answer when it
+/// gave no next hop (`BPF_FIB_LKUP_RET_*`), or `ROUTED`; the frame is
+/// unchanged.
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+pub fn route<F: Family>(
+    ctx: &XdpContext,
+    eth: *mut EthHdr,
+    src: &F::Addr,
+    dst: &F::Addr,
+    proto: u8,
+    tot_len: u16,
+    backend: Option<u32>,
+    generation: u64,
+    onlink: bool,
+) -> Result<(u32, u16), u32> {
+    let cache = backend.and_then(|id| NEXT_HOP.get_ptr_mut(id));
+    let ingress = ctx.ingress_ifindex() as u32;
+    route_via::<F>(
+        ctx, ingress, eth, src, dst, proto, tot_len, cache, generation, onlink,
+    )
+}
+
+/// `route` for a packet that came in on `ingress`, with the cache entry
+/// to use (`None`: ask the FIB with the packet's length, cache nothing).
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+fn route_via<F: Family>(
+    ctx: &XdpContext,
+    ingress: u32,
+    eth: *mut EthHdr,
+    src: &F::Addr,
+    dst: &F::Addr,
+    proto: u8,
+    tot_len: u16,
+    cache: Option<*mut NextHop>,
+    generation: u64,
+    onlink: bool,
+) -> Result<(u32, u16), u32> {
+    // Stored plus one, so a never-filled entry (0) never matches.
+    let current = generation.wrapping_add(1);
+    if let Some(c) = cache {
+        // SAFETY: this CPU's element; the caller checked `eth`'s bounds.
+        unsafe {
+            let hop = &*c;
+            if hop.generation == current && hop.ingress == ingress {
+                if onlink && hop.routed != 0 {
+                    return Err(ROUTED);
+                }
+                put(&mut (*eth).dst_addr, &hop.dmac);
+                put(&mut (*eth).src_addr, &hop.smac);
+                return Ok((hop.ifindex, hop.mtu));
+            }
+        }
+    }
+    // SAFETY: an all-zero bpf_fib_lookup is a valid request skeleton.
+    let mut params: bpf_fib_lookup = unsafe { zeroed() };
+    // A cached hop serves packets of any size, its MTU apart (below):
+    // asked without a length, the FIB checks none.
+    let len = if cache.is_some() { 0 } else { tot_len };
+    let rc = ask::<F>(ctx, ingress, &mut params, (src, dst), proto, len);
+    if rc as u32 != BPF_FIB_LKUP_RET_SUCCESS {
+        return Err(rc as u32);
+    }
+    // The FIB leaves the next hop's address where the destination was:
+    // another address there means a gateway.
+    // SAFETY: a union field the helper filled.
+    let routed = !F::fib_dst_is(&params, dst);
+    let ifindex = params.ifindex;
+    // SAFETY: the caller checked `eth`'s bounds.
+    unsafe {
+        if onlink && routed {
+            return Err(ROUTED);
+        }
+        put(&mut (*eth).dst_addr, &params.dmac);
+        put(&mut (*eth).src_addr, &params.smac);
+    }
+    let Some(c) = cache else {
+        return Ok((ifindex, MTU_ANY));
+    };
+    // SAFETY: this CPU's element.
+    unsafe {
+        (*c).smac = params.smac;
+        (*c).dmac = params.dmac;
+        (*c).ifindex = ifindex;
+        (*c).ingress = ingress;
+        (*c).routed = u8::from(routed);
+    }
+    // The path MTU, for what grows on the way (IP-in-IP): the FIB gives it
+    // for a packet too big for it. Asked only when the cache is filled, in
+    // the same request (no second one on the stack).
+    let rc = ask::<F>(ctx, ingress, &mut params, (src, dst), proto, u16::MAX);
+    let mtu = if rc as u32 == BPF_FIB_LKUP_RET_FRAG_NEEDED {
+        // SAFETY: the union field the helper filled for this answer.
+        unsafe { params.__bindgen_anon_1.mtu_result }
+    } else {
+        MTU_ANY
+    };
+    // SAFETY: this CPU's element; the generation last, so the entry is
+    // used only once whole.
+    unsafe {
+        (*c).mtu = mtu;
+        (*c).generation = current;
+    }
+    Ok((ifindex, mtu))
+}
+
+/// Asks the FIB for the next hop of a packet of `tot_len` bytes from
+/// `addrs.0` to `addrs.1` coming in on `ingress`; `params` holds the
+/// answer. Returns the FIB's verdict (`BPF_FIB_LKUP_RET_*`).
+#[inline(always)]
+fn ask<F: Family>(
+    ctx: &XdpContext,
+    ingress: u32,
+    params: &mut bpf_fib_lookup,
+    addrs: (&F::Addr, &F::Addr),
+    proto: u8,
+    tot_len: u16,
+) -> i64 {
+    params.family = F::FAMILY;
+    params.l4_protocol = proto;
+    params.__bindgen_anon_1.tot_len = tot_len;
+    params.ifindex = ingress;
+    F::fib_addrs(params, addrs.0, addrs.1);
+    // SAFETY: `params` is a valid, correctly sized request for the helper.
+    unsafe {
+        fib_lookup(
+            ctx.ctx.cast(),
+            params,
+            size_of::<bpf_fib_lookup>() as i32,
+            0,
+        )
+    }
+}
+
+/// Counts a packet `route` found no next hop for, which goes to the kernel.
+#[inline(always)]
+pub fn unsettled(rc: u32) {
+    if rc == BPF_FIB_LKUP_RET_NO_NEIGH {
+        global(|s| s.pass_no_neigh += 1);
+    } else {
+        global(|s| s.pass_no_route += 1);
+    }
+}
+
+/// XDP_TX when the next hop is out of the interface the packet came in on,
+/// else a redirect.
+#[inline(always)]
+pub fn out(ctx: &XdpContext, ifindex: u32) -> u32 {
+    out_from(ctx.ingress_ifindex() as u32, ifindex)
+}
+
+/// `out` for a packet that came in on `ingress`.
+#[inline(always)]
+fn out_from(ingress: u32, ifindex: u32) -> u32 {
+    if ifindex == ingress {
+        global(|s| s.tx += 1);
+        xdp_action::XDP_TX
+    } else {
+        global(|s| s.redirect += 1);
+        // SAFETY: plain helper call.
+        unsafe { bpf_redirect(ifindex, 0) as u32 }
+    }
+}

@@ -1,0 +1,71 @@
+//! Latency of DSR flows, whose replies never cross the balancer: the
+//! client's own segments say when the backend answered. The client's ACK
+//! that completes the handshake comes one client round trip after the
+//! backend's SYN-ACK; its first ACK that acknowledges server bytes past
+//! those it had acknowledged when it sent a request comes one round trip
+//! after the backend's first answer byte. So connect samples are SYN-ACK
+//! time plus a round trip, and request samples time to first byte plus a
+//! round trip (the control plane subtracts the backend's own median
+//! connect sample, its clients' round trip, from them). A request whose
+//! client acknowledges nothing new is a turn the backend still owes, as
+//! in SNAT mode, so a hung backend shows in `PULSE` the same way.
+
+use crate::{
+    lb::latency::timing,
+    lb::maps::{bump, BACKEND_STATS},
+    net::family::Family,
+    net::parse::{Packet, TCP_ACK, TCP_RST},
+};
+use aya_ebpf::helpers::bpf_ktime_get_ns;
+use huddle_common::{flow_flags, FlowValue};
+
+/// The client's ACK completed the handshake of `flow` (being promoted).
+#[inline(always)]
+pub fn handshake(flow: &mut FlowValue, backend: u32, now: u64) {
+    if flow.flags & flow_flags::SYN_WAIT == 0 {
+        return;
+    }
+    flow.flags &= !flow_flags::SYN_WAIT;
+    timing::settle(backend, true, false);
+    timing::connect_sample(backend, now.wrapping_sub(flow.turn_ns));
+}
+
+/// A client segment of an established DSR flow: first settles a pending
+/// turn its ACK answers, then starts one if it carries request data.
+/// `FlowValue::synack_seq` holds, during a turn, the client's ACK number
+/// when the turn started.
+#[inline(always)]
+pub fn request<F: Family>(f: *mut FlowValue, p: &Packet<F>, backend: u32) {
+    // SAFETY: a map value pointer from a lookup in this run; racing CPUs
+    // at worst lose one sample.
+    unsafe {
+        let mut flags = (*f).flags;
+        if p.has_flag(TCP_RST) {
+            if flags & flow_flags::TURN_WAIT != 0 {
+                (*f).flags = flags & !flow_flags::TURN_WAIT;
+                bump(&BACKEND_STATS, backend, |s| s.abandoned += 1);
+            }
+            return;
+        }
+        let data = p.payload_len > 0 && flags & flow_flags::SYN_WAIT == 0;
+        let answered = flags & flow_flags::TURN_WAIT != 0
+            && p.has_flag(TCP_ACK)
+            && (p.ack.wrapping_sub((*f).synack_seq) as i32) > 0;
+        if !answered && (!data || flags & flow_flags::TURN_WAIT != 0) {
+            return;
+        }
+        let now = bpf_ktime_get_ns();
+        if answered {
+            flags &= !flow_flags::TURN_WAIT;
+            (*f).flags = flags;
+            timing::settle(backend, false, true);
+            timing::ttfb_sample(backend, now.wrapping_sub((*f).turn_ns));
+        }
+        if data {
+            (*f).turn_ns = now;
+            (*f).synack_seq = p.ack;
+            (*f).flags = flags | flow_flags::TURN_WAIT;
+            timing::start_turn(backend, now);
+        }
+    }
+}

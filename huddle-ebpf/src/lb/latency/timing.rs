@@ -1,0 +1,185 @@
+//! Request latency, measured on the flows we forward: SYN to SYN-ACK, and
+//! from client data that starts a turn to the backend's first data back
+//! (time to first byte). Keep-alive connections give a sample per request.
+//!
+//! A flow holds at most one pending wait (`flow_flags::SYN_WAIT` or
+//! `TURN_WAIT`, started at `turn_ns`). `PULSE` records, per backend, since
+//! when it owes any answer at all, so the control plane sees a backend that
+//! accepts work and never answers before any reply could tell it.
+
+use crate::{
+    lb::maps::{bump, BACKEND_STATS, CONNECT, LATENCY, PULSE},
+    net::family::Family,
+    net::parse::{Packet, TCP_ACK, TCP_RST, TCP_SYN},
+};
+use aya_ebpf::helpers::bpf_ktime_get_ns;
+use huddle_common::{flow_flags, latency_bucket, FlowValue, LATENCY_BUCKETS};
+
+/// The wait a new flow starts with: a SYN waits for its SYN-ACK, a first
+/// datagram for its answer. Returns the flow's initial wait flags; the
+/// wait itself starts with `start_first` once the flow is recorded.
+#[inline(always)]
+pub fn first_flags<F: Family>(p: &Packet<F>) -> u8 {
+    if p.is_tcp() {
+        if p.has_flag(TCP_SYN) {
+            return flow_flags::SYN_WAIT;
+        }
+        return 0;
+    }
+    if p.payload_len > 0 {
+        return flow_flags::TURN_WAIT;
+    }
+    0
+}
+
+/// Starts the wait `first_flags` named: `backend` owes an answer from now.
+#[inline(always)]
+pub fn start_first(flags: u8, backend: u32, now: u64) {
+    if flags & flow_flags::SYN_WAIT != 0 {
+        owe(backend, now, true);
+    } else if flags & flow_flags::TURN_WAIT != 0 {
+        start_turn(backend, now);
+    }
+}
+
+/// Client to backend on an existing flow: data starts a turn unless one is
+/// pending; a client RST gives up the pending one (not the backend's fault).
+#[inline(always)]
+pub fn request<F: Family>(f: *mut FlowValue, p: &Packet<F>, backend: u32) {
+    // SAFETY: a map value pointer from a lookup in this run; racing CPUs
+    // at worst lose one sample.
+    unsafe {
+        let flags = (*f).flags;
+        if p.has_flag(TCP_RST) {
+            if flags & flow_flags::TURN_WAIT != 0 {
+                (*f).flags = flags & !flow_flags::TURN_WAIT;
+                bump(&BACKEND_STATS, backend, |s| s.abandoned += 1);
+            }
+            return;
+        }
+        if p.payload_len == 0 || flags & (flow_flags::TURN_WAIT | flow_flags::SYN_WAIT) != 0 {
+            return;
+        }
+        let now = bpf_ktime_get_ns();
+        (*f).turn_ns = now;
+        (*f).flags = flags | flow_flags::TURN_WAIT;
+        start_turn(backend, now);
+    }
+}
+
+#[inline(always)]
+pub fn start_turn(backend: u32, now: u64) {
+    bump(&BACKEND_STATS, backend, |s| s.turns += 1);
+    owe(backend, now, false);
+}
+
+/// Records that `backend` owes an answer from `now` on, unless it already
+/// owed one.
+#[inline(always)]
+fn owe(backend: u32, now: u64, syn: bool) {
+    if let Some(p) = PULSE.get_ptr_mut(backend) {
+        // SAFETY: shared map value; plain loads and stores are atomic at
+        // this width, and a lost race only delays detection.
+        unsafe {
+            let slot = if syn {
+                &mut (*p).syn_wait_ns
+            } else {
+                &mut (*p).turn_wait_ns
+            };
+            if *slot == 0 {
+                *slot = now;
+            }
+        }
+    }
+}
+
+/// Backend to client: any answer clears what the backend owes; the first
+/// answer to this flow's pending wait is a latency sample. `f` is null
+/// when the flow is gone or no longer this backend's.
+#[inline(always)]
+pub fn reply<F: Family>(f: *mut FlowValue, p: &Packet<F>, backend: u32) {
+    let syn_answer = p.has_flag(TCP_SYN | TCP_RST);
+    let data = p.payload_len > 0;
+    if !syn_answer && !data {
+        return;
+    }
+    settle(backend, syn_answer, data);
+    if f.is_null() {
+        return;
+    }
+    // SAFETY: as in `request`.
+    unsafe {
+        let flags = (*f).flags;
+        if flags & (flow_flags::SYN_WAIT | flow_flags::TURN_WAIT) == 0 {
+            return;
+        }
+        let waited = bpf_ktime_get_ns().wrapping_sub((*f).turn_ns);
+        if flags & flow_flags::SYN_WAIT != 0 {
+            if p.has_flag(TCP_RST) {
+                (*f).flags = flags & !flow_flags::SYN_WAIT;
+                bump(&BACKEND_STATS, backend, |s| s.refused += 1);
+            } else if p.has_flag(TCP_SYN) && p.has_flag(TCP_ACK) {
+                (*f).flags = flags & !flow_flags::SYN_WAIT;
+                connect_sample(backend, waited);
+            }
+            return;
+        }
+        if data {
+            (*f).flags = flags & !flow_flags::TURN_WAIT;
+            ttfb_sample(backend, waited);
+        } else if p.has_flag(TCP_RST) {
+            (*f).flags = flags & !flow_flags::TURN_WAIT;
+            bump(&BACKEND_STATS, backend, |s| s.reset_turns += 1);
+        }
+    }
+}
+
+/// A SYN answered after `waited` ns: counted and put in `CONNECT`.
+#[inline(always)]
+pub fn connect_sample(backend: u32, waited: u64) {
+    bump(&BACKEND_STATS, backend, |s| {
+        s.syn_acks += 1;
+        s.connect_ns += waited;
+    });
+    let b = latency_bucket(waited);
+    bump(&CONNECT, backend, |l| {
+        // The bound is already true; the verifier needs to see it.
+        if b < LATENCY_BUCKETS {
+            l.buckets[b] += 1;
+        }
+    });
+}
+
+/// A turn answered after `waited` ns: counted and put in `LATENCY`.
+#[inline(always)]
+pub fn ttfb_sample(backend: u32, waited: u64) {
+    bump(&BACKEND_STATS, backend, |s| {
+        s.answered += 1;
+        s.ttfb_ns += waited;
+    });
+    let b = latency_bucket(waited);
+    bump(&LATENCY, backend, |l| {
+        // The bound is already true; the verifier needs to see it.
+        if b < LATENCY_BUCKETS {
+            l.buckets[b] += 1;
+        }
+    });
+}
+
+/// `backend` answered: it no longer owes SYN answers (`syn`) or request
+/// answers (`data`) since any time.
+#[inline(always)]
+pub fn settle(backend: u32, syn: bool, data: bool) {
+    if let Some(pulse) = PULSE.get_ptr_mut(backend) {
+        // SAFETY: as in `owe`; read first so a busy backend's answers do
+        // not all write the shared line.
+        unsafe {
+            if syn && (*pulse).syn_wait_ns != 0 {
+                (*pulse).syn_wait_ns = 0;
+            }
+            if data && (*pulse).turn_wait_ns != 0 {
+                (*pulse).turn_wait_ns = 0;
+            }
+        }
+    }
+}

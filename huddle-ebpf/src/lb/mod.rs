@@ -1,0 +1,15 @@
+//! The balancer: its maps and scratch space, the service lookup, the
+//! request and reply paths, half-open flows, next hops, backend selection,
+//! source NAT, direct server return, ICMP and latency.
+
+pub mod balance;
+pub mod dsr;
+pub mod forward;
+pub mod halfopen;
+pub mod icmp;
+pub mod latency;
+pub mod maps;
+pub mod scratch;
+pub mod select;
+pub mod service;
+pub mod snat;

@@ -1,0 +1,56 @@
+//! Maglev consistent hashing, the kernel's half: a new flow of a service
+//! with `selection = "maglev"` takes the entry of the service's live table
+//! (`MAGLEV`, written by the control plane with the ring, in the same
+//! double buffer) that a hash of its 5-tuple names. The hash's seed is
+//! fixed, so every balancer picks the same backend for the same flow.
+
+use crate::{
+    lb::maps::{MAGLEV, RING_GEN},
+    lb::scratch,
+};
+use core::ptr::read_volatile;
+use huddle_common::{ring_slot, verdict::NO_BACKEND, MAGLEV_EMPTY, MAGLEV_SEED};
+
+const READ_TRIES: u32 = 3;
+
+/// The entry of `service`'s table of `size` entries for the flow whose key
+/// `scratch::flow_key` names, and a second entry from the same
+/// hash (for when the first must be passed over); `None` if the table
+/// cannot be read.
+#[inline(always)]
+pub fn pick(service: u32, size: u32) -> Option<(u32, u32)> {
+    let flow = scratch::flow_key()?;
+    // SAFETY: this CPU's element, used by this run only.
+    let h = unsafe { (*flow).hash(MAGLEV_SEED) };
+    let size = u64::from(size);
+    if size == 0 {
+        return None;
+    }
+    let (first, second) = (h % size, (h / size) % size);
+    let generation = RING_GEN.get_ptr(service)?;
+    for _ in 0..READ_TRIES {
+        // SAFETY: a map value pointer, valid for this run; volatile so the
+        // two reads around the table's stay in order (as in `ring::pick`).
+        let g1 = unsafe { read_volatile(generation) };
+        let base = u64::from(ring_slot(service, g1)) * size;
+        let entries = (entry(base + first)?, entry(base + second)?);
+        // SAFETY: as above.
+        if unsafe { read_volatile(generation) } == g1 {
+            return Some(entries);
+        }
+    }
+    None
+}
+
+/// Entry `i` of the MAGLEV map: 16-bit ids, four to an element.
+#[inline(always)]
+fn entry(i: u64) -> Option<u32> {
+    let e = MAGLEV.get_ptr((i / 4) as u32)?;
+    // SAFETY: a map value pointer, valid for this run.
+    let id = (unsafe { read_volatile(e) } >> ((i % 4) * 16)) as u16;
+    Some(if id == MAGLEV_EMPTY {
+        NO_BACKEND
+    } else {
+        u32::from(id)
+    })
+}

@@ -1,0 +1,118 @@
+//! The service a packet is addressed to: a VIP:port/protocol, or one of
+//! the balancer's SNAT addresses. IPv4 keys are found in the direct-mapped
+//! `SERVICE_INDEX` (one slot, one compare), IPv6 keys in a hash table.
+
+use crate::{
+    lb::maps::{SERVICES, SERVICES6, SERVICE_INDEX},
+    net::{
+        family::{Family, V4, V6},
+        parse::Packet,
+    },
+};
+use huddle_common::{
+    service_slot, Config, ServiceKey, ServiceKey6, ServiceValue, SERVICE_INDEX_BITS,
+    SERVICE_KIND_SNAT, SERVICE_KIND_VIP,
+};
+
+/// The service lookup, per family.
+pub trait Lookup: Family {
+    /// The service (VIP:port/proto) `p` is addressed to, if any.
+    fn vip(p: &Packet<Self>, cfg: &Config) -> Option<ServiceValue>;
+    /// Whether `p` is addressed to one of the balancer's SNAT addresses.
+    fn to_snat(p: &Packet<Self>, cfg: &Config) -> bool;
+    /// This family's SNAT addresses in `Config::snat_addrs`: first index
+    /// and count.
+    fn snat_range(cfg: &Config) -> (u32, u32);
+}
+
+impl V4 {
+    /// `SERVICES`' value for `key`, from the live half of `SERVICE_INDEX`
+    /// (or from `SERVICES` itself while no half is live).
+    #[inline(always)]
+    fn service(cfg: &Config, key: &ServiceKey) -> Option<ServiceValue> {
+        let half = u32::from(cfg.service_half);
+        if half == 0 {
+            // SAFETY: copied out at once (values are replaced whole).
+            return unsafe { SERVICES.get(key) }.copied();
+        }
+        let word = key.word();
+        let mul = cfg.service_mul[usize::from(half == 2)];
+        let slot = ((half - 1) << SERVICE_INDEX_BITS) | service_slot(word, mul);
+        let e = SERVICE_INDEX.get(slot)?;
+        // A half is rewritten only while the other is live, so the entry
+        // is read whole.
+        (e.key.word() == word).then_some(e.value)
+    }
+}
+
+impl Lookup for V4 {
+    #[inline(always)]
+    fn vip(p: &Packet<V4>, cfg: &Config) -> Option<ServiceValue> {
+        let key = ServiceKey {
+            addr: *p.dst(),
+            port_be: u16::from_ne_bytes(p.dport),
+            proto: p.proto,
+            kind: SERVICE_KIND_VIP,
+        };
+        V4::service(cfg, &key)
+    }
+
+    #[inline(always)]
+    fn to_snat(p: &Packet<V4>, cfg: &Config) -> bool {
+        let key = ServiceKey {
+            addr: *p.dst(),
+            port_be: 0,
+            proto: 0,
+            kind: SERVICE_KIND_SNAT,
+        };
+        V4::service(cfg, &key).is_some()
+    }
+
+    #[inline(always)]
+    fn snat_range(cfg: &Config) -> (u32, u32) {
+        (0, u32::from(cfg.snat_count))
+    }
+}
+
+impl V6 {
+    #[inline(always)]
+    fn lookup(addr: &[u8; 16], port_be: u16, proto: u8, kind: u8) -> Option<ServiceValue> {
+        let key = ServiceKey6 {
+            addr: *addr,
+            port_be,
+            proto,
+            kind,
+            _pad: 0,
+        };
+        // SAFETY: copied out at once (values are replaced whole).
+        unsafe { SERVICES6.get(&key) }.copied()
+    }
+
+    /// Whether `addr` is one of the balancer's IPv6 SNAT addresses.
+    #[inline(always)]
+    pub fn is_snat(addr: &[u8; 16]) -> bool {
+        V6::lookup(addr, 0, 0, SERVICE_KIND_SNAT).is_some()
+    }
+}
+
+impl Lookup for V6 {
+    #[inline(always)]
+    fn vip(p: &Packet<V6>, _cfg: &Config) -> Option<ServiceValue> {
+        V6::lookup(
+            p.dst(),
+            u16::from_ne_bytes(p.dport),
+            p.proto,
+            SERVICE_KIND_VIP,
+        )
+    }
+
+    #[inline(always)]
+    fn to_snat(p: &Packet<V6>, _cfg: &Config) -> bool {
+        V6::is_snat(p.dst())
+    }
+
+    #[inline(always)]
+    fn snat_range(cfg: &Config) -> (u32, u32) {
+        (u32::from(cfg.snat_count), u32::from(cfg.snat6_count))
+    }
+}

@@ -1,0 +1,120 @@
+//! Address and port translation with incremental checksum updates.
+
+use crate::net::parse::Packet;
+use crate::{
+    csum::{apply, diff16, diff32},
+    mem::put,
+    net::family::{Family, V4, V6},
+};
+use huddle_common::Addr;
+
+/// Byte offsets of the checksum inside the L4 headers.
+const TCP_CHECK: usize = 16;
+const UDP_CHECK: usize = 6;
+
+/// The four fields a translation sets, as bytes in network order (the
+/// addresses where they lie, in a map value: no copies on the stack).
+/// `was_src` and `was_dst` are the addresses the packet holds now, in
+/// their 16-byte form in a map value (IPv6 sums its checksum change from
+/// those: aligned words, where the packet's bytes would be read one by
+/// one).
+pub struct Tuple<'a, A = [u8; 4]> {
+    pub src: &'a A,
+    pub dst: &'a A,
+    pub was_src: &'a Addr,
+    pub was_dst: &'a Addr,
+    pub sport: [u8; 2],
+    pub dport: [u8; 2],
+}
+
+/// Rewrites addresses and ports of `p` to `to`, keeping both checksums valid.
+/// A UDP checksum of 0 (none) stays 0; a computed 0 is sent as 0xffff.
+#[inline(always)]
+pub fn rewrite(p: &Packet, to: &Tuple) {
+    let addr_diff = diff32(u32::from_ne_bytes(*p.src()), u32::from_ne_bytes(*to.src))
+        + diff32(u32::from_ne_bytes(*p.dst()), u32::from_ne_bytes(*to.dst));
+    // SAFETY: `parse` checked that the IP header lies inside the packet.
+    unsafe {
+        let ip = &mut *p.ip;
+        ip.src_addr = *to.src;
+        ip.dst_addr = *to.dst;
+        ip.check = apply(u16::from_ne_bytes(ip.check), addr_diff).to_ne_bytes();
+    }
+    ports(p, to, addr_diff);
+}
+
+/// IPv6: no header checksum; the addresses count in the L4 one.
+#[inline(always)]
+pub fn rewrite6(p: &Packet<V6>, to: &Tuple<'_, [u8; 16]>) {
+    let addr_diff = diff128(to.was_src, to.src) + diff128(to.was_dst, to.dst);
+    // SAFETY: `parse6` checked that the IP header lies inside the packet.
+    unsafe {
+        let ip = p.ip;
+        put(&mut (*ip).src_addr, to.src);
+        put(&mut (*ip).dst_addr, to.dst);
+    }
+    ports(p, to, addr_diff);
+}
+
+/// Sum of the changes from `old` to `new` for one 16-byte address; both
+/// lie in map values (8-byte aligned), read as four words.
+#[inline(always)]
+pub fn diff128(old: &Addr, new: &Addr) -> u64 {
+    let (o, n) = (old.as_ptr().cast::<u32>(), new.as_ptr().cast::<u32>());
+    let mut d = 0;
+    let mut i = 0;
+    while i < 4 {
+        // SAFETY: word `i` of 4 lies inside both arrays; map values are
+        // 8-byte aligned, and so are these addresses in them.
+        d += unsafe { diff32(o.add(i).read(), n.add(i).read()) };
+        i += 1;
+    }
+    d
+}
+
+/// Sets the ports and updates the L4 checksum by `addr_diff` (the
+/// pseudo-header's addresses) and the ports' change.
+#[inline(always)]
+fn ports<F: Family>(p: &Packet<F>, to: &Tuple<'_, F::Addr>, addr_diff: u64) {
+    let l4_diff = addr_diff
+        + diff16(u16::from_ne_bytes(p.sport), u16::from_ne_bytes(to.sport))
+        + diff16(u16::from_ne_bytes(p.dport), u16::from_ne_bytes(to.dport));
+    // SAFETY: the parser checked that the whole fixed L4 header (20 bytes
+    // TCP, 8 bytes UDP) lies inside the packet; every write is inside it.
+    unsafe {
+        let l4 = p.l4;
+        *l4.cast::<[u8; 2]>() = to.sport;
+        *l4.add(2).cast::<[u8; 2]>() = to.dport;
+        if p.is_tcp() {
+            let check = l4.add(TCP_CHECK).cast::<u16>();
+            check.write_unaligned(apply(check.read_unaligned(), l4_diff));
+        } else {
+            let check = l4.add(UDP_CHECK).cast::<u16>();
+            let old = check.read_unaligned();
+            if old != 0 {
+                let new = apply(old, l4_diff);
+                check.write_unaligned(if new == 0 { 0xffff } else { new });
+            }
+        }
+    }
+}
+
+/// The rewrite of addresses and ports, per family.
+pub trait Rewrite: Family {
+    /// Rewrites addresses and ports, keeping checksums valid.
+    fn rewrite(p: &Packet<Self>, to: &Tuple<'_, Self::Addr>);
+}
+
+impl Rewrite for V4 {
+    #[inline(always)]
+    fn rewrite(p: &Packet<V4>, to: &Tuple<'_, [u8; 4]>) {
+        rewrite(p, to);
+    }
+}
+
+impl Rewrite for V6 {
+    #[inline(always)]
+    fn rewrite(p: &Packet<V6>, to: &Tuple<'_, [u8; 16]>) {
+        rewrite6(p, to);
+    }
+}
