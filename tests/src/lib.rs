@@ -97,6 +97,23 @@ pub fn require_root() {
     }
 }
 
+/// For the tools (`hc-demo`, `hc-compare`): on SIGINT or SIGTERM, remove
+/// this process's namespaces, the processes in them and its pins, then
+/// exit.
+pub fn remove_on_signal() {
+    huddle_user::sys::netns::remove_on_signal(drop_own_pins);
+}
+
+/// Removes the pins of this process's balancers.
+fn drop_own_pins() {
+    let own = format!("{NAME_PREFIX}{}-", std::process::id());
+    for d in std::fs::read_dir(PIN_ROOT).into_iter().flatten().flatten() {
+        if d.file_name().to_string_lossy().starts_with(&own) {
+            drop_pins(&d.path());
+        }
+    }
+}
+
 /// Deletes namespaces left by earlier runs of this harness whose process
 /// is gone.
 pub fn sweep_stale() {

@@ -236,6 +236,9 @@ pub fn run(args: &BenchArgs) -> Result<()> {
 }
 
 fn measure(args: &BenchArgs) -> Result<()> {
+    // Stopped mid-run, it removes its namespaces (its data planes are not
+    // pinned: they go with the process).
+    crate::sys::netns::remove_on_signal(|| {});
     let stale = crate::sys::netns::remove_orphans(&["huddle-bench-", "huddle-pps-"]);
     if stale > 0 {
         eprintln!("removed {stale} network namespaces an interrupted benchmark left");

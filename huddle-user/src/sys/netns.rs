@@ -2,7 +2,69 @@
 //! `huddle bench` and by the test and demo harness.
 
 use anyhow::{bail, Context, Result};
-use std::{fs::File, os::fd::AsRawFd, process::Command};
+use std::{
+    fs::File,
+    os::fd::AsRawFd,
+    process::Command,
+    sync::{
+        atomic::{AtomicI32, Ordering},
+        Mutex,
+    },
+    time::Duration,
+};
+
+/// The namespaces this process made and has not removed yet.
+static LIVE: Mutex<Vec<String>> = Mutex::new(Vec::new());
+/// The signal `remove_on_signal` caught (0: none yet).
+static CAUGHT: AtomicI32 = AtomicI32::new(0);
+
+extern "C" fn catch(sig: libc::c_int) {
+    CAUGHT.store(sig, Ordering::Relaxed);
+}
+
+/// From now on SIGINT and SIGTERM remove every namespace this process made
+/// (and the processes in them), then run `also` (pins and the like) and
+/// exit with 128 + the signal: a tool stopped mid-run leaves nothing
+/// behind. A handler, not a blocked mask, so children started later get
+/// the default dispositions back at exec.
+pub fn remove_on_signal(also: fn()) {
+    // SAFETY: the handler only stores into an atomic, which is
+    // async-signal-safe.
+    unsafe {
+        libc::signal(libc::SIGINT, catch as *const () as libc::sighandler_t);
+        libc::signal(libc::SIGTERM, catch as *const () as libc::sighandler_t);
+    }
+    std::thread::spawn(move || loop {
+        let sig = CAUGHT.load(Ordering::Relaxed);
+        if sig != 0 {
+            let names: Vec<String> = LIVE.lock().map(|l| l.clone()).unwrap_or_default();
+            eprintln!(
+                "signal {sig}: removing this run's {} network namespaces",
+                names.len()
+            );
+            for n in &names {
+                remove(n);
+            }
+            also();
+            std::process::exit(128 + sig);
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    });
+}
+
+/// Kills every process in namespace `name`, then deletes it.
+fn remove(name: &str) {
+    if let Ok(out) = Command::new("ip").args(["netns", "pids", name]).output() {
+        for pid in String::from_utf8_lossy(&out.stdout)
+            .split_whitespace()
+            .filter_map(|p| p.parse::<i32>().ok())
+        {
+            // SAFETY: signalling a process by pid.
+            unsafe { libc::kill(pid, libc::SIGKILL) };
+        }
+    }
+    let _ = Command::new("ip").args(["netns", "del", name]).output();
+}
 
 /// Runs `ip` with `args`, failing with its stderr.
 pub fn ip(args: &[&str]) -> Result<()> {
@@ -60,6 +122,9 @@ impl Netns {
         let ns = Netns {
             name: name.to_string(),
         };
+        if let Ok(mut live) = LIVE.lock() {
+            live.push(name.to_string());
+        }
         ns.ip(&["link", "set", "lo", "up"])?;
         Ok(ns)
     }
@@ -143,5 +208,8 @@ impl Drop for Netns {
         let _ = Command::new("ip")
             .args(["netns", "del", &self.name])
             .output();
+        if let Ok(mut live) = LIVE.lock() {
+            live.retain(|n| *n != self.name);
+        }
     }
 }

@@ -36,20 +36,34 @@ static CPU_PPM: AtomicU64 = AtomicU64::new(100_000);
 /// Synthetic CPU seconds: (busy, idle, last update).
 static CPU: Mutex<Option<(f64, f64, Instant)>> = Mutex::new(None);
 
-fn arg(args: &[String], name: &str) -> Option<String> {
-    args.iter()
-        .position(|a| a == name)
-        .and_then(|i| args.get(i + 1).cloned())
+/// A test backend: HTTP (keep-alive aware) naming the backend, and a UDP
+/// echo; its behaviour changes through `GET /admin?...`.
+#[derive(clap::Parser)]
+#[command(name = "hc-backend")]
+struct Cli {
+    /// The name its answers carry.
+    #[arg(long, default_value = "backend")]
+    id: String,
+    /// HTTP port.
+    #[arg(long, default_value_t = 8080)]
+    http: u16,
+    /// UDP echo port.
+    #[arg(long, default_value_t = 5353)]
+    udp: u16,
+    /// Service time of every request, in ms.
+    #[arg(long, default_value_t = 0.0)]
+    delay_ms: f64,
 }
 
 fn main() {
     // A churn test holds thousands of connections.
     testbed::raise_nofile();
-    let args: Vec<String> = std::env::args().collect();
-    let id = arg(&args, "--id").unwrap_or_else(|| "backend".into());
-    let http: u16 = arg(&args, "--http").map_or(8080, |p| p.parse().expect("--http PORT"));
-    let udp: u16 = arg(&args, "--udp").map_or(5353, |p| p.parse().expect("--udp PORT"));
-    let delay_ms: f64 = arg(&args, "--delay-ms").map_or(0.0, |d| d.parse().expect("--delay-ms N"));
+    let Cli {
+        id,
+        http,
+        udp,
+        delay_ms,
+    } = <Cli as clap::Parser>::parse();
     DELAY_US.store((delay_ms * 1000.0) as u64, Ordering::Relaxed);
 
     let uid = id.clone();

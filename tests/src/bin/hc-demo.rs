@@ -16,7 +16,7 @@
 //! one balancer's link is cut and restored, and a table per balancer and
 //! per backend ends it.
 
-use anyhow::{Context, Result};
+use anyhow::Result;
 use huddle_user::status::control::Request;
 use std::{
     collections::BTreeMap,
@@ -32,6 +32,7 @@ const BACKENDS: usize = 4;
 const BASE_MS: u32 = 10;
 
 fn main() {
+    testbed::remove_on_signal();
     if let Err(e) = run() {
         eprintln!("demo failed: {e:#}");
         std::process::exit(1);
@@ -136,35 +137,29 @@ fn rotation_demo(bed: &Testbed, vip: SocketAddr) -> Result<()> {
     Ok(())
 }
 
+/// The README's demo (root): namespaces, a balancer, backends, real HTTP
+/// through XDP; one backend turns slow, rests and returns.
+#[derive(clap::Parser)]
+#[command(name = "hc-demo")]
+struct Cli {
+    /// The `huddle` binary (default: the one beside this one).
+    #[arg(long)]
+    huddle: Option<PathBuf>,
+    /// How the VIP reaches its backends.
+    #[arg(long, default_value = "snat", value_parser = ["snat", "dsr-l2", "dsr-ipip"])]
+    mode: String,
+    /// Several balancers behind a router instead of one (2 to 8).
+    #[arg(long, value_parser = clap::value_parser!(u8).range(2..=8))]
+    balancers: Option<u8>,
+}
+
 fn run() -> Result<()> {
-    let args: Vec<String> = std::env::args().collect();
-    let huddle = match args.iter().position(|a| a == "--huddle") {
-        Some(i) => PathBuf::from(args.get(i + 1).context("--huddle PATH")?),
-        None => sibling("huddle")?,
-    };
-    if let Some(i) = args.iter().position(|a| a == "--balancers") {
-        let n: usize = args
-            .get(i + 1)
-            .and_then(|v| v.parse().ok())
-            .context("--balancers N")?;
-        if n < 2 {
-            anyhow::bail!("--balancers {n}: at least 2 (one balancer is the plain demo)");
-        }
-        if n > 8 {
-            anyhow::bail!("--balancers {n}: at most 8 here");
-        }
-        return several(&huddle, n);
+    let cli = <Cli as clap::Parser>::parse();
+    let huddle = cli.huddle.map_or_else(|| sibling("huddle"), Ok)?;
+    if let Some(n) = cli.balancers {
+        return several(&huddle, usize::from(n));
     }
-    let mode = match args.iter().position(|a| a == "--mode") {
-        Some(i) => args
-            .get(i + 1)
-            .context("--mode snat|dsr-l2|dsr-ipip")?
-            .clone(),
-        None => "snat".into(),
-    };
-    if !["snat", "dsr-l2", "dsr-ipip"].contains(&mode.as_str()) {
-        anyhow::bail!("--mode {mode}: expected snat, dsr-l2 or dsr-ipip");
-    }
+    let mode = cli.mode;
     let dsr = mode != "snat";
     // DSR delivers the client's packet unchanged: the VIP takes the
     // backends' port.

@@ -48,23 +48,51 @@ struct Opts {
     huddle_extra: Vec<String>,
 }
 
+/// HuddleCluster next to round robin, NGINX and HAProxy on one namespace
+/// testbed, under the same open-loop load (root).
+#[derive(clap::Parser)]
+#[command(name = "hc-compare")]
+struct Cli {
+    /// Every cell once, briefly (under two minutes).
+    #[arg(long)]
+    quick: bool,
+    /// Trials per cell (default 5; 1 with --quick).
+    #[arg(long)]
+    trials: Option<usize>,
+    /// Seconds of load per run (default 16; 2.5 with --quick).
+    #[arg(long)]
+    secs: Option<f64>,
+    /// New requests per second.
+    #[arg(long, default_value_t = 200.0)]
+    rate: f64,
+    /// Folder for results.md, results.json and the plots.
+    #[arg(long, default_value = "target/huddle-bench")]
+    out: PathBuf,
+    /// Requests per (keep-alive) connection in the open-loop runs.
+    #[arg(long, default_value_t = 1)]
+    per_conn: usize,
+    /// Seconds of each closed-loop run, 0 to skip them (default 10; 1.5
+    /// with --quick).
+    #[arg(long)]
+    closed_secs: Option<f64>,
+    /// The `huddle` binary (default: the one beside this one).
+    #[arg(long)]
+    huddle: Option<PathBuf>,
+    /// Only these balancers (comma-separated slugs).
+    #[arg(long, value_delimiter = ',')]
+    only: Option<Vec<String>>,
+    /// Only these scenarios (comma-separated slugs).
+    #[arg(long, value_delimiter = ',')]
+    scenarios: Option<Vec<String>>,
+    /// NAT port range for the XDP balancer, MIN-MAX.
+    #[arg(long)]
+    nat_ports: Option<String>,
+}
+
 fn opts() -> Result<Opts> {
-    let args: Vec<String> = std::env::args().collect();
-    let val = |name: &str| {
-        args.iter()
-            .position(|a| a == name)
-            .and_then(|i| args.get(i + 1).cloned())
-    };
-    let quick = args.iter().any(|a| a == "--quick");
-    let num = |name: &str, default: f64| -> Result<f64> {
-        val(name).map_or(Ok(default), |v| {
-            v.parse().with_context(|| format!("{name} {v:?}"))
-        })
-    };
-    let pick = |name: &str| -> Option<Vec<String>> {
-        val(name).map(|v| v.split(',').map(str::to_string).collect())
-    };
-    let balancers = match pick("--only") {
+    let cli = <Cli as clap::Parser>::parse();
+    let quick = cli.quick;
+    let balancers = match &cli.only {
         None => peers::ALL.to_vec(),
         Some(want) => peers::ALL
             .iter()
@@ -72,7 +100,7 @@ fn opts() -> Result<Opts> {
             .filter(|b| want.iter().any(|w| w == b.slug()))
             .collect(),
     };
-    let scenarios = match pick("--scenarios") {
+    let scenarios = match &cli.scenarios {
         None => scenario::ALL.to_vec(),
         Some(want) => scenario::ALL
             .iter()
@@ -84,20 +112,21 @@ fn opts() -> Result<Opts> {
         bail!("nothing to run: check --only and --scenarios");
     }
     Ok(Opts {
-        trials: num("--trials", if quick { 1.0 } else { 5.0 })? as usize,
-        secs: num("--secs", if quick { 2.5 } else { 16.0 })?,
-        rate: num("--rate", 200.0)?,
+        trials: cli.trials.unwrap_or(if quick { 1 } else { 5 }),
+        secs: cli.secs.unwrap_or(if quick { 2.5 } else { 16.0 }),
+        rate: cli.rate,
         base_ms: 10.0,
         timeout: Duration::from_millis(if quick { 1000 } else { 2000 }),
         warmup: Duration::from_millis(if quick { 300 } else { 1500 }),
-        out: val("--out").map_or_else(|| PathBuf::from("target/huddle-bench"), PathBuf::from),
-        huddle: val("--huddle").map_or_else(|| sibling("huddle"), |p| Ok(PathBuf::from(p)))?,
+        out: cli.out,
+        huddle: cli.huddle.map_or_else(|| sibling("huddle"), Ok)?,
         balancers,
         scenarios,
         quick,
-        closed_secs: num("--closed-secs", if quick { 1.5 } else { 10.0 })?,
-        per_conn: (num("--per-conn", 1.0)? as usize).max(1),
-        huddle_extra: val("--nat-ports")
+        closed_secs: cli.closed_secs.unwrap_or(if quick { 1.5 } else { 10.0 }),
+        per_conn: cli.per_conn.max(1),
+        huddle_extra: cli
+            .nat_ports
             .map(|r| vec!["--nat-ports".to_string(), r])
             .unwrap_or_default(),
     })
@@ -126,6 +155,7 @@ struct Results {
 }
 
 fn main() {
+    testbed::remove_on_signal();
     if let Err(e) = run() {
         eprintln!("hc-compare failed: {e:#}");
         std::process::exit(1);

@@ -1,0 +1,185 @@
+//! What a newcomer types: every binary answers `--help` and refuses an
+//! unknown flag, the README's commands parse as written and its example
+//! config passes `huddle check`, and the tools that make namespaces remove
+//! them when stopped with SIGTERM mid-run.
+
+use std::{
+    path::Path,
+    process::{Command, Output, Stdio},
+    thread,
+    time::{Duration, Instant},
+};
+
+const HUDDLE: &str = env!("CARGO_BIN_EXE_hc-huddle");
+const BACKEND: &str = env!("CARGO_BIN_EXE_hc-backend");
+const DEMO: &str = env!("CARGO_BIN_EXE_hc-demo");
+const COMPARE: &str = env!("CARGO_BIN_EXE_hc-compare");
+
+fn run(prog: &str, args: &[&str]) -> Output {
+    Command::new(prog)
+        .args(args)
+        .output()
+        .unwrap_or_else(|e| panic!("running {prog}: {e}"))
+}
+
+fn readme() -> String {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap();
+    std::fs::read_to_string(root.join("README.md")).expect("README.md")
+}
+
+/// The fenced blocks of `text` whose info string is `lang`.
+fn blocks(text: &str, lang: &str) -> Vec<String> {
+    let mut out = Vec::new();
+    let mut cur: Option<String> = None;
+    for line in text.lines() {
+        match (&mut cur, line.strip_prefix("```")) {
+            (None, Some(info)) if info.trim() == lang => cur = Some(String::new()),
+            (Some(_), Some(_)) => out.push(cur.take().unwrap()),
+            (Some(b), None) => {
+                b.push_str(line);
+                b.push('\n');
+            }
+            _ => {}
+        }
+    }
+    out
+}
+
+#[test]
+fn every_binary_answers_help_and_refuses_an_unknown_flag() {
+    for bin in [HUDDLE, BACKEND, DEMO, COMPARE] {
+        let help = run(bin, &["--help"]);
+        let text = String::from_utf8_lossy(&help.stdout);
+        assert!(
+            help.status.success() && text.contains("Usage"),
+            "{bin} --help: {:?} {text}",
+            help.status
+        );
+        let bad = run(bin, &["--no-such-flag"]);
+        assert!(
+            !bad.status.success(),
+            "{bin} accepted --no-such-flag: {}",
+            String::from_utf8_lossy(&bad.stdout)
+        );
+        assert!(
+            String::from_utf8_lossy(&bad.stderr).contains("--no-such-flag"),
+            "{bin}: the refusal names the flag"
+        );
+    }
+    for sub in ["run", "status", "top", "bench", "agent", "stop", "check"] {
+        let out = run(HUDDLE, &[sub, "--help"]);
+        assert!(
+            out.status.success(),
+            "huddle {sub} --help: {:?}",
+            out.status
+        );
+        assert!(!run(HUDDLE, &[sub, "--no-such-flag"]).status.success());
+    }
+}
+
+#[test]
+fn the_readmes_commands_parse_and_its_config_checks() {
+    let text = readme();
+    let mut seen = 0;
+    for block in blocks(&text, "sh") {
+        for line in block.lines() {
+            let cmd = line.split('#').next().unwrap_or("").trim();
+            let Some(args) = cmd.strip_prefix("huddle ") else {
+                continue;
+            };
+            // `--help` after the rest: clap parses every flag and value
+            // before it answers, so a renamed or mistyped flag fails.
+            let mut argv: Vec<&str> = args.split_whitespace().collect();
+            argv.push("--help");
+            let out = run(HUDDLE, &argv);
+            assert!(
+                out.status.success(),
+                "README: `{cmd}` does not parse: {}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+            seen += 1;
+        }
+    }
+    assert!(seen >= 8, "only {seen} huddle commands found in the README");
+
+    let configs = blocks(&text, "toml");
+    assert_eq!(configs.len(), 1, "the README has one example config");
+    let path = std::env::temp_dir().join(format!("readme-{}.toml", std::process::id()));
+    std::fs::write(&path, &configs[0]).unwrap();
+    let out = run(HUDDLE, &["check", &path.display().to_string()]);
+    let _ = std::fs::remove_file(&path);
+    assert!(
+        out.status.success(),
+        "huddle check of the README's config: {}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// Namespaces whose name contains `pid`.
+fn namespaces_of(pid: u32) -> Vec<String> {
+    let out = run("ip", &["netns", "list"]);
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter_map(|l| l.split_whitespace().next())
+        .filter(|n| n.contains(&pid.to_string()))
+        .map(str::to_string)
+        .collect()
+}
+
+/// Starts `prog`, waits until it has made `at_least` namespaces (and a
+/// moment more), stops it with SIGTERM, and checks that nothing named for
+/// it is left.
+fn sigterm_mid_run(prog: &str, args: &[&str], at_least: usize) {
+    let mut child = Command::new(prog)
+        .args(args)
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap_or_else(|e| panic!("starting {prog}: {e}"));
+    let pid = child.id();
+    let start = Instant::now();
+    while namespaces_of(pid).len() < at_least {
+        if let Some(status) = child.try_wait().unwrap() {
+            panic!("{prog} ended ({status}) before it made {at_least} namespaces");
+        }
+        if start.elapsed() > Duration::from_secs(60) {
+            let _ = child.kill();
+            panic!("{prog} made no namespaces within 60 s");
+        }
+        thread::sleep(Duration::from_millis(100));
+    }
+    thread::sleep(Duration::from_millis(1500));
+    // SAFETY: signalling our own child by pid.
+    unsafe { libc::kill(pid as i32, libc::SIGTERM) };
+    let start = Instant::now();
+    let status = loop {
+        if let Some(s) = child.try_wait().unwrap() {
+            break s;
+        }
+        if start.elapsed() > Duration::from_secs(20) {
+            let _ = child.kill();
+            panic!("{prog} did not exit within 20 s of SIGTERM");
+        }
+        thread::sleep(Duration::from_millis(50));
+    };
+    assert_eq!(status.code(), Some(128 + libc::SIGTERM), "{prog}: {status}");
+    let left = namespaces_of(pid);
+    assert!(left.is_empty(), "{prog} left namespaces: {left:?}");
+    let pins: Vec<_> = std::fs::read_dir("/sys/fs/bpf/huddle-tests")
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter(|e| e.file_name().to_string_lossy().contains(&pid.to_string()))
+        .collect();
+    assert!(pins.is_empty(), "{prog} left pins: {pins:?}");
+}
+
+#[test]
+fn the_demo_and_the_benchmark_stopped_with_sigterm_leave_nothing() {
+    testbed::require_root();
+    testbed::sweep_stale();
+    // The demo's client, balancer, switch and four backends.
+    sigterm_mid_run(DEMO, &["--huddle", HUDDLE], 7);
+    sigterm_mid_run(HUDDLE, &["bench", "--rounds", "1"], 1);
+}
