@@ -5,7 +5,7 @@ use huddle_common::headers::ETH_LEN;
 use huddle_common::{BackendStats, FlowKey, GlobalStats, NatKey, FAMILY_V4};
 use huddle_user::{
     config::{Config, PortRange, Proto, Service},
-    kernel::dataplane::ip_bytes,
+    kernel::dataplane::keys::ip_bytes,
     kernel::packet::{
         checksums_valid, endpoints, icmp_checksums_valid, icmp_error, Frame, ACK, FIN, PSH, RST,
         SYN,

@@ -18,7 +18,7 @@
 //! answers drops those it no longer lists (closed, or explained again). A
 //! garbage answer is passed over like no answer.
 
-use crate::kernel::dataplane::ip_bytes;
+use crate::kernel::dataplane::keys::ip_bytes;
 use crate::kernel::dataplane::MaglevTable;
 use anyhow::Result;
 use aya::maps::{HashMap, MapData};
@@ -80,7 +80,8 @@ pub fn unexplained(key: &FlowKey, value: &FlowValue, tables: &[MaglevTable]) -> 
 }
 
 fn addr(a: [u8; 16], family: u8) -> Option<IpAddr> {
-    matches!(family, FAMILY_V4 | FAMILY_V6).then(|| crate::kernel::dataplane::ip_of(&a, family))
+    matches!(family, FAMILY_V4 | FAMILY_V6)
+        .then(|| crate::kernel::dataplane::keys::ip_of(&a, family))
 }
 
 /// The flow-table entry this balancer writes for a peer's flow: its own

@@ -50,7 +50,7 @@ pub(super) async fn saver(shared: Arc<Mutex<Balancer>>) {
 /// large flow table takes a while to walk).
 pub(super) async fn sweep_idle(
     shared: Arc<Mutex<Balancer>>,
-    sweeper: Option<crate::kernel::dataplane::Sweeper>,
+    sweeper: Option<crate::kernel::dataplane::sweep::Sweeper>,
 ) {
     let Some(mut sweeper) = sweeper else {
         return;
@@ -197,7 +197,7 @@ const NEIGHBOUR_REFRESH: Duration = Duration::from_secs(15);
 
 /// What the tasks are handed at start, taken out of the balancer.
 pub(super) struct Handles {
-    pub sweeper: Option<crate::kernel::dataplane::Sweeper>,
+    pub sweeper: Option<crate::kernel::dataplane::sweep::Sweeper>,
     pub flow_book: Option<crate::cluster::handoff::FlowBook>,
     pub bgp: Option<Arc<Mutex<crate::cluster::bgp::Announcer>>>,
 }

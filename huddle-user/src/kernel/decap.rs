@@ -3,7 +3,7 @@
 //! to the backend's interface (XDP on ingress: decap and request arrival;
 //! TC on egress: first answer byte) for as long as the agent runs.
 
-use crate::kernel::dataplane::ip_bytes;
+use crate::kernel::dataplane::keys::ip_bytes;
 use crate::{config::XdpMode, kernel::object};
 use anyhow::{Context, Result};
 use aya::{

@@ -1,0 +1,370 @@
+//! Loading the data plane: a fresh object, or the pinned one taken over
+//! (checking its maps' layouts), with every map sized and set.
+
+use super::*;
+use crate::{config::Config, kernel::mmap::MappedArray, kernel::object};
+use anyhow::{bail, Context, Result};
+use aya::{
+    maps::{Array, HashMap, MapData},
+    programs::Xdp,
+    Ebpf, EbpfLoader,
+};
+use huddle_common::maglev_elements;
+use huddle_common::{
+    addr_v4, maps, Config as KernelConfig, FAMILY_V4, MAX_SNAT, PROGRAM6_NAME, PROGRAM_NAME,
+};
+use std::{net::Ipv4Addr, path::Path};
+use tracing::{info, warn};
+
+impl Dataplane {
+    /// Loads the program and programs every map, without attaching.
+    ///
+    /// With `pins`, the maps live in that bpffs folder. If an earlier run
+    /// left them there (its program still attached), they are adopted:
+    /// flows, NAT entries and counters carry on, services and backends keep
+    /// their ids, and the configuration is reconciled into them. Without
+    /// `pins` (tests, benchmarks) nothing outlives the process, and a
+    /// failure leaves nothing behind.
+    /// `snat` and `snat6`: the SNAT addresses of each family (at most
+    /// `MAX_SNAT` in all).
+    pub fn load(
+        cfg: &Config,
+        snat: &[Ipv4Addr],
+        snat6: &[std::net::Ipv6Addr],
+        pins: Option<&Path>,
+        resume: Option<walk::NatWalk>,
+    ) -> Result<Dataplane> {
+        if snat.len() + snat6.len() > MAX_SNAT {
+            bail!(
+                "at most {MAX_SNAT} SNAT addresses in all, not {}",
+                snat.len() + snat6.len()
+            );
+        }
+        let cpus = crate::sys::host::possible_cpus()?;
+        let (slice_ports, slices) = KernelConfig::slices_for(
+            cfg.nat_ports.min,
+            cfg.nat_ports.max,
+            u16::try_from(cpus).unwrap_or(u16::MAX),
+        );
+        let snat_total = (snat.len() + snat6.len()) as u16;
+        let nat_used = huddle_common::nat_used_per_backend(slice_ports, slices, snat_total);
+        if nat_used == 0 {
+            info!(
+                "{} backends x {} NAT tuples would take more than {} MiB to track: each new flow asks the NAT table whether its tuple is in use (a cold lookup)",
+                huddle_common::NAT_USED_BACKENDS,
+                u64::from(slice_ports) * u64::from(slices) * u64::from(snat_total),
+                huddle_common::MAX_NAT_USED_BYTES >> 20
+            );
+        }
+        let half_open = cfg.half_open_table_size.next_power_of_two();
+        let tag_lines = huddle_common::half_open_tag_lines(half_open);
+        let mut loader = EbpfLoader::new();
+        // HUDDLE_VERIFIER_LOG=1: the verifier's whole log on a refusal
+        // (for whoever changes the program).
+        if std::env::var_os("HUDDLE_VERIFIER_LOG").is_some() {
+            loader
+                .verifier_log_level(aya::VerifierLogLevel::VERBOSE | aya::VerifierLogLevel::STATS);
+        }
+        loader
+            .map_max_entries(maps::FLOWS, cfg.flow_table_size)
+            .map_max_entries(maps::NAT, cfg.flow_table_size)
+            .map_max_entries(maps::HALF_OPEN, half_open)
+            .map_max_entries(maps::HALF_OPEN_NAT, half_open)
+            .map_max_entries(maps::HALF_OPEN_TAGS, tag_lines)
+            .map_max_entries(maps::HALF_OPEN_NAT_TAGS, tag_lines)
+            .map_max_entries(maps::MAGLEV, maglev_elements(cfg.maglev_table_size))
+            .map_max_entries(maps::NAT_USED, huddle_common::nat_used_lines(nat_used));
+        let mut adopted = false;
+        let mut fresh_cursors = true;
+        if let Some(dir) = pins {
+            std::fs::create_dir_all(dir)
+                .with_context(|| format!("creating the pin folder {}", dir.display()))?;
+            check_pinned_layouts(dir, half_open, maglev_elements(cfg.maglev_table_size))?;
+            adopted = dir.join(maps::FLOWS).exists();
+            fresh_cursors = !dir.join(maps::NAT_CURSOR).exists();
+            for name in maps::ALL {
+                loader.map_pin_path(name, dir.join(name));
+            }
+        }
+        let mut ebpf = loader
+            .load(object::HUDDLE)
+            .context("loading the XDP object into the kernel")?;
+        load_program(&mut ebpf, PROGRAM_NAME)?;
+        // The IPv6 program, which the main one tail-calls for IPv6 frames.
+        load_program(&mut ebpf, PROGRAM6_NAME)?;
+        {
+            let fd = ebpf
+                .program(PROGRAM6_NAME)
+                .context("IPv6 program missing")?
+                .fd()?
+                .try_clone()?;
+            let mut tails: aya::maps::ProgramArray<&mut MapData> = ebpf
+                .map_mut(maps::TAILS)
+                .context("TAILS missing")?
+                .try_into()?;
+            tails.set(0, &fd, 0).context("setting the IPv6 program")?;
+        }
+        // After the program holds its maps: the logger owns the log map's fd.
+        match aya_log::EbpfLogger::init(&mut ebpf) {
+            Ok(logger) => crate::kernel::logs::forward(logger),
+            Err(e) => warn!("kernel log forwarding unavailable: {e}"),
+        }
+        if adopted {
+            if let Some(flows) = ebpf.map(maps::FLOWS) {
+                let size = match flows {
+                    aya::maps::Map::LruHashMap(m) => m.info().ok().map(|i| i.max_entries()),
+                    _ => None,
+                };
+                if size.is_some_and(|n| n != cfg.flow_table_size) {
+                    warn!(
+                        "the adopted flow table holds {} entries, not flow_table_size {}: resizing needs `huddle stop` (which drops every flow) and a fresh start",
+                        size.unwrap_or(0),
+                        cfg.flow_table_size
+                    );
+                }
+            }
+        }
+
+        if adopted && nat_used != 0 {
+            // The running data plane's NAT entries are not in this fresh
+            // filter: every tuple counts as maybe in use until a walk has
+            // asked the NAT table about it.
+            fill(&ebpf, maps::NAT_USED, [1u8; huddle_common::NAT_USED_LINE])?;
+        }
+        let mut config: Array<MapData, KernelConfig> = take(&mut ebpf, maps::CONFIG)?;
+        let mut snat_addrs = [[0u8; 16]; MAX_SNAT];
+        let wide = snat
+            .iter()
+            .map(|ip| addr_v4(ip.octets()))
+            .chain(snat6.iter().map(|ip| ip.octets()));
+        for (slot, a) in snat_addrs.iter_mut().zip(wide) {
+            *slot = a;
+        }
+        // An adopted data plane keeps its next-hop generation moving on,
+        // and its hash seed (half-open slots in use stay findable).
+        let old = config.get(&0, 0).ok().filter(|c| c.hash_seed != 0);
+        let hop_generation = old.map_or(0, |c| c.hop_generation) + 1;
+        let hash_seed = match old {
+            Some(c) => c.hash_seed,
+            None => random_seed()?,
+        };
+        let kernel_config = KernelConfig {
+            snat_addrs,
+            snat_count: snat.len() as u16,
+            family: FAMILY_V4,
+            // The live half of an adopted index stays live until
+            // `publish_services` has written the other.
+            service_half: old.map_or(0, |c| c.service_half),
+            nat_port_min: cfg.nat_ports.min,
+            nat_port_max: cfg.nat_ports.max,
+            slice_ports,
+            slices,
+            snat6_count: snat6.len() as u16,
+            _pad2: 0,
+            hop_generation,
+            half_open_mask: half_open - 1,
+            encap_vary: 0,
+            hash_seed,
+            syn_timeout_ns: cfg.huddle.syn_timeout.as_nanos() as u64,
+            encap_src: [0; 16],
+            encap6_src: [0; 16],
+            nat_used_per_backend: nat_used,
+            _pad3: 0,
+            service_mul: old.map_or([0; 2], |c| c.service_mul),
+        };
+        config.set(0, kernel_config, 0).context("writing CONFIG")?;
+
+        // Before the maps are taken: handles of its own for the sweep.
+        let sweeper = Sweeper {
+            flows: HashMap::try_from(reopen(&ebpf, maps::FLOWS)?)?,
+            nat: HashMap::try_from(reopen(&ebpf, maps::NAT)?)?,
+            backends: Array::try_from(reopen(&ebpf, maps::BACKENDS)?)?,
+            swept: Array::try_from(reopen(&ebpf, maps::SWEPT)?)?,
+            snat_addrs,
+        };
+        let maglev = match ebpf.take_map(maps::MAGLEV) {
+            Some(aya::maps::Map::Array(data)) => {
+                MappedArray::new(data, maglev_elements(cfg.maglev_table_size) as usize * 4)?
+            }
+            _ => bail!("map {} missing from the XDP object", maps::MAGLEV),
+        };
+        let mut dp = Dataplane {
+            maglev,
+            maglev_size: cfg.maglev_table_size,
+            services_map: take(&mut ebpf, maps::SERVICES)?,
+            services_map6: take(&mut ebpf, maps::SERVICES6)?,
+            service_index: take(&mut ebpf, maps::SERVICE_INDEX)?,
+            backends_map: take(&mut ebpf, maps::BACKENDS)?,
+            rings: take(&mut ebpf, maps::RINGS)?,
+            ring_gen: take(&mut ebpf, maps::RING_GEN)?,
+            backend_stats: take(&mut ebpf, maps::BACKEND_STATS)?,
+            service_stats: take(&mut ebpf, maps::SERVICE_STATS)?,
+            global_stats: take(&mut ebpf, maps::GLOBAL_STATS)?,
+            latency: take(&mut ebpf, maps::LATENCY)?,
+            connect: take(&mut ebpf, maps::CONNECT)?,
+            nat_cursor: take(&mut ebpf, maps::NAT_CURSOR)?,
+            fresh_cursors,
+            resume,
+            cpus,
+            pulse: take(&mut ebpf, maps::PULSE)?,
+            tuning: take(&mut ebpf, maps::TUNING)?,
+            sweeper: Some(sweeper),
+            swept: take(&mut ebpf, maps::SWEPT)?,
+            tw_hints: take(&mut ebpf, maps::TW_HINTS)?,
+            tw_hints_until: take(&mut ebpf, maps::TW_HINTS_UNTIL)?,
+            ebpf,
+            link: None,
+            pinned_link: None,
+            pins: pins.map(Path::to_path_buf),
+            adopted,
+            mode: None,
+            mode_note: None,
+            snat: snat.to_vec(),
+            snat6: snat6.to_vec(),
+            nat_ports: cfg.nat_ports,
+            config,
+            kernel_config,
+            services: Vec::new(),
+        };
+        dp.program_snat()?;
+        dp.reconcile(cfg)?;
+        if dp.fresh_cursors {
+            let hints = dp
+                .resume
+                .as_ref()
+                .map(|w| w.hints.clone())
+                .unwrap_or_default();
+            let n = dp.load_tw_hints(&hints, crate::sys::host::monotonic_ns())?;
+            if n > 0 {
+                info!("{n} NAT tuples the backends may still hold in TIME_WAIT, from the last run, are checked against new SYNs for a minute");
+            }
+        }
+        dp.fresh_cursors = false;
+        Ok(dp)
+    }
+
+    /// Empties both half-open tables, as a fresh data plane has them (for
+    /// `huddle bench`, whose new flows then time tables with room however
+    /// many it sends). Handshakes under way are lost.
+    pub fn clear_half_open(&self) -> Result<()> {
+        // SAFETY: `Pod`s of integers and byte arrays: all zeroes is a valid
+        // value (an empty slot).
+        let (slot, nat, tags) =
+            unsafe { (std::mem::zeroed(), std::mem::zeroed(), std::mem::zeroed()) };
+        fill::<huddle_common::HalfOpen>(&self.ebpf, maps::HALF_OPEN, slot)?;
+        fill::<huddle_common::HalfOpenNat>(&self.ebpf, maps::HALF_OPEN_NAT, nat)?;
+        fill::<huddle_common::HalfOpenTags>(&self.ebpf, maps::HALF_OPEN_TAGS, tags)?;
+        fill::<huddle_common::HalfOpenTags>(&self.ebpf, maps::HALF_OPEN_NAT_TAGS, tags)
+    }
+}
+
+/// Maps a restart may make afresh when the build that pinned them laid
+/// them out differently: settings, caches, counters and handshakes in
+/// flight (their clients resend the SYN). Flows, NAT entries, services,
+/// backends and rings must carry over, or a restart would misroute.
+pub(super) const RECREATABLE: [&str; 17] = [
+    maps::MAGLEV,
+    maps::CONFIG,
+    maps::SERVICE_INDEX,
+    maps::TAILS,
+    maps::HALF_OPEN,
+    maps::HALF_OPEN_NAT,
+    maps::HALF_OPEN_TAGS,
+    maps::HALF_OPEN_NAT_TAGS,
+    maps::NEXT_HOP,
+    maps::RR_CURSOR,
+    maps::NAT_CURSOR,
+    maps::BACKEND_STATS,
+    maps::SERVICE_STATS,
+    maps::GLOBAL_STATS,
+    maps::LATENCY,
+    maps::CONNECT,
+    maps::TUNING,
+];
+
+/// Compares each map pinned in `dir` with this build's layout of it (and
+/// the half-open tables with their configured size, `half_open` slots: the
+/// program masks hashes with it). A recreatable one laid out otherwise is
+/// unpinned (made afresh by the load); any other mismatch is refused with
+/// what to do, rather than left to fail in the verifier.
+pub(super) fn check_pinned_layouts(dir: &Path, half_open: u32, maglev: u32) -> Result<()> {
+    let obj = aya_obj::Object::parse(object::HUDDLE).context("parsing the embedded object")?;
+    for name in maps::ALL {
+        let pin = dir.join(name);
+        if !pin.exists() {
+            continue;
+        }
+        let Some(want) = obj.maps.get(name) else {
+            continue;
+        };
+        let have = aya::maps::MapInfo::from_pin(&pin)
+            .with_context(|| format!("reading the pinned map {}", pin.display()))?;
+        let size = match name {
+            maps::HALF_OPEN | maps::HALF_OPEN_NAT => Some(half_open),
+            maps::HALF_OPEN_TAGS | maps::HALF_OPEN_NAT_TAGS => {
+                Some(huddle_common::half_open_tag_lines(half_open))
+            }
+            maps::MAGLEV => Some(maglev),
+            _ => None,
+        };
+        if have.key_size() == want.key_size()
+            && have.value_size() == want.value_size()
+            && size.is_none_or(|n| have.max_entries() == n)
+        {
+            continue;
+        }
+        if RECREATABLE.contains(&name) {
+            info!("{name} has another layout or size in this run: made afresh");
+            std::fs::remove_file(&pin).with_context(|| format!("removing {}", pin.display()))?;
+            continue;
+        }
+        bail!(
+            "the data plane pinned under {} was left by a build with another layout of {name} (key {} and value {} bytes, this build {} and {}): `huddle stop` removes it (its flows drop), then start again",
+            dir.display(),
+            have.key_size(),
+            have.value_size(),
+            want.key_size(),
+            want.value_size()
+        );
+    }
+    // CONFIG says which half of the index is live: a new CONFIG gets a new
+    // index, or this run would rewrite the half a running program reads.
+    let index = dir.join(maps::SERVICE_INDEX);
+    if !dir.join(maps::CONFIG).exists() && index.exists() {
+        std::fs::remove_file(&index).with_context(|| format!("removing {}", index.display()))?;
+    }
+    Ok(())
+}
+
+/// Loads program `name` of the object. The verifier gives up with EAGAIN
+/// when a signal reaches the loading thread (a child's SIGCHLD, say)
+/// during its second or so of work: that is not a refusal, so try again.
+pub(super) fn load_program(ebpf: &mut Ebpf, name: &str) -> Result<()> {
+    let prog: &mut Xdp = ebpf
+        .program_mut(name)
+        .with_context(|| format!("program {name} missing from the XDP object"))?
+        .try_into()?;
+    let mut tries = 0;
+    loop {
+        match prog.load() {
+            Err(aya::programs::ProgramError::LoadError { io_error, .. })
+                if io_error.raw_os_error() == Some(libc::EAGAIN) && tries < 5 =>
+            {
+                tries += 1;
+            }
+            r => {
+                return r
+                    .with_context(|| format!("the kernel verifier refused the XDP program {name}"))
+            }
+        }
+    }
+}
+
+/// A secret, never-zero seed for the half-open tables' hash.
+pub(super) fn random_seed() -> Result<u64> {
+    let mut b = [0u8; 8];
+    std::fs::File::open("/dev/urandom")
+        .and_then(|mut f| std::io::Read::read_exact(&mut f, &mut b))
+        .context("reading /dev/urandom for the hash seed")?;
+    Ok(u64::from_ne_bytes(b) | 1)
+}

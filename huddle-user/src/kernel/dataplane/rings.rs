@@ -1,0 +1,157 @@
+//! Rings and Maglev tables swapped in whole, and the per-backend and
+//! per-service settings the program reads with them.
+
+use super::*;
+use crate::{config::Selection, kernel::maglev};
+use anyhow::{bail, Context, Result};
+use huddle_common::MAGLEV_EMPTY;
+use huddle_common::{ring_slot, Pulse, Ring, Tuning, RING_CAPACITY};
+use std::{net::SocketAddr, time::Instant};
+
+impl Dataplane {
+    /// Replaces service `index`'s live ring with `backends` (backend ids)
+    /// atomically: the idle slot is written whole, then the generation
+    /// flips. Packets see the old ring or the new one, never a mix.
+    pub fn swap_ring(&mut self, index: usize, backends: &[u32]) -> Result<()> {
+        if backends.len() > RING_CAPACITY {
+            bail!(
+                "ring of {} backends exceeds {RING_CAPACITY}",
+                backends.len()
+            );
+        }
+        let slot = &self.services[index];
+        if let Some(last) = slot.last_swap {
+            let since = last.elapsed();
+            if since < SLOT_REUSE_GUARD {
+                std::thread::sleep(SLOT_REUSE_GUARD - since);
+            }
+        }
+        let mut ring = Ring::EMPTY;
+        ring.len = backends.len() as u32;
+        ring.backends[..backends.len()].copy_from_slice(backends);
+        for id in backends {
+            let w = (*id / 64) as usize;
+            if w >= huddle_common::MEMBER_WORDS {
+                bail!("backend id {id} out of range");
+            }
+            ring.members[w] |= 1 << (id % 64);
+        }
+        let next = slot.generation + 1;
+        if slot.service.selection == Selection::Maglev {
+            let table: Vec<u16> = maglev::table(&members(slot, backends), self.maglev_size)
+                .into_iter()
+                .map(|id| u16::try_from(id).unwrap_or(MAGLEV_EMPTY))
+                .collect();
+            let at = ring_slot(slot.id, next) as usize * self.maglev_size as usize;
+            self.maglev
+                .write(at, &table)
+                .context("writing the idle Maglev table")?;
+        }
+        self.rings
+            .set(ring_slot(slot.id, next), ring, 0)
+            .context("writing the idle ring slot")?;
+        self.ring_gen
+            .set(slot.id, next, 0)
+            .context("publishing the ring generation")?;
+        let slot = &mut self.services[index];
+        slot.generation = next;
+        slot.ring = backends.to_vec();
+        slot.last_swap = Some(Instant::now());
+        Ok(())
+    }
+
+    /// Service `index`'s live Maglev table (empty for round robin).
+    pub fn maglev_table(&self, index: usize) -> Result<Vec<u32>> {
+        let slot = &self.services[index];
+        if slot.service.selection != Selection::Maglev {
+            return Ok(Vec::new());
+        }
+        let at = ring_slot(slot.id, slot.generation) as usize * self.maglev_size as usize;
+        Ok(self
+            .maglev
+            .read(at, self.maglev_size as usize)?
+            .into_iter()
+            .map(|id| {
+                if id == MAGLEV_EMPTY {
+                    maglev::EMPTY
+                } else {
+                    u32::from(id)
+                }
+            })
+            .collect())
+    }
+
+    /// The live Maglev tables of the DSR services, for `cluster::handoff` (a
+    /// takeover needs the client's own address at the backend).
+    pub fn maglev_tables(&self) -> Vec<MaglevTable> {
+        (0..self.services.len())
+            .filter_map(|i| {
+                let slot = &self.services[i];
+                if slot.service.mode == crate::config::Mode::Snat {
+                    return None;
+                }
+                let entries = self.maglev_table(i).ok().filter(|t| !t.is_empty())?;
+                Some(MaglevTable {
+                    service: slot.id,
+                    vip: slot.service.vip,
+                    proto: slot.service.proto.number(),
+                    entries,
+                    backends: slot
+                        .backend_ids
+                        .iter()
+                        .copied()
+                        .zip(slot.service.backends.iter().copied())
+                        .collect(),
+                })
+            })
+            .collect()
+    }
+
+    /// Forgets what backend `id` owed: a probe showed it answers again.
+    pub fn clear_pulse(&mut self, id: u32) -> Result<()> {
+        Ok(self.pulse.set(id, Pulse::default(), 0)?)
+    }
+
+    /// Sets how long a backend of service `id` may owe an answer before
+    /// new flows pass it over.
+    /// Writes service `id`'s pass-over limits; its selection (Maglev or
+    /// two choices of the ring) is the service's own.
+    pub fn set_tuning(&mut self, id: u32, mut t: Tuning) -> Result<()> {
+        if self
+            .services
+            .iter()
+            .any(|s| s.id == id && s.service.selection == Selection::Maglev)
+        {
+            t.maglev_size = self.maglev_size;
+            t.two_choices = 0;
+        } else {
+            t.maglev_size = 0;
+        }
+        Ok(self.tuning.set(id, t, 0)?)
+    }
+
+    /// Sets `huddle_common::backend_flags` on backend `id`. The address and
+    /// port are rewritten with them: one element, replaced whole.
+    pub fn set_backend_flags(&mut self, id: u32, addr: SocketAddr, flags: u32) -> Result<()> {
+        let mut b = backend_value(addr);
+        b.flags = flags;
+        self.backends_map
+            .set(id, b, 0)
+            .with_context(|| format!("writing backend {addr}"))
+    }
+}
+
+/// The table members of `slot`'s ring `ring` (backend ids): each with
+/// its address and weight.
+pub(super) fn members(slot: &ServiceSlot, ring: &[u32]) -> Vec<maglev::Member> {
+    ring.iter()
+        .filter_map(|id| {
+            let j = slot.backend_ids.iter().position(|b| b == id)?;
+            Some(maglev::Member {
+                id: *id,
+                addr: slot.service.backends[j],
+                weight: slot.service.options[j].weight,
+            })
+        })
+        .collect()
+}

@@ -1,0 +1,304 @@
+//! Services, SNAT addresses and backends written into the maps, and the
+//! reconcile of a new config against what runs.
+
+use super::*;
+use crate::{
+    config::{Config, Selection},
+    kernel::service_index,
+};
+use anyhow::{Context, Result};
+use huddle_common::{
+    ring_slot, ServiceKey, ServiceValue, RING_CAPACITY, SERVICE_INDEX_SLOTS, SERVICE_KIND_SNAT,
+    SERVICE_KIND_VIP,
+};
+use huddle_common::{MAX_BACKENDS, MAX_SERVICES};
+use std::{
+    collections::{HashMap as StdHashMap, HashSet},
+    net::{IpAddr, Ipv4Addr, SocketAddr},
+    time::Instant,
+};
+use tracing::{info, warn};
+
+impl Dataplane {
+    /// Makes `SERVICES` name exactly this run's SNAT addresses, so replies
+    /// to them are translated (and an adopted map forgets old ones).
+    pub(super) fn program_snat(&mut self) -> Result<()> {
+        let want: Vec<SvcKey> = self
+            .snat
+            .iter()
+            .map(|ip| snat_key(IpAddr::V4(*ip)))
+            .chain(self.snat6.iter().map(|ip| snat_key(IpAddr::V6(*ip))))
+            .collect();
+        for k in self.svc_keys(SERVICE_KIND_SNAT) {
+            if !want.contains(&k) {
+                self.svc_remove(&k)
+                    .context("removing an old SNAT address")?;
+            }
+        }
+        // Ids are indexes in `Config::snat_addrs`: IPv4 ones, then IPv6.
+        for (i, k) in want.iter().enumerate() {
+            let v = ServiceValue {
+                id: i as u32,
+                flags: 0,
+            };
+            self.svc_insert(k, v).context("writing a SNAT address")?;
+        }
+        Ok(())
+    }
+
+    /// The keys of `kind` in both service maps.
+    pub(super) fn svc_keys(&self, kind: u8) -> Vec<SvcKey> {
+        let v4 = self
+            .services_map
+            .keys()
+            .filter_map(Result::ok)
+            .filter(|k| k.kind == kind)
+            .map(SvcKey::V4);
+        let v6 = self
+            .services_map6
+            .keys()
+            .filter_map(Result::ok)
+            .filter(|k| k.kind == kind)
+            .map(SvcKey::V6);
+        v4.chain(v6).collect()
+    }
+
+    pub(super) fn svc_get(&self, k: &SvcKey) -> Option<ServiceValue> {
+        match k {
+            SvcKey::V4(k) => self.services_map.get(k, 0).ok(),
+            SvcKey::V6(k) => self.services_map6.get(k, 0).ok(),
+        }
+    }
+
+    pub(super) fn svc_insert(&mut self, k: &SvcKey, v: ServiceValue) -> Result<()> {
+        match k {
+            SvcKey::V4(k) => self.services_map.insert(k, v, 0)?,
+            SvcKey::V6(k) => self.services_map6.insert(k, v, 0)?,
+        }
+        Ok(())
+    }
+
+    pub(super) fn svc_remove(&mut self, k: &SvcKey) -> Result<()> {
+        match k {
+            SvcKey::V4(k) => self.services_map.remove(k)?,
+            SvcKey::V6(k) => self.services_map6.remove(k)?,
+        }
+        Ok(())
+    }
+
+    /// Writes the kernel settings as they now stand in `kernel_config`.
+    pub(super) fn write_config(&mut self) -> Result<()> {
+        self.config
+            .set(0, self.kernel_config, 0)
+            .context("writing CONFIG")
+    }
+
+    /// The outer source of IPv6-in-IPv6 packets (an address of this host).
+    pub fn set_encap6(&mut self, src: std::net::Ipv6Addr) -> Result<()> {
+        self.kernel_config.encap6_src = src.octets();
+        self.write_config()
+    }
+
+    /// Moves the next-hop generation on: every CPU asks the FIB again for
+    /// each backend's next hop on its next packet (a changed neighbour is
+    /// picked up within one call of this).
+    pub fn refresh_next_hops(&mut self) -> Result<()> {
+        self.kernel_config.hop_generation = self.kernel_config.hop_generation.wrapping_add(1);
+        self.write_config()
+    }
+
+    /// Makes the maps say what `cfg` says, keeping the ids of services and
+    /// backends already there (live flows name backends by id) and the
+    /// live ring of each kept service (the huddle decides changes).
+    pub fn reconcile(&mut self, cfg: &Config) -> Result<()> {
+        // Swap guards carry over a reload.
+        let last_swaps: StdHashMap<u32, Instant> = self
+            .services
+            .iter()
+            .filter_map(|s| s.last_swap.map(|t| (s.id, t)))
+            .collect();
+        let reloading = !self.services.is_empty();
+        let syn_timeout_ns = cfg.huddle.syn_timeout.as_nanos() as u64;
+        // An IPv6-only balancer may have no IPv4 address at all (then no
+        // IPv4 dsr-ipip service either: the daemon refuses one).
+        let own = self.snat.first().copied().unwrap_or(Ipv4Addr::UNSPECIFIED);
+        let (encap_src, encap_vary) = encap_source(cfg.encap_prefix, own);
+        if self.kernel_config.syn_timeout_ns != syn_timeout_ns
+            || self.kernel_config.encap_src != encap_src
+            || self.kernel_config.encap_vary != encap_vary
+        {
+            self.kernel_config.syn_timeout_ns = syn_timeout_ns;
+            self.kernel_config.encap_src = encap_src;
+            self.kernel_config.encap_vary = encap_vary;
+            self.write_config()?;
+        }
+        self.services.clear();
+        let old_services: StdHashMap<SvcKey, u32> = self
+            .svc_keys(SERVICE_KIND_VIP)
+            .into_iter()
+            .filter_map(|k| self.svc_get(&k).map(|v| (k, v.id)))
+            .collect();
+        let mut used_sids: HashSet<u32> = HashSet::new();
+        let mut want: Vec<(SvcKey, Option<u32>)> = cfg
+            .services
+            .iter()
+            .map(|s| {
+                let k = service_key(s.vip, s.proto);
+                let id = old_services.get(&k).copied();
+                if let Some(id) = id {
+                    used_sids.insert(id);
+                }
+                (k, id)
+            })
+            .collect();
+        for w in &mut want {
+            if w.1.is_none() {
+                let id = (0..MAX_SERVICES)
+                    .find(|i| !used_sids.contains(i))
+                    .context("no free service id")?;
+                used_sids.insert(id);
+                w.1 = Some(id);
+            }
+        }
+        // Backend slots in use: (service id, address) -> backend id.
+        let mut old_backends: StdHashMap<(u8, SocketAddr), u32> = StdHashMap::new();
+        let mut free: Vec<u32> = Vec::new();
+        let mut retired: Vec<u32> = Vec::new();
+        for id in 0..MAX_BACKENDS {
+            let b = self.backends_map.get(&id, 0)?;
+            if b.family == 0 {
+                free.push(id);
+            } else {
+                old_backends.insert((b.service, backend_addr(&b)), id);
+            }
+        }
+        let mut kept: HashSet<u32> = HashSet::new();
+        for ((key, sid), service) in want.iter().zip(&cfg.services) {
+            let sid = sid.context("service id")?;
+            let mut ids = Vec::new();
+            for addr in &service.backends {
+                let known = old_backends.get(&(sid as u8, *addr)).copied();
+                let id = match known {
+                    Some(id) => id,
+                    // Never-used slots first: a retired slot may still be
+                    // named by flows draining to its old backend.
+                    None => match free.pop() {
+                        Some(id) => id,
+                        None => {
+                            if retired.is_empty() {
+                                retired = old_backends
+                                    .values()
+                                    .copied()
+                                    .filter(|id| !kept.contains(id))
+                                    .collect();
+                                retired.sort_unstable();
+                            }
+                            retired.pop().context("no free backend slot")?
+                        }
+                    },
+                };
+                // A backend new to this slot walks its NAT tuples from where
+                // the clock says, not from where a slot's last run stopped.
+                if known.is_none() || self.fresh_cursors {
+                    self.start_cursor(id, *addr)?;
+                }
+                kept.insert(id);
+                let mut v = backend_value(*addr);
+                v.service = sid as u8;
+                self.backends_map
+                    .set(id, v, 0)
+                    .with_context(|| format!("writing backend {addr}"))?;
+                ids.push(id);
+            }
+            let generation = self.ring_gen.get(&sid, 0)?;
+            let kept_service = old_services.contains_key(key);
+            let actual: Vec<u32> = if kept_service {
+                let r = self.rings.get(&ring_slot(sid, generation), 0)?;
+                r.backends[..(r.len as usize).min(RING_CAPACITY)].to_vec()
+            } else {
+                Vec::new()
+            };
+            // A kept service keeps its live ring (less backends gone from
+            // the config) until the huddle says otherwise; a new one starts
+            // with every backend.
+            let live: Vec<u32> = actual
+                .iter()
+                .copied()
+                .filter(|id| ids.contains(id))
+                .collect();
+            let first = if live.is_empty() { ids.clone() } else { live };
+            self.services.push(ServiceSlot {
+                id: sid,
+                service: service.clone(),
+                ring: actual.clone(),
+                backend_ids: ids,
+                generation,
+                last_swap: last_swaps.get(&sid).copied(),
+            });
+            // A Maglev table is written afresh every time: the selection or
+            // a weight may have changed, or the map been made anew.
+            if first != actual || service.selection == Selection::Maglev {
+                self.swap_ring(self.services.len() - 1, &first)?;
+            }
+            // The selection is in the pass-over limits, which keep theirs.
+            let limits = self.tuning.get(&sid, 0).unwrap_or_default();
+            self.set_tuning(sid, limits)?;
+            let value = ServiceValue {
+                id: sid,
+                flags: service.mode.number(),
+            };
+            self.svc_insert(key, value)
+                .with_context(|| format!("writing service {}", service.name()))?;
+        }
+        for (k, id) in old_services {
+            if !want.iter().any(|(w, _)| *w == k) {
+                self.svc_remove(&k)
+                    .with_context(|| format!("removing service id {id}"))?;
+                info!("service id {id} is no longer configured: removed");
+            }
+        }
+        if self.adopted || reloading {
+            let gone = old_backends
+                .values()
+                .filter(|id| !kept.contains(id))
+                .count();
+            if gone > 0 {
+                info!(
+                    "{gone} backend(s) no longer configured: out of every ring, their flows drain"
+                );
+            }
+        }
+        self.publish_services()
+    }
+
+    /// Writes `SERVICES`' IPv4 entries into the half of `SERVICE_INDEX`
+    /// that is not live, with that half's multiplier, then makes it live.
+    /// A packet that read the old half number finds the old half intact.
+    pub(super) fn publish_services(&mut self) -> Result<()> {
+        let entries: Vec<(ServiceKey, ServiceValue)> =
+            self.services_map.iter().filter_map(Result::ok).collect();
+        let Some(placed) = service_index::place(&entries) else {
+            warn!(
+                "no layout of the service index gives each of the {} IPv4 services and SNAT addresses a slot of its own: every packet looks its service up in the hash table (about 6 ns more)",
+                entries.len()
+            );
+            self.kernel_config.service_half = 0;
+            return self.write_config();
+        };
+        let half = if self.kernel_config.service_half == 1 {
+            2
+        } else {
+            1
+        };
+        self.kernel_config.service_mul[usize::from(half == 2)] = placed.mul;
+        self.write_config()?;
+        let base = u32::from(half - 1) * SERVICE_INDEX_SLOTS;
+        for (i, e) in placed.slots.iter().enumerate() {
+            self.service_index
+                .set(base + i as u32, *e, 0)
+                .context("writing SERVICE_INDEX")?;
+        }
+        self.kernel_config.service_half = half;
+        self.write_config()
+    }
+}

@@ -1,0 +1,120 @@
+//! Reading the program's counters, histograms and handles.
+
+use super::*;
+use anyhow::{Context, Result};
+use aya::{
+    maps::{HashMap, MapData, PerCpuArray, PerCpuValues},
+    programs::Xdp,
+};
+use huddle_common::{
+    maps, BackendStats, Counters, FlowKey, FlowValue, GlobalStats, Latency, Pulse, ServiceStats,
+    PROGRAM_NAME,
+};
+
+impl Dataplane {
+    /// Sum over CPUs of one backend's counters; `flows_closed` includes
+    /// the idle UDP flows `sweep_idle_udp` removed.
+    pub fn backend_stats(&self, id: u32) -> Result<BackendStats> {
+        let mut st: BackendStats = sum(&self.backend_stats.get(&id, 0)?);
+        st.flows_closed += self.swept.get(&id, 0).unwrap_or(0);
+        Ok(st)
+    }
+
+    /// A handle of its own on the flow table, for sharing flows with the
+    /// other balancers of a cluster (see `cluster::handoff`).
+    pub fn flow_map(&self) -> Result<HashMap<MapData, FlowKey, FlowValue>> {
+        Ok(HashMap::try_from(reopen(&self.ebpf, maps::FLOWS)?)?)
+    }
+
+    /// The idle sweep's own handles on the maps, for a thread of its own
+    /// (a sweep of a large flow table must not hold up the huddle's tick).
+    /// Given once.
+    pub fn take_sweeper(&mut self) -> Option<Sweeper> {
+        self.sweeper.take()
+    }
+
+    /// Sum over CPUs of one service's counters; its packets and bytes are
+    /// its backends' (the program counts them only per backend).
+    pub fn service_stats(&self, id: u32) -> Result<ServiceStats> {
+        let backends = self
+            .services
+            .iter()
+            .find(|s| s.id == id)
+            .map_or(&[][..], |s| &s.backend_ids[..])
+            .iter()
+            .map(|b| self.backend_stats(*b))
+            .collect::<Result<Vec<_>>>()?;
+        self.service_stats_from(id, &backends)
+    }
+
+    /// As `service_stats`, from its backends' counters already read.
+    pub fn service_stats_from(&self, id: u32, backends: &[BackendStats]) -> Result<ServiceStats> {
+        let mut st: ServiceStats = sum(&self.service_stats.get(&id, 0)?);
+        for b in backends {
+            st.pkts += b.pkts_to;
+            st.bytes += b.bytes_to;
+        }
+        Ok(st)
+    }
+
+    pub fn global_stats(&self) -> Result<GlobalStats> {
+        Ok(sum(&self.global_stats.get(&0, 0)?))
+    }
+
+    /// Sum over CPUs of one backend's time-to-first-byte histogram.
+    pub fn latency(&self, id: u32) -> Result<Latency> {
+        histogram(&self.latency, id)
+    }
+
+    /// Sum over CPUs of one backend's connect-time histogram.
+    pub fn connect_latency(&self, id: u32) -> Result<Latency> {
+        histogram(&self.connect, id)
+    }
+
+    /// Since when backend `id` owes an answer (kernel monotonic ns, 0: none).
+    pub fn pulse(&self, id: u32) -> Result<Pulse> {
+        Ok(self.pulse.get(&id, 0)?)
+    }
+
+    /// The loaded program (for BPF_PROG_TEST_RUN).
+    pub fn program(&self) -> Result<&Xdp> {
+        Ok(self
+            .ebpf
+            .program(PROGRAM_NAME)
+            .context("program missing")?
+            .try_into()?)
+    }
+
+    /// The seed of the program's flow hashes (which slot a tuple takes):
+    /// fixtures that need tuples sharing a slot compute them with it.
+    #[must_use]
+    pub fn hash_seed(&self) -> u64 {
+        self.kernel_config.hash_seed
+    }
+
+    /// The program's kernel id, for bpftool.
+    pub fn program_id(&self) -> Option<u32> {
+        let prog: &Xdp = self.ebpf.program(PROGRAM_NAME)?.try_into().ok()?;
+        prog.info().ok().map(|i| i.id())
+    }
+}
+
+/// Sum over CPUs of one backend's histogram in `map`.
+pub(super) fn histogram(map: &PerCpuArray<MapData, Latency>, id: u32) -> Result<Latency> {
+    let mut total = Latency::default();
+    for cpu in map.get(&id, 0)?.iter() {
+        for (t, v) in total.buckets.iter_mut().zip(cpu.buckets.iter()) {
+            *t = t.wrapping_add(*v);
+        }
+    }
+    Ok(total)
+}
+
+/// Sum over CPUs of one per-CPU counter element.
+pub(super) fn sum<T: Counters + aya::Pod>(per_cpu: &PerCpuValues<T>) -> T {
+    let mut total = T::default();
+    for v in per_cpu.iter() {
+        total.accumulate(v);
+    }
+    total
+}

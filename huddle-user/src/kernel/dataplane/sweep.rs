@@ -1,0 +1,76 @@
+//! The idle UDP sweep's own handles on the maps, for a thread of its own.
+
+use anyhow::Result;
+use aya::maps::{Array, HashMap, MapData};
+use huddle_common::{Backend, FlowKey, FlowValue, NatKey, NatValue, MAX_SNAT, PROTO_UDP};
+use std::collections::HashMap as StdHashMap;
+
+/// Removes established UDP flows that stayed silent past their service's
+/// idle timeout, with their NAT entries: their tuples are free again and
+/// they stop counting as active. The program keeps each UDP flow's last
+/// datagram time in `FlowValue::stamp_ns`; it never removes flows itself.
+pub struct Sweeper {
+    pub(super) flows: HashMap<MapData, FlowKey, FlowValue>,
+    pub(super) nat: HashMap<MapData, NatKey, NatValue>,
+    pub(super) backends: Array<MapData, Backend>,
+    pub(super) swept: Array<MapData, u64>,
+    pub(super) snat_addrs: [huddle_common::Addr; MAX_SNAT],
+}
+
+impl Sweeper {
+    /// One pass: every UDP flow of a service in `idle_ns` (service id ->
+    /// idle timeout) silent for longer than that at `now_ns`
+    /// (CLOCK_MONOTONIC). Returns how many it removed.
+    pub fn sweep(&mut self, now_ns: u64, idle_ns: &StdHashMap<u32, u64>) -> Result<u64> {
+        if idle_ns.is_empty() {
+            return Ok(0);
+        }
+        let mut idle = Vec::new();
+        for entry in self.flows.iter() {
+            let Ok((k, v)) = entry else { continue };
+            let Some(limit) = idle_ns.get(&v.service) else {
+                continue;
+            };
+            if k.proto == PROTO_UDP
+                && v.flags & huddle_common::flow_flags::CLOSING == 0
+                && now_ns.saturating_sub(v.stamp_ns) > *limit
+            {
+                idle.push((k, v));
+            }
+        }
+        let mut by_backend: StdHashMap<u32, u64> = StdHashMap::new();
+        for (k, v) in &idle {
+            // Alive again since the scan read it: leave it.
+            match self.flows.get(k, 0) {
+                Ok(now) if now.stamp_ns == v.stamp_ns => {}
+                _ => continue,
+            }
+            if self.flows.remove(k).is_err() {
+                continue;
+            }
+            if let Ok(b) = self.backends.get(&v.backend, 0) {
+                let key = NatKey::new(
+                    self.snat_addrs[usize::from(v.snat) % MAX_SNAT],
+                    b.addr,
+                    b.port_be,
+                    v.nat_port_be,
+                    PROTO_UDP,
+                    b.family,
+                );
+                // Only if it still names this flow (the tuple may have been
+                // handed to another since).
+                if self.nat.get(&key, 0).is_ok_and(|n| n.flow == *k) {
+                    let _ = self.nat.remove(&key);
+                }
+            }
+            *by_backend.entry(v.backend).or_default() += 1;
+        }
+        let mut removed = 0;
+        for (id, n) in by_backend {
+            let before = self.swept.get(&id, 0).unwrap_or(0);
+            self.swept.set(id, before + n, 0)?;
+            removed += n;
+        }
+        Ok(removed)
+    }
+}
