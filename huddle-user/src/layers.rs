@@ -165,7 +165,9 @@ fn expand(s: &str, base: &[String], out: &mut Vec<Vec<String>>) {
             None => break,
         }
     }
-    if path.len() > base.len() || !base.is_empty() {
+    // `super::*` names the parent itself; an empty item (a group's
+    // trailing comma) names nothing.
+    if path.len() > base.len() || rest.starts_with('*') {
         out.push(path);
     }
 }
@@ -302,6 +304,14 @@ fn the_check_sees_an_upward_import_and_a_circle() {
     assert!(refs.contains(&m("config::Config")) && refs.contains(&m("daemon::lock")));
     assert!(refs.contains(&m("kernel::dataplane::x::y")), "{refs:?}");
     assert!(!refs.iter().any(|r| r[0] == "cli"), "comments are skipped");
+    let group = references("use super::{x::Y,\n};\n", &m("config::model"));
+    assert_eq!(
+        group,
+        vec![m("config::x::Y")],
+        "a trailing comma names no parent"
+    );
+    let glob = references("use super::*;\n", &m("config::model"));
+    assert_eq!(glob, vec![m("config")]);
     let mut g: BTreeMap<&str, BTreeSet<&str>> = BTreeMap::new();
     g.entry("a").or_default().insert("b");
     g.entry("b").or_default().insert("c");

@@ -1,0 +1,165 @@
+//! The validated config the daemon runs on.
+
+use super::{
+    file::ProbeKind,
+    tuning::{RotationParams, ThermalParams},
+    values::*,
+};
+use std::{
+    net::{Ipv4Addr, Ipv6Addr, SocketAddr},
+    path::PathBuf,
+    time::Duration,
+};
+
+/// Validated `[cluster]`.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Cluster {
+    pub members: Vec<SocketAddr>,
+    /// This balancer's place in `members`.
+    pub me: usize,
+}
+
+/// Validated `[bgp]`.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Bgp {
+    pub control_socket: PathBuf,
+    pub routes_file: PathBuf,
+}
+
+/// An established UDP flow silent for this long is removed (as Linux
+/// conntrack's `nf_conntrack_udp_timeout`).
+pub const DEFAULT_UDP_IDLE: Duration = Duration::from_secs(30);
+
+/// A validated service.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Service {
+    pub vip: SocketAddr,
+    pub proto: Proto,
+    pub backends: Vec<SocketAddr>,
+    /// Per backend, parallel to `backends`.
+    pub options: Vec<BackendOptions>,
+    /// UDP: how long an established flow may stay silent before it is
+    /// removed (see `ServiceFile::udp_idle_ms`).
+    pub udp_idle: Duration,
+    pub mode: Mode,
+    pub selection: Selection,
+}
+
+/// What the huddle knows about a backend beyond its address.
+#[derive(Clone, Debug, PartialEq)]
+pub struct BackendOptions {
+    pub weight: f64,
+    pub metrics: Option<String>,
+    pub capacity: u64,
+}
+
+/// Validated probe settings.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Probe {
+    pub kind: ProbeKind,
+    pub path: String,
+    pub interval: Duration,
+    pub timeout: Duration,
+    pub fall: u32,
+    pub rise: u32,
+}
+
+/// Validated huddle settings.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Huddle {
+    pub rotation: bool,
+    pub tick: Duration,
+    pub thermal: ThermalParams,
+    pub rotation_params: RotationParams,
+    /// The most `hung_after` is (see `ServiceHuddle::hung_after`).
+    pub hung_after: Duration,
+    pub hung_after_min: Duration,
+    pub hung_after_p99: f64,
+    pub pass_over_owing: bool,
+    pub syn_timeout: Duration,
+    pub error_threshold: f64,
+    pub min_samples: u64,
+    pub move_flows_off_dead: bool,
+    pub metrics_listen: Option<SocketAddr>,
+    pub metrics_interval: Duration,
+    pub metrics_timeout: Duration,
+    pub probe: Probe,
+}
+
+/// Default capacity of a backend, in active flows.
+pub const DEFAULT_CAPACITY: u64 = 10_000;
+
+/// Default address of the Prometheus endpoint.
+pub const DEFAULT_METRICS_LISTEN: &str = "127.0.0.1:9477";
+
+impl Service {
+    /// A service whose backends all have default options.
+    #[must_use]
+    pub fn plain(vip: SocketAddr, proto: Proto, backends: Vec<SocketAddr>) -> Service {
+        let options = backends
+            .iter()
+            .map(|_| BackendOptions {
+                weight: 1.0,
+                metrics: None,
+                capacity: DEFAULT_CAPACITY,
+            })
+            .collect();
+        Service {
+            vip,
+            proto,
+            backends,
+            options,
+            udp_idle: DEFAULT_UDP_IDLE,
+            mode: Mode::Snat,
+            selection: Selection::RoundRobin,
+        }
+    }
+
+    /// `10.0.0.1:80/tcp`.
+    #[must_use]
+    pub fn name(&self) -> String {
+        format!("{}/{}", self.vip, self.proto)
+    }
+}
+
+/// A validated configuration, ready for the data plane.
+#[derive(Clone, Debug)]
+pub struct Config {
+    pub interface: String,
+    /// SNAT addresses; empty: the interface's IPv4 address.
+    pub snat_ips: Vec<Ipv4Addr>,
+    /// IPv6 SNAT addresses; empty: the interface's global IPv6 address.
+    pub snat_ips6: Vec<Ipv6Addr>,
+    /// `None`: the interface's address alone.
+    pub encap_prefix: Option<Prefix>,
+    pub xdp_mode: XdpMode,
+    pub nat_ports: PortRange,
+    pub flow_table_size: u32,
+    pub half_open_table_size: u32,
+    pub maglev_table_size: u32,
+    pub control_socket: PathBuf,
+    /// `None`: the default for the interface (see `host::default_pin_dir`).
+    pub pin_dir: Option<PathBuf>,
+    pub state_file: PathBuf,
+    pub detach_on_exit: bool,
+    pub services: Vec<Service>,
+    pub huddle: Huddle,
+    pub bgp: Option<Bgp>,
+    pub cluster: Option<Cluster>,
+}
+
+pub const MIN_FLOW_TABLE: u32 = 1024;
+
+/// Bounds of `maglev_table_size`: every service has two tables of it
+/// (the MAGLEV map holds 128 x this many ids, 64 MiB at the top).
+pub const MIN_MAGLEV: u32 = 251;
+
+pub const MAX_MAGLEV: u32 = 131_071;
+
+pub const MAX_FLOW_TABLE: u32 = 1 << 24;
+
+/// Default control socket for an interface.
+#[must_use]
+pub fn default_control_socket(interface: &str) -> PathBuf {
+    PathBuf::from(format!("/run/huddle/{interface}.sock"))
+}

@@ -1,0 +1,114 @@
+//! The config's validation, line and field in every error.
+
+use super::{file::*, model::*, values::*};
+use anyhow::Result;
+use std::path::PathBuf;
+
+fn file(text: &str) -> Result<Config> {
+    ConfigFile::parse(text)
+        .map_err(anyhow::Error::msg)?
+        .validate()
+}
+
+const GOOD: &str = r#"
+interface = "eth0"
+nat_ports = "20000-30000"
+
+[[service]]
+vip = "10.213.100.1:80/tcp"
+backends = ["10.213.0.11:8080", { addr = "10.213.0.12:8080" }]
+
+[[service]]
+vip = "10.213.100.1:53"
+proto = "udp"
+backends = ["10.213.0.11:5353"]
+"#;
+
+#[test]
+fn good_file_validates() {
+    let c = file(GOOD).unwrap();
+    assert_eq!(c.services.len(), 2);
+    assert_eq!(c.services[0].backends.len(), 2);
+    assert_eq!(c.services[1].proto, Proto::Udp);
+    assert_eq!(
+        c.nat_ports,
+        PortRange {
+            min: 20000,
+            max: 30000
+        }
+    );
+    assert_eq!(c.control_socket, PathBuf::from("/run/huddle/eth0.sock"));
+}
+
+#[test]
+fn syntax_error_names_the_line() {
+    let err =
+        ConfigFile::parse("interface = \"eth0\"\n\n[[service]]\nvip = 10.0.0.1\n").unwrap_err();
+    assert!(err.starts_with("line 4:"), "{err}");
+}
+
+#[test]
+fn unknown_field_is_refused_with_its_line() {
+    let err = ConfigFile::parse("interface = \"eth0\"\nflowtable = 3\n").unwrap_err();
+    assert!(
+        err.starts_with("line 2:") && err.contains("flowtable"),
+        "{err}"
+    );
+}
+
+fn err_of(text: &str) -> String {
+    format!("{:#}", file(text).unwrap_err())
+}
+
+#[test]
+fn bad_configs_name_the_field() {
+    let base = "interface = \"eth0\"\n";
+    let cases = [
+        ("[[service]]\nvip = \"10.0.0.1:80\"\nbackends = []\n", "service[0].backends: VIP 10.0.0.1:80/tcp has no backend"),
+        ("[[service]]\nvip = \"10.0.0.1:80\"\nbackends = [\"10.0.0.2:80\", \"10.0.0.2:80\"]\n", "listed twice"),
+        ("[[service]]\nvip = \"10.0.0.1:80\"\nbackends = [\"10.0.0.2\"]\n", "service[0].backends[0]"),
+        ("[[service]]\nvip = \"10.0.0.1:0\"\nbackends = [\"10.0.0.2:80\"]\n", "service[0].vip"),
+        ("[[service]]\nvip = \"10.0.0.1:80/sctp\"\nbackends = [\"10.0.0.2:80\"]\n", "unknown protocol"),
+        ("[[service]]\nvip = \"[fd00::1]:80\"\nbackends = [\"10.0.0.2:80\"]\n", "is IPv4 but the VIP"),
+        ("[[service]]\nvip = \"[::1]:80\"\nbackends = [\"[fd00::2]:80\"]\n", "routable"),
+        ("[[service]]\nvip = \"10.0.0.1:80\"\nbackends = [\"10.0.0.2:80\"]\n[[service]]\nvip = \"10.0.0.1:80/tcp\"\nbackends = [\"10.0.0.3:80\"]\n", "service[1].vip: 10.0.0.1:80/tcp is configured twice"),
+        ("flow_table_size = 10\n[[service]]\nvip = \"10.0.0.1:80\"\nbackends = [\"10.0.0.2:80\"]\n", "flow_table_size"),
+        ("maglev_table_size = 65536\n[[service]]\nvip = \"10.0.0.1:80\"\nbackends = [\"10.0.0.2:80\"]\n", "maglev_table_size: 65536 must be a prime"),
+        ("[[service]]\nvip = \"10.0.0.1:80\"\nselection = \"hash\"\nbackends = [\"10.0.0.2:80\"]\n", "unknown variant `hash`"),
+        ("[cluster]\nmembers = [\"10.0.0.5:9477\", \"10.0.0.6:9477\"]\n[[service]]\nvip = \"10.0.0.1:80\"\nbackends = [\"10.0.0.2:80\"]\n", "cluster.members: this balancer's huddle.metrics_listen (127.0.0.1:9477) must be one of them"),
+        ("[bgp]\ndaemon = \"gobgp\"\n[[service]]\nvip = \"10.0.0.1:80\"\nbackends = [\"10.0.0.2:80\"]\n", "bgp.daemon: \"gobgp\" is not driven"),
+        ("", "no service configured"),
+        ("[huddle]\ncool = 0.6\n[[service]]\nvip = \"10.0.0.1:80\"\nbackends = [\"10.0.0.2:80\"]\n", "huddle.cool: 0.6 must be below huddle.heat"),
+        ("[huddle]\ntick_ms = 0\n[[service]]\nvip = \"10.0.0.1:80\"\nbackends = [\"10.0.0.2:80\"]\n", "huddle.tick_ms"),
+        ("[huddle]\nmin_inner = 0\n[[service]]\nvip = \"10.0.0.1:80\"\nbackends = [\"10.0.0.2:80\"]\n", "huddle.min_inner"),
+        ("[[service]]\nvip = \"10.0.0.1:80\"\nbackends = [{ addr = \"10.0.0.2:80\", weight = -1.0 }]\n", "service[0].backends[0].weight"),
+        ("[[service]]\nvip = \"10.0.0.1:80\"\nbackends = [{ addr = \"10.0.0.2:80\", metrics = \"ftp://x\" }]\n", "service[0].backends[0].metrics"),
+    ];
+    for (body, want) in cases {
+        let got = err_of(&format!("{base}{body}"));
+        assert!(
+            got.contains(want),
+            "for {body:?}: got {got:?}, want {want:?}"
+        );
+    }
+    assert!(
+        err_of("[[service]]\nvip = \"10.0.0.1:80\"\nbackends = [\"10.0.0.2:80\"]\n")
+            .contains("interface: missing")
+    );
+}
+
+#[test]
+fn nat_port_range_parses_and_refuses_nonsense() {
+    assert_eq!(
+        "1024-2047".parse::<PortRange>().unwrap(),
+        PortRange {
+            min: 1024,
+            max: 2047
+        }
+    );
+    assert!("2047-1024".parse::<PortRange>().is_err());
+    assert!("0-10".parse::<PortRange>().is_err());
+    assert!("x".parse::<PortRange>().is_err());
+    let err = ConfigFile::parse("nat_ports = \"9-1\"\n").unwrap_err();
+    assert!(err.starts_with("line 1:"), "{err}");
+}
