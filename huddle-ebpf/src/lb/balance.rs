@@ -1,7 +1,7 @@
 //! The two directions of a balanced flow: client to backend (pick or find
 //! the flow, then source-NAT it or send it by DSR) and backend to client
 //! (translate the reply back). Everything that is neither goes to the
-//! kernel untouched. Written once for both address families (`Balanced`).
+//! kernel untouched. Written once for both address families (`balanced::Balanced`); the reply direction is `reply`.
 //!
 //! Every packet costs one small lookup first (`SERVICE_INDEX`, an array
 //! slot; `SERVICES6` for IPv6): its destination is a VIP:port/proto, a SNAT
@@ -9,18 +9,19 @@
 
 use crate::lb::scratch::{self, Scratch};
 use crate::{
+    lb::balanced::Balanced,
     lb::dsr,
     lb::forward::send,
     lb::halfopen,
     lb::latency::ackclock,
     lb::latency::timing,
     lb::maps::{bump, global, BACKENDS, BACKEND_STATS, CONFIG, FLOWS, NAT, SERVICE_STATS, TUNING},
+    lb::reply::{back, reply},
     lb::select,
     lb::snat::nat,
     lb::snat::retry,
     lb::snat::rewrite::Tuple,
     lb::snat::timewait,
-    lb::{dsr::Encap, service::Lookup, snat::rewrite::Rewrite},
     mem::put,
     net::parse::{Packet, TCP_ACK, TCP_FIN, TCP_RST, TCP_SYN},
     net::tcp,
@@ -34,13 +35,8 @@ use aya_log_ebpf::warn;
 use huddle_common::{
     backend_flags, flow_flags, service_mode, short_tag,
     verdict::{FORWARD, FORWARD_NEW, NO_BACKEND, RETRY, TOO_BIG},
-    Config, FlowKey, FlowValue, HalfOpen, NatKey, MAX_SYN_RETRIES, NAT_PORT_TRIES,
+    Config, FlowKey, FlowValue, HalfOpen, MAX_SYN_RETRIES, NAT_PORT_TRIES,
 };
-
-/// What the balancer needs of a family: its shape, the service lookup,
-/// the rewrite and the encapsulation.
-pub trait Balanced: Lookup + Rewrite + Encap {}
-impl<F: Lookup + Rewrite + Encap> Balanced for F {}
 
 #[inline(always)]
 pub fn balance<F: Balanced>(ctx: &XdpContext, p: &Packet<F>) -> u32 {
@@ -561,166 +557,4 @@ fn new_flow<F: Balanced>(
         timing::start_first(flow.flags, backend_id, now);
     }
     Ok(flow)
-}
-
-/// Backend to client: translate a reply back, or leave the balancer host's
-/// own traffic alone.
-#[inline(never)]
-fn reply<F: Balanced>(ctx: &XdpContext, p: &Packet<F>, cfg: &Config) -> u32 {
-    let Some(sc) = scratch::get() else {
-        return xdp_action::XDP_PASS;
-    };
-    // SAFETY: this CPU's element, used by this run only.
-    let sc = unsafe { &mut *sc };
-    sc.nkey = NatKey::new(
-        F::wide(p.dst()),
-        F::wide(p.src()),
-        u16::from_ne_bytes(p.sport),
-        u16::from_ne_bytes(p.dport),
-        p.proto,
-        F::FAMILY,
-    );
-    // SAFETY: copied out at once.
-    let half = match unsafe { NAT.get(&sc.nkey) } {
-        Some(n) => {
-            // `put`, not an assignment: that compiled to a call of the
-            // object's memmove, a byte loop (two maps never overlap).
-            put(&mut sc.nval, n);
-            false
-        }
-        None => match halfopen::find_nat(cfg, &sc.nkey) {
-            Some(n) => {
-                // SAFETY: map value pointer, valid for this run.
-                put(&mut sc.nval, unsafe { &(*n).nat });
-                true
-            }
-            None => {
-                global(|s| s.pass_no_nat += 1);
-                return xdp_action::XDP_PASS;
-            }
-        },
-    };
-    let backend = sc.nval.backend;
-    let bytes = u64::from(p.tot_len);
-    let rst = p.has_flag(TCP_RST);
-    bump(&BACKEND_STATS, backend, |s| {
-        s.pkts_from += 1;
-        s.bytes_from += bytes;
-        if rst {
-            s.rsts_from += 1;
-        }
-    });
-    let closing = p.has_flag(TCP_FIN | TCP_RST);
-    // A bare ACK answering a SYN: the backend still holds an older
-    // connection on this tuple (its TIME_WAIT refused the SYN's timestamp
-    // or sequence number). Passed on, the client would reset it and send
-    // its SYN again a timer tick later (8 ms at HZ=250).
-    let stale = half
-        && p.tcp_flags & (TCP_SYN | TCP_RST | TCP_FIN | TCP_ACK) == TCP_ACK
-        && p.payload_len == 0;
-    if closing || p.has_flag(TCP_SYN) || p.payload_len > 0 || stale {
-        // The flow, if it is still this backend's (it may have moved). A
-        // nullable pointer, not an Option of one: LLVM leaves the pointer
-        // of a `None` undefined and moves it around anyway, which the
-        // verifier refuses as reading an uninitialised register.
-        let slot: *mut HalfOpen = if half {
-            halfopen::find(cfg, &sc.nval.flow).unwrap_or(core::ptr::null_mut())
-        } else {
-            core::ptr::null_mut()
-        };
-        let entry: *mut FlowValue = if half {
-            if slot.is_null() {
-                core::ptr::null_mut()
-            } else {
-                // SAFETY: map value pointer, valid for this run.
-                unsafe { core::ptr::addr_of_mut!((*slot).flow) }
-            }
-        } else {
-            FLOWS
-                .get_ptr_mut(&sc.nval.flow)
-                .unwrap_or(core::ptr::null_mut())
-        };
-        // SAFETY: a non-null map value pointer, valid for this run.
-        let ours = !entry.is_null()
-            && unsafe {
-                (*entry).backend == backend && (*entry).nat_port_be == sc.nkey.nat_port_be
-            };
-        let flow = if ours { entry } else { core::ptr::null_mut() };
-        if ours && half && p.has_flag(TCP_SYN) && p.has_flag(TCP_ACK) {
-            // The client's ACK must acknowledge exactly this to promote it.
-            // SAFETY: as above.
-            unsafe {
-                (*flow).synack_seq = p.seq;
-                (*flow).flags |= flow_flags::SYNACK_SEEN;
-            }
-        }
-        if ours && !p.is_tcp() {
-            // SAFETY: as above.
-            unsafe {
-                if half {
-                    // The backend answered: the client's next datagram
-                    // promotes the flow.
-                    (*flow).flags |= flow_flags::SYNACK_SEEN;
-                } else {
-                    (*flow).stamp_ns = bpf_ktime_get_coarse_ns();
-                }
-            }
-        }
-        // The client's SYN still waits on this backend (no SYN-ACK came
-        // before): a refusal the balancer may retry itself.
-        // SAFETY: as above.
-        let awaiting = F::RETRY
-            && ours
-            && half
-            && unsafe {
-                (*flow).flags & (flow_flags::SYN_WAIT | flow_flags::SYNACK_SEEN)
-                    == flow_flags::SYN_WAIT
-            };
-        // A real refusal is a RST+ACK acknowledging the client's SYN
-        // exactly: anything else (an off-path guess at the tuple, a SYN
-        // with RST set) moves nothing and goes on as it is.
-        // SAFETY: as above.
-        let refused = awaiting
-            && p.tcp_flags & (TCP_RST | TCP_ACK | TCP_SYN) == TCP_RST | TCP_ACK
-            && p.ack == unsafe { (*slot).syn.isn }.wrapping_add(1);
-        let stale = awaiting && stale;
-        timing::reply(flow, p, backend);
-        if refused || stale {
-            sc.retry_tuple = u32::from(stale);
-            return RETRY;
-        }
-        if ours && closing && !half {
-            nat::close_by_backend(flow, backend, p.has_flag(TCP_FIN));
-        }
-    }
-    to_client(ctx, p, cfg, sc)
-}
-
-/// A refused SYN that was not retried after all: its RST goes to the
-/// client like any reply.
-#[inline(never)]
-fn back<F: Balanced>(ctx: &XdpContext, p: &Packet<F>, cfg: &Config) -> u32 {
-    let Some(sc) = scratch::get() else {
-        return xdp_action::XDP_PASS;
-    };
-    // SAFETY: this CPU's element, used by this run only.
-    to_client(ctx, p, cfg, unsafe { &*sc })
-}
-
-/// Translates a reply of the flow in `sc.nval` back to VIP -> client and
-/// sends it.
-#[inline(always)]
-fn to_client<F: Balanced>(ctx: &XdpContext, p: &Packet<F>, cfg: &Config, sc: &Scratch) -> u32 {
-    F::rewrite(
-        p,
-        &Tuple {
-            src: F::narrow(&sc.nval.flow.vip),
-            dst: F::narrow(&sc.nval.flow.client),
-            was_src: &sc.nkey.backend,
-            was_dst: &sc.nkey.local,
-            sport: sc.nval.flow.vip_port_be.to_ne_bytes(),
-            dport: sc.nval.flow.client_port_be.to_ne_bytes(),
-        },
-    );
-    send(ctx, p, None, cfg.hop_generation)
 }

@@ -3,12 +3,14 @@
 //! source NAT, direct server return, ICMP and latency.
 
 pub mod balance;
+pub mod balanced;
 pub mod dsr;
 pub mod forward;
 pub mod halfopen;
 pub mod icmp;
 pub mod latency;
 pub mod maps;
+pub mod reply;
 pub mod scratch;
 pub mod select;
 pub mod service;
