@@ -222,7 +222,7 @@ impl ScaleOut {
             &config,
             format!(
                 "interface = \"eth0\"\ncontrol_socket = \"{}\"\npin_dir = \"{}\"\ndetach_on_exit = true\n\n\
-                 [huddle]\nrotation = {}\nmetrics_listen = \"{}:9477\"\n\n[cluster]\nmembers = [{}]\n\n\
+                 [huddle]\nrotation = {}\nlisten = \"{}:9477\"\n\n[cluster]\nmembers = [{}]\n\n\
                  [bgp]\ncontrol_socket = \"{}\"\nroutes_file = \"{}\"\n\n\
                  [[service]]\nvip = \"{}\"\nmode = \"dsr-l2\"\nselection = \"maglev\"\nbackends = [{}]\n",
                 self.socket(i).display(),

@@ -190,7 +190,7 @@ fn hanging_lying_and_flooding_metrics_endpoints_never_stop_the_daemon() {
     bed.start_backends(Path::new(BACKEND)).expect("backends");
     let file = bed.dir.join("huddle.toml");
     let text = format!(
-        "[huddle]\nmetrics_interval_ms = 200\nmetrics_timeout_ms = 300\n\n[[service]]\nvip = \"{VIP}:80\"\nbackends = [{}]\n",
+        "[huddle]\nscrape_interval_ms = 200\nscrape_timeout_ms = 300\n\n[[service]]\nvip = \"{VIP}:80\"\nbackends = [{}]\n",
         (0..2)
             .map(|i| format!("{{ addr = \"{}\", metrics = \"http://{}/metrics\" }}", addr(i), addr(i)))
             .collect::<Vec<_>>()
@@ -287,7 +287,7 @@ fn cluster_members_that_answer_garbage_or_nothing_leave_the_balancer_deciding_al
     let me = format!("{}:9477", testbed::LB_IP);
     let file = bed.dir.join("huddle.toml");
     let text = format!(
-        "[huddle]\nmetrics_listen = \"{me}\"\n\n[cluster]\nmembers = [\"{garbage}\", \"{silent}\", \"{me}\"]\n\n\
+        "[huddle]\nlisten = \"{me}\"\n\n[cluster]\nmembers = [\"{garbage}\", \"{silent}\", \"{me}\"]\n\n\
          [[service]]\nvip = \"{VIP}:{HTTP_PORT}\"\nmode = \"dsr-l2\"\nselection = \"maglev\"\nbackends = [\"{}\", \"{}\"]\n",
         addr(0),
         addr(1)

@@ -491,7 +491,7 @@ fn dsr_a_hung_backend_leaves_within_the_bound_with_the_agent() {
 #[test]
 fn a_backend_reporting_high_cpu_warms_up() {
     let _turn = serial();
-    let mut bed = bed("hcpu", "metrics_interval_ms = 200", true);
+    let mut bed = bed("hcpu", "scrape_interval_ms = 200", true);
     let listen = format!("0.0.0.0:{AGENT_PORT}");
     let agent = testbed::spawn_in(
         &bed.backends[N - 1],

@@ -267,9 +267,10 @@ struct RunArgs {
     /// Huddle tick in milliseconds.
     #[arg(long)]
     tick_ms: Option<u64>,
-    /// Prometheus endpoint address, or "off" (default 127.0.0.1:9477).
-    #[arg(long)]
-    metrics_listen: Option<String>,
+    /// Where /metrics (and a cluster's pages) are served, or "off"
+    /// (default 127.0.0.1:9477; `huddle.listen`).
+    #[arg(long, alias = "metrics-listen")]
+    listen: Option<String>,
     /// bpffs folder for the pinned maps and link
     /// (default /sys/fs/bpf/huddle/IFACE).
     #[arg(long)]
@@ -302,7 +303,10 @@ impl RunArgs {
             file.huddle.rotation = Some(false);
         }
         file.huddle.tick_ms = this.tick_ms.or(file.huddle.tick_ms);
-        file.huddle.metrics_listen = this.metrics_listen.or(file.huddle.metrics_listen);
+        if this.listen.is_some() {
+            file.huddle.metrics_listen = None;
+            file.huddle.listen = this.listen;
+        }
         file.pin_dir = this.pin_dir.or(file.pin_dir);
         if this.detach_on_exit {
             file.detach_on_exit = Some(true);
@@ -423,6 +427,9 @@ fn dispatch(cmd: Cmd) -> Result<()> {
             let cfg = ConfigFile::load(&config)?
                 .validate()
                 .with_context(|| format!("config {}", config.display()))?;
+            for r in &cfg.renamed {
+                println!("warning: {r}");
+            }
             println!(
                 "{}: OK, {} service(s) on {}",
                 config.display(),

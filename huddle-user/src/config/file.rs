@@ -97,7 +97,16 @@ pub struct HuddleFile {
     pub capacity: Option<u64>,
     /// Also move existing flows off a backend found dead.
     pub move_flows_off_dead: Option<bool>,
-    /// Address of the Prometheus endpoint, or "off".
+    /// Where this balancer serves `/metrics` (and, in a cluster, its
+    /// rings, readings and flows to the others), or "off".
+    pub listen: Option<String>,
+    /// How often, and within how long, each backend's `metrics` page is
+    /// scraped.
+    pub scrape_interval_ms: Option<u64>,
+    pub scrape_timeout_ms: Option<u64>,
+    /// The old names of `listen`, `scrape_interval_ms` and
+    /// `scrape_timeout_ms`: still read, with a warning, until the next
+    /// release.
     pub metrics_listen: Option<String>,
     pub metrics_interval_ms: Option<u64>,
     pub metrics_timeout_ms: Option<u64>,
@@ -174,7 +183,7 @@ pub struct ConfigFile {
 #[derive(Clone, Debug, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ClusterFile {
-    /// Every balancer's `huddle.metrics_listen` (this one's included), in
+    /// Every balancer's `huddle.listen` (this one's included), in
     /// the same order on each: the first that answers decides the rings
     /// and the others take them.
     pub members: Vec<SocketAddr>,

@@ -80,9 +80,11 @@ pub struct Huddle {
     pub error_threshold: f64,
     pub min_samples: u64,
     pub move_flows_off_dead: bool,
-    pub metrics_listen: Option<SocketAddr>,
-    pub metrics_interval: Duration,
-    pub metrics_timeout: Duration,
+    /// Where this balancer serves its pages (`None`: off).
+    pub listen: Option<SocketAddr>,
+    /// Backends' metrics pages: how often, and within how long.
+    pub scrape_interval: Duration,
+    pub scrape_timeout: Duration,
     pub probe: Probe,
 }
 
@@ -125,6 +127,8 @@ impl Service {
 /// A validated configuration, ready for the data plane.
 #[derive(Clone, Debug)]
 pub struct Config {
+    /// Keys the file set under an old name, said once at start.
+    pub renamed: Vec<String>,
     pub interface: String,
     /// SNAT addresses; empty: the interface's IPv4 address.
     pub snat_ips: Vec<Ipv4Addr>,

@@ -75,7 +75,7 @@ fn bad_configs_name_the_field() {
         ("flow_table_size = 10\n[[service]]\nvip = \"10.0.0.1:80\"\nbackends = [\"10.0.0.2:80\"]\n", "flow_table_size"),
         ("maglev_table_size = 65536\n[[service]]\nvip = \"10.0.0.1:80\"\nbackends = [\"10.0.0.2:80\"]\n", "maglev_table_size: 65536 must be a prime"),
         ("[[service]]\nvip = \"10.0.0.1:80\"\nselection = \"hash\"\nbackends = [\"10.0.0.2:80\"]\n", "unknown variant `hash`"),
-        ("[cluster]\nmembers = [\"10.0.0.5:9477\", \"10.0.0.6:9477\"]\n[[service]]\nvip = \"10.0.0.1:80\"\nbackends = [\"10.0.0.2:80\"]\n", "cluster.members: this balancer's huddle.metrics_listen (127.0.0.1:9477) must be one of them"),
+        ("[cluster]\nmembers = [\"10.0.0.5:9477\", \"10.0.0.6:9477\"]\n[[service]]\nvip = \"10.0.0.1:80\"\nbackends = [\"10.0.0.2:80\"]\n", "cluster.members: this balancer's huddle.listen (127.0.0.1:9477) must be one of them"),
         ("[bgp]\ndaemon = \"gobgp\"\n[[service]]\nvip = \"10.0.0.1:80\"\nbackends = [\"10.0.0.2:80\"]\n", "bgp.daemon: \"gobgp\" is not driven"),
         ("", "no service configured"),
         ("[huddle]\ncool = 0.6\n[[service]]\nvip = \"10.0.0.1:80\"\nbackends = [\"10.0.0.2:80\"]\n", "huddle.cool: 0.6 must be below huddle.heat"),
@@ -111,4 +111,21 @@ fn nat_port_range_parses_and_refuses_nonsense() {
     assert!("x".parse::<PortRange>().is_err());
     let err = ConfigFile::parse("nat_ports = \"9-1\"\n").unwrap_err();
     assert!(err.starts_with("line 1:"), "{err}");
+}
+
+#[test]
+fn renamed_keys_still_work_once_said_and_twice_is_refused() {
+    let c = file("interface = \"eth0\"\n[huddle]\nmetrics_listen = \"10.0.0.9:9100\"\nmetrics_interval_ms = 700\n[[service]]\nvip = \"10.0.0.1:80\"\nbackends = [\"10.0.0.2:80\"]\n").unwrap();
+    assert_eq!(c.huddle.listen, Some("10.0.0.9:9100".parse().unwrap()));
+    assert_eq!(
+        c.huddle.scrape_interval,
+        std::time::Duration::from_millis(700)
+    );
+    assert_eq!(c.renamed.len(), 2, "{:?}", c.renamed);
+    assert!(c.renamed[0].contains("huddle.metrics_listen is now huddle.listen"));
+    let both = file("interface = \"eth0\"\n[huddle]\nmetrics_listen = \"off\"\nlisten = \"off\"\n[[service]]\nvip = \"10.0.0.1:80\"\nbackends = [\"10.0.0.2:80\"]\n");
+    let e = format!("{:#}", both.unwrap_err());
+    assert!(e.contains("huddle.metrics_listen and huddle.listen"), "{e}");
+    let new = file("interface = \"eth0\"\n[huddle]\nlisten = \"off\"\nscrape_timeout_ms = 300\n[[service]]\nvip = \"10.0.0.1:80\"\nbackends = [\"10.0.0.2:80\"]\n").unwrap();
+    assert!(new.renamed.is_empty() && new.huddle.listen.is_none());
 }

@@ -20,7 +20,8 @@ use std::{
 impl ConfigFile {
     /// Checks everything and builds the runtime configuration. `file` is
     /// used to point errors at the right place.
-    pub fn validate(self) -> Result<Config> {
+    pub fn validate(mut self) -> Result<Config> {
+        let renamed = renamed(&mut self.huddle)?;
         let interface = self
             .interface
             .context("interface: missing (set `interface` or pass --iface)")?;
@@ -286,13 +287,13 @@ impl ConfigFile {
             None => None,
             Some(c) => {
                 let me = huddle
-                    .metrics_listen
+                    .listen
                     .and_then(|m| c.members.iter().position(|a| *a == m))
                     .with_context(|| {
                         format!(
-                            "cluster.members: this balancer's huddle.metrics_listen ({}) must be one of them, as the others reach it",
+                            "cluster.members: this balancer's huddle.listen ({}) must be one of them, as the others reach it",
                             huddle
-                                .metrics_listen
+                                .listen
                                 .map_or("off".to_string(), |m| m.to_string())
                         )
                     })?;
@@ -311,6 +312,7 @@ impl ConfigFile {
             }
         };
         Ok(Config {
+            renamed,
             bgp,
             cluster,
             interface,
@@ -428,17 +430,13 @@ fn validate_huddle(h: &HuddleFile) -> Result<Huddle> {
             bail!("huddle.latency_ceiling_ms: {c} must be a positive number");
         }
     }
-    let metrics_listen =
-        match h
-            .metrics_listen
-            .as_deref()
-            .unwrap_or(DEFAULT_METRICS_LISTEN)
-        {
-            "off" | "" => None,
-            a => Some(a.parse::<SocketAddr>().with_context(|| {
-                format!("huddle.metrics_listen: {a:?} is not IP:PORT or \"off\"")
-            })?),
-        };
+    let listen = match h.listen.as_deref().unwrap_or(DEFAULT_METRICS_LISTEN) {
+        "off" | "" => None,
+        a => Some(
+            a.parse::<SocketAddr>()
+                .with_context(|| format!("huddle.listen: {a:?} is not IP:PORT or \"off\""))?,
+        ),
+    };
     let floor_ms = h.latency_floor_ms.unwrap_or(td.floor_ms);
     if !floor_ms.is_finite() || floor_ms < 0.0 {
         bail!("huddle.latency_floor_ms: {floor_ms} must be a number >= 0");
@@ -487,18 +485,18 @@ fn validate_huddle(h: &HuddleFile) -> Result<Huddle> {
         error_threshold: fraction(h.error_threshold, 0.5, "huddle.error_threshold", true)?,
         min_samples: h.min_samples.unwrap_or(3).max(1),
         move_flows_off_dead: h.move_flows_off_dead.unwrap_or(false),
-        metrics_listen,
-        metrics_interval: millis(
-            h.metrics_interval_ms,
+        listen,
+        scrape_interval: millis(
+            h.scrape_interval_ms,
             1000,
-            "huddle.metrics_interval_ms",
+            "huddle.scrape_interval_ms",
             50,
             600_000,
         )?,
-        metrics_timeout: millis(
-            h.metrics_timeout_ms,
+        scrape_timeout: millis(
+            h.scrape_timeout_ms,
             500,
-            "huddle.metrics_timeout_ms",
+            "huddle.scrape_timeout_ms",
             10,
             60_000,
         )?,
@@ -511,4 +509,49 @@ impl Default for Huddle {
     fn default() -> Self {
         validate_huddle(&HuddleFile::default()).expect("the default huddle settings are valid")
     }
+}
+
+/// Moves keys set under their old names to the new ones, and says so
+/// (once, at start); both names set is an error naming both.
+fn renamed(h: &mut HuddleFile) -> Result<Vec<String>> {
+    let mut said = Vec::new();
+    let mut carry = |old: &str, new: &str, was: bool, is: bool| -> Result<bool> {
+        match (was, is) {
+            (true, true) => {
+                bail!("huddle.{old} and huddle.{new}: the same setting twice; keep {new}")
+            }
+            (true, false) => {
+                said.push(format!(
+                    "huddle.{old} is now huddle.{new}; the old name is read until the next release"
+                ));
+                Ok(true)
+            }
+            _ => Ok(false),
+        }
+    };
+    if carry(
+        "metrics_listen",
+        "listen",
+        h.metrics_listen.is_some(),
+        h.listen.is_some(),
+    )? {
+        h.listen = h.metrics_listen.take();
+    }
+    if carry(
+        "metrics_interval_ms",
+        "scrape_interval_ms",
+        h.metrics_interval_ms.is_some(),
+        h.scrape_interval_ms.is_some(),
+    )? {
+        h.scrape_interval_ms = h.metrics_interval_ms.take();
+    }
+    if carry(
+        "metrics_timeout_ms",
+        "scrape_timeout_ms",
+        h.metrics_timeout_ms.is_some(),
+        h.scrape_timeout_ms.is_some(),
+    )? {
+        h.scrape_timeout_ms = h.metrics_timeout_ms.take();
+    }
+    Ok(said)
 }

@@ -186,17 +186,14 @@ impl Balancer {
             ("state_file", old.state_file == new.state_file),
             ("huddle.tick_ms", old.huddle.tick == new.huddle.tick),
             ("huddle.probe", old.huddle.probe == new.huddle.probe),
+            ("huddle.listen", old.huddle.listen == new.huddle.listen),
             (
-                "huddle.metrics_listen",
-                old.huddle.metrics_listen == new.huddle.metrics_listen,
+                "huddle.scrape_interval_ms",
+                old.huddle.scrape_interval == new.huddle.scrape_interval,
             ),
             (
-                "huddle.metrics_interval_ms",
-                old.huddle.metrics_interval == new.huddle.metrics_interval,
-            ),
-            (
-                "huddle.metrics_timeout_ms",
-                old.huddle.metrics_timeout == new.huddle.metrics_timeout,
+                "huddle.scrape_timeout_ms",
+                old.huddle.scrape_timeout == new.huddle.scrape_timeout,
             ),
         ];
         if let Some((field, _)) = fixed.iter().find(|(_, same)| !same) {

@@ -53,9 +53,9 @@ pub async fn run(cfg: Config, reloader: Option<Reloader>) -> Result<()> {
 
 /// The metrics listener, unless it is off.
 async fn bind_metrics(cfg: &Config) -> Result<Option<TcpListener>> {
-    Ok(match cfg.huddle.metrics_listen {
+    Ok(match cfg.huddle.listen {
         Some(addr) => Some(TcpListener::bind(addr).await.with_context(|| {
-            format!("binding the metrics endpoint {addr} (set huddle.metrics_listen, or \"off\")")
+            format!("binding the metrics endpoint {addr} (set huddle.listen, or \"off\")")
         })?),
         None => None,
     })

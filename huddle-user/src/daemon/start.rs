@@ -138,6 +138,9 @@ fn attach(
 
 /// One line per service and one for the huddle's settings.
 fn log_settings(cfg: &Config) {
+    for r in &cfg.renamed {
+        tracing::warn!(event = "config_renamed", "{r}");
+    }
     for s in &cfg.services {
         info!("service {} -> {} backends", s.name(), s.backends.len());
     }

@@ -233,8 +233,8 @@ pub(super) fn spawn(
         tokio::spawn(prober(shared.clone(), cfg.huddle.probe.clone())),
         tokio::spawn(scraper(
             shared.clone(),
-            cfg.huddle.metrics_interval,
-            cfg.huddle.metrics_timeout,
+            cfg.huddle.scrape_interval,
+            cfg.huddle.scrape_timeout,
         )),
     ];
     if let Some(c) = cfg.cluster.clone() {
