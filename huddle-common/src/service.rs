@@ -82,12 +82,12 @@ pub struct ServiceValue {
     /// A VIP: index into `RING_GEN`, `RR_CURSOR` and `SERVICE_STATS`. A
     /// SNAT address: its index in `Config::snat_addrs`.
     pub id: u32,
-    /// A VIP: its `service_mode`.
-    pub flags: u32,
+    /// A VIP: its `service_mode` (a SNAT address: 0).
+    pub mode: u32,
 }
 shared!(ServiceValue, 8);
 
-/// How a VIP's packets reach their backend (`ServiceValue::flags`).
+/// How a VIP's packets reach their backend (`ServiceValue::mode`).
 pub mod service_mode {
     /// Source NAT: addresses and ports rewritten both ways; replies come
     /// back through the balancer.

@@ -292,7 +292,7 @@ fn a_connection_a_peer_shared_keeps_its_backend_after_the_ring_changed() {
     assert!(!truncated);
     assert_eq!(list.len(), 2, "{list:?}");
     let mut book = FlowBook::new(b.dp.flow_map().unwrap());
-    let one: Vec<_> = list.iter().filter(|f| f.1 == shared).cloned().collect();
+    let one: Vec<_> = list.iter().filter(|f| f.client_port == shared).cloned().collect();
     let got = book.adopt(
         "10.0.0.1:9477".parse().unwrap(),
         &one,
@@ -336,13 +336,13 @@ fn a_connection_a_peer_shared_keeps_its_backend_after_the_ring_changed() {
     // A new connection on a shared tuple that was never used: its SYN
     // opens a new flow by the table, and its ACK follows the SYN.
     let fresh = 47001;
-    let f = huddle_user::cluster::handoff::SharedFlow(
-        client.into(),
-        fresh,
-        (VIP, DSR_MAGLEV).into(),
-        PROTO_TCP,
-        (first, DSR_MAGLEV).into(),
-    );
+    let f = huddle_user::cluster::handoff::SharedFlow {
+        client: client.into(),
+        client_port: fresh,
+        vip: (VIP, DSR_MAGLEV).into(),
+        proto: PROTO_TCP,
+        backend: (first, DSR_MAGLEV).into(),
+    };
     let got = book.adopt(
         "10.0.0.2:9477".parse().unwrap(),
         &[f],

@@ -60,7 +60,7 @@ pub fn balance<F: Balanced>(ctx: &XdpContext, p: &Packet<F>) -> u32 {
     match F::vip(p, cfg) {
         // Translated and sent from here: the rewrite and the FIB request
         // then take no room under `request`'s frame.
-        Some(s) if s.flags == service_mode::SNAT => match request::<F, false>(ctx, p, cfg, s.id) {
+        Some(s) if s.mode == service_mode::SNAT => match request::<F, false>(ctx, p, cfg, s.id) {
             FORWARD => to_backend(ctx, p, cfg),
             FORWARD_NEW => {
                 let verdict = to_backend(ctx, p, cfg);
@@ -73,7 +73,7 @@ pub fn balance<F: Balanced>(ctx: &XdpContext, p: &Packet<F>) -> u32 {
         // header and FIB request did not fit under `request`).
         Some(s) => match request::<F, true>(ctx, p, cfg, s.id) {
             forward @ (FORWARD | FORWARD_NEW) => {
-                let verdict = match dsr_send(ctx, p, cfg, s.flags) {
+                let verdict = match dsr_send(ctx, p, cfg, s.mode) {
                     TOO_BIG => F::too_big(ctx),
                     verdict => verdict,
                 };
@@ -163,7 +163,18 @@ fn request<F: Balanced, const DSR: bool>(
             }
             nat::close(f, flow.backend);
             bump(&BACKEND_STATS, flow.backend, |s| s.flows_moved += 1);
-            flow = match new_flow(ctx, cfg, service, sc, p, false, false, dsr) {
+            flow = match new_flow(
+                ctx,
+                cfg,
+                service,
+                sc,
+                p,
+                Start {
+                    timed: false,
+                    half_open: false,
+                    dsr,
+                },
+            ) {
                 Ok(f) => f,
                 Err(verdict) => return verdict,
             };
@@ -275,7 +286,19 @@ fn handshake<F: Balanced>(
 ) -> Result<(FlowValue, Option<*mut FlowValue>), u32> {
     let tcp = p.is_tcp();
     if tcp && p.has_flag(TCP_SYN) {
-        return new_flow(ctx, cfg, service, sc, p, true, true, dsr).map(|f| (f, None));
+        return new_flow(
+            ctx,
+            cfg,
+            service,
+            sc,
+            p,
+            Start {
+                timed: true,
+                half_open: true,
+                dsr,
+            },
+        )
+        .map(|f| (f, None));
     }
     let Some((slot, h)) = halfopen::find_hashed(cfg, &sc.nval.flow) else {
         if tcp {
@@ -285,12 +308,36 @@ fn handshake<F: Balanced>(
             // where the backend sees the client's own address.
             if dsr && maglev(service) {
                 bump(&SERVICE_STATS, service, |s| s.taken_over += 1);
-                return new_flow(ctx, cfg, service, sc, p, false, false, dsr).map(|f| (f, None));
+                return new_flow(
+                    ctx,
+                    cfg,
+                    service,
+                    sc,
+                    p,
+                    Start {
+                        timed: false,
+                        half_open: false,
+                        dsr,
+                    },
+                )
+                .map(|f| (f, None));
             }
             bump(&SERVICE_STATS, service, |s| s.pass_no_flow += 1);
             return Err(xdp_action::XDP_PASS);
         }
-        return new_flow(ctx, cfg, service, sc, p, !dsr, !dsr, dsr).map(|f| (f, None));
+        return new_flow(
+            ctx,
+            cfg,
+            service,
+            sc,
+            p,
+            Start {
+                timed: !dsr,
+                half_open: !dsr,
+                dsr,
+            },
+        )
+        .map(|f| (f, None));
     };
     // SAFETY: map value pointer, copied out at once.
     let half = unsafe { (*slot).flow };
@@ -404,12 +451,21 @@ fn promote(
     Ok((flow, Some(entry)))
 }
 
+/// How a new flow starts.
+#[derive(Clone, Copy)]
+struct Start {
+    /// Time its first wait (the SYN-ACK, or the first answer).
+    timed: bool,
+    /// Keep it in the half-open slots until its handshake completes (a
+    /// TCP SYN), not in the flow tables.
+    half_open: bool,
+    /// Direct server return: no NAT tuple.
+    dsr: bool,
+}
+
 /// Picks a backend and a NAT tuple for a new flow (its key in
-/// `sc.nval.flow`) and records both directions: in the half-open slots
-/// (`half`, a TCP SYN) or the flow tables. `time` starts timing its first
-/// wait. A DSR flow (`dsr`) has no NAT tuple. Errors carry the verdict for
-/// the packet.
-#[allow(clippy::too_many_arguments)]
+/// `sc.nval.flow`) and records both directions, as `start` says. Errors
+/// carry the verdict for the packet.
 #[inline(always)]
 fn new_flow<F: Balanced>(
     ctx: &XdpContext,
@@ -417,10 +473,13 @@ fn new_flow<F: Balanced>(
     service: u32,
     sc: &mut Scratch,
     p: &Packet<F>,
-    time: bool,
-    half: bool,
-    dsr: bool,
+    start: Start,
 ) -> Result<FlowValue, u32> {
+    let Start {
+        timed: time,
+        half_open: half,
+        dsr,
+    } = start;
     // Only a SYN needs the hash: other new flows go to the flow table.
     let h = if half {
         sc.nval.flow.hash(cfg.hash_seed)

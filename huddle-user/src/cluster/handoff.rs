@@ -32,10 +32,40 @@ use std::{
     time::Duration,
 };
 
-/// A connection and its backend: client, client port, VIP, protocol
-/// number, backend. A JSON array on the wire (about 60 bytes).
-#[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
-pub struct SharedFlow(pub IpAddr, pub u16, pub SocketAddr, pub u8, pub SocketAddr);
+/// A connection and its backend. A JSON array on the wire (about 60
+/// bytes): `[client, client_port, vip, proto, backend]`, as members of
+/// every release send it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(from = "WireFlow", into = "WireFlow")]
+pub struct SharedFlow {
+    pub client: IpAddr,
+    pub client_port: u16,
+    pub vip: SocketAddr,
+    /// IP protocol number.
+    pub proto: u8,
+    pub backend: SocketAddr,
+}
+
+/// `SharedFlow` as the wire carries it.
+type WireFlow = (IpAddr, u16, SocketAddr, u8, SocketAddr);
+
+impl From<WireFlow> for SharedFlow {
+    fn from((client, client_port, vip, proto, backend): WireFlow) -> Self {
+        SharedFlow {
+            client,
+            client_port,
+            vip,
+            proto,
+            backend,
+        }
+    }
+}
+
+impl From<SharedFlow> for WireFlow {
+    fn from(f: SharedFlow) -> Self {
+        (f.client, f.client_port, f.vip, f.proto, f.backend)
+    }
+}
 
 /// What `/flows` answers.
 #[derive(Clone, Debug, Default, Serialize, Deserialize)]
@@ -70,13 +100,13 @@ pub fn unexplained(key: &FlowKey, value: &FlowValue, tables: &[MaglevTable]) -> 
     }
     let backend = *t.backends.get(&value.backend)?;
     let client = addr(key.client, key.family)?;
-    Some(SharedFlow(
+    Some(SharedFlow {
         client,
-        u16::from_be(key.client_port_be),
-        t.vip,
-        key.proto,
+        client_port: u16::from_be(key.client_port_be),
+        vip: t.vip,
+        proto: key.proto,
         backend,
-    ))
+    })
 }
 
 fn addr(a: [u8; 16], family: u8) -> Option<IpAddr> {
@@ -89,7 +119,13 @@ fn addr(a: [u8; 16], family: u8) -> Option<IpAddr> {
 /// it does not balance that service or know that backend.
 #[must_use]
 pub fn entry(f: &SharedFlow, tables: &[MaglevTable], now_ns: u64) -> Option<(FlowKey, FlowValue)> {
-    let SharedFlow(client, client_port, vip, proto, backend) = *f;
+    let SharedFlow {
+        client,
+        client_port,
+        vip,
+        proto,
+        backend,
+    } = *f;
     if client.is_ipv4() != vip.is_ipv4() || (proto != PROTO_TCP && proto != PROTO_UDP) {
         return None;
     }
@@ -298,13 +334,21 @@ mod tests {
     }
 
     fn flow(port: u16, backend: SocketAddr) -> SharedFlow {
-        SharedFlow(
-            "10.9.0.2".parse().unwrap(),
-            port,
-            "10.0.100.1:80".parse().unwrap(),
-            PROTO_TCP,
+        SharedFlow {
+            client: "10.9.0.2".parse().unwrap(),
+            client_port: port,
+            vip: "10.0.100.1:80".parse().unwrap(),
+            proto: PROTO_TCP,
             backend,
-        )
+        }
+    }
+
+    #[test]
+    fn a_shared_flow_is_the_array_every_release_sends() {
+        let f = flow(41000, "10.0.0.12:80".parse().unwrap());
+        let j = serde_json::to_string(&f).unwrap();
+        assert_eq!(j, r#"["10.9.0.2",41000,"10.0.100.1:80",6,"10.0.0.12:80"]"#);
+        assert_eq!(serde_json::from_str::<SharedFlow>(&j).unwrap(), f);
     }
 
     #[test]
@@ -344,10 +388,10 @@ mod tests {
         let t = vec![table()];
         assert!(entry(&flow(1, "10.0.0.9:80".parse().unwrap()), &t, 0).is_none());
         let mut other = flow(1, "10.0.0.1:80".parse().unwrap());
-        other.2 = "10.0.100.2:80".parse().unwrap();
+        other.vip = "10.0.100.2:80".parse().unwrap();
         assert!(entry(&other, &t, 0).is_none());
-        other.2 = "10.0.100.1:80".parse().unwrap();
-        other.3 = 1;
+        other.vip = "10.0.100.1:80".parse().unwrap();
+        other.proto = 1;
         assert!(entry(&other, &t, 0).is_none());
     }
 

@@ -68,7 +68,7 @@ mod tests {
                 proto: 6,
                 kind: SERVICE_KIND_VIP,
             };
-            (key, ServiceValue { id: i, flags: 0 })
+            (key, ServiceValue { id: i, mode: 0 })
         });
         let snat = (0..MAX_SNAT as u8).map(|i| {
             let key = ServiceKey {
@@ -81,7 +81,7 @@ mod tests {
                 key,
                 ServiceValue {
                     id: u32::from(i),
-                    flags: 0,
+                    mode: 0,
                 },
             )
         });

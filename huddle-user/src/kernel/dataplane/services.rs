@@ -39,7 +39,7 @@ impl Dataplane {
         for (i, k) in want.iter().enumerate() {
             let v = ServiceValue {
                 id: i as u32,
-                flags: 0,
+                mode: 0,
             };
             self.svc_insert(k, v).context("writing a SNAT address")?;
         }
@@ -245,7 +245,7 @@ impl Dataplane {
             self.set_tuning(sid, limits)?;
             let value = ServiceValue {
                 id: sid,
-                flags: service.mode.number(),
+                mode: service.mode.number(),
             };
             self.svc_insert(key, value)
                 .with_context(|| format!("writing service {}", service.name()))?;
