@@ -292,7 +292,11 @@ fn a_connection_a_peer_shared_keeps_its_backend_after_the_ring_changed() {
     assert!(!truncated);
     assert_eq!(list.len(), 2, "{list:?}");
     let mut book = FlowBook::new(b.dp.flow_map().unwrap());
-    let one: Vec<_> = list.iter().filter(|f| f.client_port == shared).cloned().collect();
+    let one: Vec<_> = list
+        .iter()
+        .filter(|f| f.client_port == shared)
+        .cloned()
+        .collect();
     let got = book.adopt(
         "10.0.0.1:9477".parse().unwrap(),
         &one,
