@@ -4,6 +4,7 @@
 
 mod file;
 mod model;
+mod settings;
 #[cfg(test)]
 mod tests;
 pub mod tuning;

@@ -1,0 +1,214 @@
+//! The `[huddle]` table validated: the huddle's settings, the keys it
+//! still reads under their old names, and the small checks of durations
+//! and fractions every table uses.
+
+use super::{
+    file::HuddleFile,
+    model::*,
+    tuning::{RotationParams, ThermalParams},
+};
+use anyhow::{bail, Context, Result};
+use std::{net::SocketAddr, time::Duration};
+
+pub(super) fn millis(
+    v: Option<u64>,
+    default: u64,
+    field: &str,
+    min: u64,
+    max: u64,
+) -> Result<Duration> {
+    let v = v.unwrap_or(default);
+    if !(min..=max).contains(&v) {
+        bail!("{field}: {v} is outside {min}..={max}");
+    }
+    Ok(Duration::from_millis(v))
+}
+
+pub(super) fn fraction(v: Option<f64>, default: f64, field: &str, lo_open: bool) -> Result<f64> {
+    let v = v.unwrap_or(default);
+    let ok = v.is_finite() && v <= 1.0 && if lo_open { v > 0.0 } else { v >= 0.0 };
+    if !ok {
+        let lo = if lo_open { "(0" } else { "[0" };
+        bail!("{field}: {v} must be in {lo}, 1]");
+    }
+    Ok(v)
+}
+
+pub(super) fn validate_huddle(h: &HuddleFile) -> Result<Huddle> {
+    let rd = RotationParams::default();
+    let td = ThermalParams::default();
+    let tick = millis(h.tick_ms, 100, "huddle.tick_ms", 10, 60_000)?;
+    let hung_after = millis(h.hung_after_ms, 200, "huddle.hung_after_ms", 10, 600_000)?;
+    let hung_after_min = millis(
+        h.hung_after_min_ms,
+        50.min(hung_after.as_millis() as u64),
+        "huddle.hung_after_min_ms",
+        10,
+        600_000,
+    )?;
+    if hung_after_min > hung_after {
+        bail!(
+            "huddle.hung_after_min_ms: {} is above huddle.hung_after_ms ({})",
+            hung_after_min.as_millis(),
+            hung_after.as_millis()
+        );
+    }
+    let heat = fraction(h.heat, rd.heat, "huddle.heat", true)?;
+    let cool = fraction(h.cool, rd.cool, "huddle.cool", false)?;
+    if cool >= heat {
+        bail!("huddle.cool: {cool} must be below huddle.heat ({heat}), or backends would flap");
+    }
+    let min_inner = h.min_inner.unwrap_or(rd.min_inner);
+    if min_inner == 0 {
+        bail!("huddle.min_inner: must be at least 1 (the inner ring is never empty)");
+    }
+    let min_rest = millis(h.min_rest_ms, 10_000, "huddle.min_rest_ms", 0, 86_400_000)?;
+    let max_rest = millis(h.max_rest_ms, 160_000, "huddle.max_rest_ms", 0, 86_400_000)?;
+    if max_rest < min_rest {
+        bail!("huddle.max_rest_ms: below huddle.min_rest_ms");
+    }
+    let weights = h.weights.unwrap_or_default();
+    for (name, w) in [
+        ("latency", weights.latency),
+        ("cpu", weights.cpu),
+        ("memory", weights.memory),
+        ("load", weights.load),
+    ] {
+        if !w.is_finite() || !(0.0..=10.0).contains(&w) {
+            bail!("huddle.weights.{name}: {w} must be in [0, 10]");
+        }
+    }
+    let ratio = h.full_anomaly_ratio.unwrap_or(td.full_anomaly_ratio);
+    if !ratio.is_finite() || ratio <= 1.0 || ratio > 1000.0 {
+        bail!("huddle.full_anomaly_ratio: {ratio} must be above 1");
+    }
+    if let Some(c) = h.latency_ceiling_ms {
+        if !c.is_finite() || c <= 0.0 {
+            bail!("huddle.latency_ceiling_ms: {c} must be a positive number");
+        }
+    }
+    let listen = match h.listen.as_deref().unwrap_or(DEFAULT_METRICS_LISTEN) {
+        "off" | "" => None,
+        a => Some(
+            a.parse::<SocketAddr>()
+                .with_context(|| format!("huddle.listen: {a:?} is not IP:PORT or \"off\""))?,
+        ),
+    };
+    let floor_ms = h.latency_floor_ms.unwrap_or(td.floor_ms);
+    if !floor_ms.is_finite() || floor_ms < 0.0 {
+        bail!("huddle.latency_floor_ms: {floor_ms} must be a number >= 0");
+    }
+    let pf = h.probe.clone().unwrap_or_default();
+    let path = pf.path.unwrap_or_else(|| "/".into());
+    if !path.starts_with('/') || path.contains(char::is_whitespace) {
+        bail!("huddle.probe.path: {path:?} must start with / and hold no spaces");
+    }
+    let probe = Probe {
+        kind: pf.kind.unwrap_or_default(),
+        path,
+        interval: millis(pf.interval_ms, 250, "huddle.probe.interval_ms", 10, 600_000)?,
+        timeout: millis(pf.timeout_ms, 1000, "huddle.probe.timeout_ms", 10, 60_000)?,
+        fall: pf.fall.unwrap_or(2).max(1),
+        rise: pf.rise.unwrap_or(2).max(1),
+    };
+    Ok(Huddle {
+        rotation: h.rotation.unwrap_or(true),
+        tick,
+        thermal: ThermalParams {
+            weights,
+            alpha: fraction(h.alpha, td.alpha, "huddle.alpha", true)?,
+            full_anomaly_ratio: ratio,
+            ceiling_ms: h.latency_ceiling_ms,
+            floor_ms,
+        },
+        rotation_params: RotationParams {
+            heat,
+            cool,
+            min_inner,
+            cooldown: millis(h.cooldown_ms, 5000, "huddle.cooldown_ms", 0, 86_400_000)?,
+            min_rest,
+            max_rest,
+            warmup: millis(h.warmup_ms, 0, "huddle.warmup_ms", 0, 86_400_000)?,
+        },
+        hung_after,
+        hung_after_min,
+        hung_after_p99: match h.hung_after_p99 {
+            None => 5.0,
+            Some(k) if k.is_finite() && (1.0..=1000.0).contains(&k) => k,
+            Some(k) => bail!("huddle.hung_after_p99: {k} is outside 1..=1000"),
+        },
+        pass_over_owing: h.pass_over_owing.unwrap_or(true),
+        syn_timeout: millis(h.syn_timeout_ms, 300, "huddle.syn_timeout_ms", 10, 600_000)?,
+        error_threshold: fraction(h.error_threshold, 0.5, "huddle.error_threshold", true)?,
+        min_samples: h.min_samples.unwrap_or(3).max(1),
+        move_flows_off_dead: h.move_flows_off_dead.unwrap_or(false),
+        listen,
+        scrape_interval: millis(
+            h.scrape_interval_ms,
+            1000,
+            "huddle.scrape_interval_ms",
+            50,
+            600_000,
+        )?,
+        scrape_timeout: millis(
+            h.scrape_timeout_ms,
+            500,
+            "huddle.scrape_timeout_ms",
+            10,
+            60_000,
+        )?,
+        probe,
+    })
+}
+
+/// Moves keys set under their old names to the new ones, and says so
+/// (once, at start); both names set is an error naming both.
+pub(super) fn renamed(h: &mut HuddleFile) -> Result<Vec<String>> {
+    let mut said = Vec::new();
+    let mut carry = |old: &str, new: &str, was: bool, is: bool| -> Result<bool> {
+        match (was, is) {
+            (true, true) => {
+                bail!("huddle.{old} and huddle.{new}: the same setting twice; keep {new}")
+            }
+            (true, false) => {
+                said.push(format!(
+                    "huddle.{old} is now huddle.{new}; the old name is read until the next release"
+                ));
+                Ok(true)
+            }
+            _ => Ok(false),
+        }
+    };
+    if carry(
+        "metrics_listen",
+        "listen",
+        h.metrics_listen.is_some(),
+        h.listen.is_some(),
+    )? {
+        h.listen = h.metrics_listen.take();
+    }
+    if carry(
+        "metrics_interval_ms",
+        "scrape_interval_ms",
+        h.metrics_interval_ms.is_some(),
+        h.scrape_interval_ms.is_some(),
+    )? {
+        h.scrape_interval_ms = h.metrics_interval_ms.take();
+    }
+    if carry(
+        "metrics_timeout_ms",
+        "scrape_timeout_ms",
+        h.metrics_timeout_ms.is_some(),
+        h.scrape_timeout_ms.is_some(),
+    )? {
+        h.scrape_timeout_ms = h.metrics_timeout_ms.take();
+    }
+    Ok(said)
+}
+
+/// The defaults are what validating an empty `[huddle]` gives.
+impl Default for Huddle {
+    fn default() -> Self {
+        validate_huddle(&HuddleFile::default()).expect("the default huddle settings are valid")
+    }
+}
