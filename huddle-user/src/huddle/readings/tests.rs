@@ -1,0 +1,154 @@
+//! Readings, windows, hung and pass-over limits, on made-up counters.
+
+use super::*;
+
+fn settings() -> Settings {
+    Settings::default()
+}
+
+fn tracker() -> Tracker {
+    let s = Service::plain(
+        "1.1.1.1:1".parse().unwrap(),
+        Proto::Tcp,
+        vec!["2.2.2.2:2".parse().unwrap()],
+    );
+    Tracker::new(0, s.options[0].clone(), false)
+}
+
+fn stats(answered: u64, ttfb_ms: u64, turns: u64) -> BackendStats {
+    BackendStats {
+        answered,
+        ttfb_ns: ttfb_ms * 1_000_000,
+        turns,
+        flows_new: turns,
+        ..BackendStats::default()
+    }
+}
+
+fn hist_of(samples_ms: &[u64]) -> Latency {
+    let mut h = Latency::default();
+    for ms in samples_ms {
+        h.buckets[huddle_common::latency_bucket(ms * 1_000_000)] += 1;
+    }
+    h
+}
+
+#[test]
+fn window_takes_newest_ticks_until_enough_samples() {
+    let s = settings();
+    let mut t = tracker();
+    let p = Pulse::default();
+    t.observe(
+        &stats(0, 0, 0),
+        &Latency::default(),
+        &p,
+        0,
+        &s,
+        s.hung_after,
+    );
+    // 5 samples of 10 ms.
+    t.observe(
+        &stats(5, 50, 5),
+        &hist_of(&[10; 5]),
+        &p,
+        0,
+        &s,
+        s.hung_after,
+    );
+    assert_eq!(t.window.samples, 5);
+    assert!((t.window.mean_ms.unwrap() - 10.0).abs() < 1e-9);
+    // Then 3 of 50 ms: enough alone (min_samples 3), old ones ignored.
+    let mut all = vec![10; 5];
+    all.extend([50; 3]);
+    t.observe(&stats(8, 200, 8), &hist_of(&all), &p, 0, &s, s.hung_after);
+    assert_eq!(t.window.samples, 3);
+    assert!((t.window.mean_ms.unwrap() - 50.0).abs() < 1e-9);
+    let p50 = t.window.p50_ms.unwrap();
+    assert!((40.0..=62.5).contains(&p50), "{p50}");
+}
+
+#[test]
+fn a_backend_owing_answers_too_long_is_hung() {
+    let s = settings();
+    let mut t = tracker();
+    let ms = 1_000_000u64;
+    let owes = Pulse {
+        turn_wait_ns: 1000 * ms,
+        syn_wait_ns: 0,
+    };
+    t.observe(
+        &stats(0, 0, 1),
+        &Latency::default(),
+        &owes,
+        1100 * ms,
+        &s,
+        s.hung_after,
+    );
+    assert_eq!(t.kernel_fault, None);
+    // One turn, 250 ms: a slow request, not yet hung.
+    t.observe(
+        &stats(0, 0, 1),
+        &Latency::default(),
+        &owes,
+        1250 * ms,
+        &s,
+        s.hung_after,
+    );
+    assert_eq!(t.kernel_fault, None);
+    // Another request piled up behind it: hung.
+    t.observe(
+        &stats(0, 0, 2),
+        &Latency::default(),
+        &owes,
+        1260 * ms,
+        &s,
+        s.hung_after,
+    );
+    assert!(t.kernel_fault.as_deref().unwrap().starts_with("hung"));
+    // Any answer clears the pulse, and the fault.
+    t.observe(
+        &stats(1, 300, 2),
+        &hist_of(&[300]),
+        &Pulse::default(),
+        1300 * ms,
+        &s,
+        s.hung_after,
+    );
+    assert_eq!(t.kernel_fault, None);
+}
+
+#[test]
+fn hung_after_and_pass_over_follow_the_rings_own_answer_times() {
+    let s = settings();
+    let mut h = ServiceHuddle {
+        engine: Engine::new(s.rotation_params, &[1.0], Duration::ZERO),
+        trackers: Vec::new(),
+        rotation: true,
+        answer_p99_ms: None,
+    };
+    let ms = |d: Duration| d.as_secs_f64() * 1e3;
+    // No figure yet: the configured bound.
+    assert_eq!(h.hung_after(&s), s.hung_after);
+    // A ring answering in 11 ms at p99: 5 x 11 = 55 ms; new flows pass
+    // a backend over after 22 ms owed, or a SYN-ACK owed as long.
+    h.answer_p99_ms = Some(11.0);
+    assert!((ms(h.hung_after(&s)) - 55.0).abs() < 1e-6);
+    let t = h.tuning(&s, false);
+    assert_eq!((t.turn_skip_ns, t.syn_skip_ns), (22_000_000, 22_000_000));
+    // A fast ring: the floors hold.
+    h.answer_p99_ms = Some(0.5);
+    assert_eq!(h.hung_after(&s), s.hung_after_min);
+    let t = h.tuning(&s, false);
+    assert_eq!((t.turn_skip_ns, t.syn_skip_ns), (10_000_000, 20_000_000));
+    // A slow ring: the ceilings hold.
+    h.answer_p99_ms = Some(900.0);
+    assert_eq!(h.hung_after(&s), s.hung_after);
+    let t = h.tuning(&s, false);
+    assert_eq!(t.turn_skip_ns, s.hung_after.as_nanos() as u64);
+    assert_eq!(
+        t.syn_skip_ns,
+        t.turn_skip_ns.min(s.syn_timeout.as_nanos() as u64)
+    );
+    // UDP backends need not answer: never passed over.
+    assert_eq!(h.tuning(&s, true), huddle_common::Tuning::default());
+}
