@@ -34,95 +34,20 @@ impl Dataplane {
         pins: Option<&Path>,
         resume: Option<walk::NatWalk>,
     ) -> Result<Dataplane> {
-        if snat.len() + snat6.len() > MAX_SNAT {
-            bail!(
-                "at most {MAX_SNAT} SNAT addresses in all, not {}",
-                snat.len() + snat6.len()
-            );
-        }
-        let cpus = crate::sys::host::possible_cpus()?;
-        let (slice_ports, slices) = KernelConfig::slices_for(
-            cfg.nat_ports.min,
-            cfg.nat_ports.max,
-            u16::try_from(cpus).unwrap_or(u16::MAX),
-        );
-        let snat_total = (snat.len() + snat6.len()) as u16;
-        let nat_used = huddle_common::nat_used_per_backend(slice_ports, slices, snat_total);
-        if nat_used == 0 {
-            info!(
-                "{} backends x {} NAT tuples would take more than {} MiB to track: each new flow asks the NAT table whether its tuple is in use (a cold lookup)",
-                huddle_common::NAT_USED_BACKENDS,
-                u64::from(slice_ports) * u64::from(slices) * u64::from(snat_total),
-                huddle_common::MAX_NAT_USED_BYTES >> 20
-            );
-        }
+        let geo = NatGeometry::of(cfg, snat.len() + snat6.len())?;
+        let (cpus, nat_used) = (geo.cpus, geo.nat_used);
         let half_open = cfg.half_open_table_size.next_power_of_two();
-        let tag_lines = huddle_common::half_open_tag_lines(half_open);
-        let mut loader = EbpfLoader::new();
-        // HUDDLE_VERIFIER_LOG=1: the verifier's whole log on a refusal
-        // (for whoever changes the program).
-        if std::env::var_os("HUDDLE_VERIFIER_LOG").is_some() {
-            loader
-                .verifier_log_level(aya::VerifierLogLevel::VERBOSE | aya::VerifierLogLevel::STATS);
-        }
-        loader
-            .map_max_entries(maps::FLOWS, cfg.flow_table_size)
-            .map_max_entries(maps::NAT, cfg.flow_table_size)
-            .map_max_entries(maps::HALF_OPEN, half_open)
-            .map_max_entries(maps::HALF_OPEN_NAT, half_open)
-            .map_max_entries(maps::HALF_OPEN_TAGS, tag_lines)
-            .map_max_entries(maps::HALF_OPEN_NAT_TAGS, tag_lines)
-            .map_max_entries(maps::MAGLEV, maglev_elements(cfg.maglev_table_size))
-            .map_max_entries(maps::NAT_USED, huddle_common::nat_used_lines(nat_used));
-        let mut adopted = false;
-        let mut fresh_cursors = true;
-        if let Some(dir) = pins {
-            std::fs::create_dir_all(dir)
-                .with_context(|| format!("creating the pin folder {}", dir.display()))?;
-            check_pinned_layouts(dir, half_open, maglev_elements(cfg.maglev_table_size))?;
-            adopted = dir.join(maps::FLOWS).exists();
-            fresh_cursors = !dir.join(maps::NAT_CURSOR).exists();
-            for name in maps::ALL {
-                loader.map_pin_path(name, dir.join(name));
-            }
-        }
+        let mut loader = loader(cfg, half_open, nat_used);
+        let (adopted, fresh_cursors) = match pins {
+            Some(dir) => pin_to(&mut loader, dir, cfg, half_open)?,
+            None => (false, true),
+        };
         let mut ebpf = loader
             .load(object::HUDDLE)
             .context("loading the XDP object into the kernel")?;
-        load_program(&mut ebpf, PROGRAM_NAME)?;
-        // The IPv6 program, which the main one tail-calls for IPv6 frames.
-        load_program(&mut ebpf, PROGRAM6_NAME)?;
-        {
-            let fd = ebpf
-                .program(PROGRAM6_NAME)
-                .context("IPv6 program missing")?
-                .fd()?
-                .try_clone()?;
-            let mut tails: aya::maps::ProgramArray<&mut MapData> = ebpf
-                .map_mut(maps::TAILS)
-                .context("TAILS missing")?
-                .try_into()?;
-            tails.set(0, &fd, 0).context("setting the IPv6 program")?;
-        }
-        // After the program holds its maps: the logger owns the log map's fd.
-        match aya_log::EbpfLogger::init(&mut ebpf) {
-            Ok(logger) => crate::kernel::logs::forward(logger),
-            Err(e) => warn!("kernel log forwarding unavailable: {e}"),
-        }
+        load_programs(&mut ebpf)?;
         if adopted {
-            if let Some(flows) = ebpf.map(maps::FLOWS) {
-                let size = match flows {
-                    aya::maps::Map::LruHashMap(m) => m.info().ok().map(|i| i.max_entries()),
-                    _ => None,
-                };
-                if size.is_some_and(|n| n != cfg.flow_table_size) {
-                    warn!(
-                        "the adopted flow table holds {} entries, not flow_table_size {}: resizing needs `huddle stop` (which drops every flow) and a fresh start",
-                        size.unwrap_or(0),
-                        cfg.flow_table_size
-                    );
-                }
-            }
+            warn_if_resized(&ebpf, cfg);
         }
 
         if adopted && nat_used != 0 {
@@ -132,46 +57,8 @@ impl Dataplane {
             fill(&ebpf, maps::NAT_USED, [1u8; huddle_common::NAT_USED_LINE])?;
         }
         let mut config: Array<MapData, KernelConfig> = take(&mut ebpf, maps::CONFIG)?;
-        let mut snat_addrs = [[0u8; 16]; MAX_SNAT];
-        let wide = snat
-            .iter()
-            .map(|ip| addr_v4(ip.octets()))
-            .chain(snat6.iter().map(|ip| ip.octets()));
-        for (slot, a) in snat_addrs.iter_mut().zip(wide) {
-            *slot = a;
-        }
-        // An adopted data plane keeps its next-hop generation moving on,
-        // and its hash seed (half-open slots in use stay findable).
-        let old = config.get(&0, 0).ok().filter(|c| c.hash_seed != 0);
-        let hop_generation = old.map_or(0, |c| c.hop_generation) + 1;
-        let hash_seed = match old {
-            Some(c) => c.hash_seed,
-            None => random_seed()?,
-        };
-        let kernel_config = KernelConfig {
-            snat_addrs,
-            snat_count: snat.len() as u16,
-            family: FAMILY_V4,
-            // The live half of an adopted index stays live until
-            // `publish_services` has written the other.
-            service_half: old.map_or(0, |c| c.service_half),
-            nat_port_min: cfg.nat_ports.min,
-            nat_port_max: cfg.nat_ports.max,
-            slice_ports,
-            slices,
-            snat6_count: snat6.len() as u16,
-            _pad2: 0,
-            hop_generation,
-            half_open_mask: half_open - 1,
-            encap_vary: 0,
-            hash_seed,
-            syn_timeout_ns: cfg.huddle.syn_timeout.as_nanos() as u64,
-            encap_src: [0; 16],
-            encap6_src: [0; 16],
-            nat_used_per_backend: nat_used,
-            _pad3: 0,
-            service_mul: old.map_or([0; 2], |c| c.service_mul),
-        };
+        let (snat_addrs, kernel_config) =
+            kernel_config(cfg, snat, snat6, &geo, half_open, config.get(&0, 0).ok())?;
         config.set(0, kernel_config, 0).context("writing CONFIG")?;
 
         // Before the maps are taken: handles of its own for the sweep.
@@ -367,4 +254,180 @@ pub(super) fn random_seed() -> Result<u64> {
         .and_then(|mut f| std::io::Read::read_exact(&mut f, &mut b))
         .context("reading /dev/urandom for the hash seed")?;
     Ok(u64::from_ne_bytes(b) | 1)
+}
+
+/// How the NAT port range is cut per CPU, and what tracking its tuples
+/// takes.
+struct NatGeometry {
+    cpus: usize,
+    slice_ports: u16,
+    slices: u16,
+    /// `NAT_USED` bytes per backend (0: too many to track).
+    nat_used: u32,
+}
+
+impl NatGeometry {
+    fn of(cfg: &Config, snat_total: usize) -> Result<NatGeometry> {
+        if snat_total > MAX_SNAT {
+            bail!("at most {MAX_SNAT} SNAT addresses in all, not {snat_total}");
+        }
+        let cpus = crate::sys::host::possible_cpus()?;
+        let (slice_ports, slices) = KernelConfig::slices_for(
+            cfg.nat_ports.min,
+            cfg.nat_ports.max,
+            u16::try_from(cpus).unwrap_or(u16::MAX),
+        );
+        let snat_total = snat_total as u16;
+        let nat_used = huddle_common::nat_used_per_backend(slice_ports, slices, snat_total);
+        if nat_used == 0 {
+            info!(
+            "{} backends x {} NAT tuples would take more than {} MiB to track: each new flow asks the NAT table whether its tuple is in use (a cold lookup)",
+            huddle_common::NAT_USED_BACKENDS,
+            u64::from(slice_ports) * u64::from(slices) * u64::from(snat_total),
+            huddle_common::MAX_NAT_USED_BYTES >> 20
+        );
+        }
+        Ok(NatGeometry {
+            cpus,
+            slice_ports,
+            slices,
+            nat_used,
+        })
+    }
+}
+
+/// The object's loader with every map sized for `cfg`.
+fn loader(cfg: &Config, half_open: u32, nat_used: u32) -> EbpfLoader<'static> {
+    let tag_lines = huddle_common::half_open_tag_lines(half_open);
+    let mut loader = EbpfLoader::new();
+    // HUDDLE_VERIFIER_LOG=1: the verifier's whole log on a refusal
+    // (for whoever changes the program).
+    if std::env::var_os("HUDDLE_VERIFIER_LOG").is_some() {
+        loader.verifier_log_level(aya::VerifierLogLevel::VERBOSE | aya::VerifierLogLevel::STATS);
+    }
+    loader
+        .map_max_entries(maps::FLOWS, cfg.flow_table_size)
+        .map_max_entries(maps::NAT, cfg.flow_table_size)
+        .map_max_entries(maps::HALF_OPEN, half_open)
+        .map_max_entries(maps::HALF_OPEN_NAT, half_open)
+        .map_max_entries(maps::HALF_OPEN_TAGS, tag_lines)
+        .map_max_entries(maps::HALF_OPEN_NAT_TAGS, tag_lines)
+        .map_max_entries(maps::MAGLEV, maglev_elements(cfg.maglev_table_size))
+        .map_max_entries(maps::NAT_USED, huddle_common::nat_used_lines(nat_used));
+    loader
+}
+
+/// Pins every map under `dir` (adopting what is pinned there, once its
+/// layouts are checked); returns (adopted, fresh cursors).
+fn pin_to(
+    loader: &mut EbpfLoader,
+    dir: &Path,
+    cfg: &Config,
+    half_open: u32,
+) -> Result<(bool, bool)> {
+    std::fs::create_dir_all(dir)
+        .with_context(|| format!("creating the pin folder {}", dir.display()))?;
+    check_pinned_layouts(dir, half_open, maglev_elements(cfg.maglev_table_size))?;
+    let adopted = dir.join(maps::FLOWS).exists();
+    let fresh_cursors = !dir.join(maps::NAT_CURSOR).exists();
+    for name in maps::ALL {
+        loader.map_pin_path(name, dir.join(name));
+    }
+    Ok((adopted, fresh_cursors))
+}
+
+/// Loads both programs, points the IPv4 one's tail call at the IPv6 one,
+/// and forwards the programs' log records.
+fn load_programs(ebpf: &mut Ebpf) -> Result<()> {
+    load_program(ebpf, PROGRAM_NAME)?;
+    // The IPv6 program, which the main one tail-calls for IPv6 frames.
+    load_program(ebpf, PROGRAM6_NAME)?;
+    {
+        let fd = ebpf
+            .program(PROGRAM6_NAME)
+            .context("IPv6 program missing")?
+            .fd()?
+            .try_clone()?;
+        let mut tails: aya::maps::ProgramArray<&mut MapData> = ebpf
+            .map_mut(maps::TAILS)
+            .context("TAILS missing")?
+            .try_into()?;
+        tails.set(0, &fd, 0).context("setting the IPv6 program")?;
+    }
+    // After the program holds its maps: the logger owns the log map's fd.
+    match aya_log::EbpfLogger::init(ebpf) {
+        Ok(logger) => crate::kernel::logs::forward(logger),
+        Err(e) => warn!("kernel log forwarding unavailable: {e}"),
+    }
+    Ok(())
+}
+
+/// Says when an adopted flow table is not the configured size.
+fn warn_if_resized(ebpf: &Ebpf, cfg: &Config) {
+    if let Some(flows) = ebpf.map(maps::FLOWS) {
+        let size = match flows {
+            aya::maps::Map::LruHashMap(m) => m.info().ok().map(|i| i.max_entries()),
+            _ => None,
+        };
+        if size.is_some_and(|n| n != cfg.flow_table_size) {
+            warn!(
+                "the adopted flow table holds {} entries, not flow_table_size {}: resizing needs `huddle stop` (which drops every flow) and a fresh start",
+                size.unwrap_or(0),
+                cfg.flow_table_size
+            );
+        }
+    }
+}
+
+/// `CONFIG` for this start; an adopted data plane (`old`) keeps its hash
+/// seed and live index half, and moves its next-hop generation on.
+fn kernel_config(
+    cfg: &Config,
+    snat: &[Ipv4Addr],
+    snat6: &[std::net::Ipv6Addr],
+    geo: &NatGeometry,
+    half_open: u32,
+    old: Option<KernelConfig>,
+) -> Result<([[u8; 16]; MAX_SNAT], KernelConfig)> {
+    let mut snat_addrs = [[0u8; 16]; MAX_SNAT];
+    let wide = snat
+        .iter()
+        .map(|ip| addr_v4(ip.octets()))
+        .chain(snat6.iter().map(|ip| ip.octets()));
+    for (slot, a) in snat_addrs.iter_mut().zip(wide) {
+        *slot = a;
+    }
+    // An adopted data plane keeps its next-hop generation moving on,
+    // and its hash seed (half-open slots in use stay findable).
+    let old = old.filter(|c| c.hash_seed != 0);
+    let hop_generation = old.map_or(0, |c| c.hop_generation) + 1;
+    let hash_seed = match old {
+        Some(c) => c.hash_seed,
+        None => random_seed()?,
+    };
+    let kernel_config = KernelConfig {
+        snat_addrs,
+        snat_count: snat.len() as u16,
+        family: FAMILY_V4,
+        // The live half of an adopted index stays live until
+        // `publish_services` has written the other.
+        service_half: old.map_or(0, |c| c.service_half),
+        nat_port_min: cfg.nat_ports.min,
+        nat_port_max: cfg.nat_ports.max,
+        slice_ports: geo.slice_ports,
+        slices: geo.slices,
+        snat6_count: snat6.len() as u16,
+        _pad2: 0,
+        hop_generation,
+        half_open_mask: half_open - 1,
+        encap_vary: 0,
+        hash_seed,
+        syn_timeout_ns: cfg.huddle.syn_timeout.as_nanos() as u64,
+        encap_src: [0; 16],
+        encap6_src: [0; 16],
+        nat_used_per_backend: geo.nat_used,
+        _pad3: 0,
+        service_mul: old.map_or([0; 2], |c| c.service_mul),
+    };
+    Ok((snat_addrs, kernel_config))
 }
