@@ -1,6 +1,6 @@
 //! What a newcomer types: every binary answers `--help` and refuses an
-//! unknown flag, the README's commands parse as written and its example
-//! config passes `huddle check`, and the tools that make namespaces remove
+//! unknown flag, the commands of the README and docs/ parse as written and
+//! their configs pass `huddle check`, and the tools that make namespaces remove
 //! them when stopped with SIGTERM mid-run.
 
 use std::{
@@ -77,43 +77,87 @@ fn every_binary_answers_help_and_refuses_an_unknown_flag() {
     }
 }
 
-#[test]
-fn the_readmes_commands_parse_and_its_config_checks() {
-    let text = readme();
-    let mut seen = 0;
-    for block in blocks(&text, "sh") {
-        for line in block.lines() {
-            let cmd = line.split('#').next().unwrap_or("").trim();
-            let Some(args) = cmd.strip_prefix("huddle ") else {
-                continue;
-            };
-            // `--help` after the rest: clap parses every flag and value
-            // before it answers, so a renamed or mistyped flag fails.
-            let mut argv: Vec<&str> = args.split_whitespace().collect();
-            argv.push("--help");
-            let out = run(HUDDLE, &argv);
-            assert!(
-                out.status.success(),
-                "README: `{cmd}` does not parse: {}",
-                String::from_utf8_lossy(&out.stderr)
-            );
-            seen += 1;
+/// The README and every page under docs/, as (path, text).
+fn pages() -> Vec<(String, String)> {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap();
+    let mut out = vec![("README.md".to_string(), readme())];
+    let mut dirs = vec![root.join("docs")];
+    while let Some(d) = dirs.pop() {
+        for e in std::fs::read_dir(&d).expect("docs/").flatten() {
+            let p = e.path();
+            if p.is_dir() {
+                dirs.push(p);
+            } else if p.extension().is_some_and(|x| x == "md") {
+                let text = std::fs::read_to_string(&p).unwrap();
+                out.push((p.display().to_string(), text));
+            }
         }
     }
-    assert!(seen >= 8, "only {seen} huddle commands found in the README");
+    out
+}
 
-    let configs = blocks(&text, "toml");
-    assert_eq!(configs.len(), 1, "the README has one example config");
-    let path = std::env::temp_dir().join(format!("readme-{}.toml", std::process::id()));
-    std::fs::write(&path, &configs[0]).unwrap();
+/// `huddle check` of `text` written to a file; (passed, what it said).
+fn check(text: &str) -> (bool, String) {
+    let path = std::env::temp_dir().join(format!("doc-{}.toml", std::process::id()));
+    std::fs::write(&path, text).unwrap();
     let out = run(HUDDLE, &["check", &path.display().to_string()]);
     let _ = std::fs::remove_file(&path);
-    assert!(
-        out.status.success(),
-        "huddle check of the README's config: {}{}",
+    let said = format!(
+        "{}{}",
         String::from_utf8_lossy(&out.stdout),
         String::from_utf8_lossy(&out.stderr)
     );
+    (out.status.success(), said)
+}
+
+#[test]
+fn the_commands_of_the_readme_and_docs_parse_and_their_configs_check() {
+    let mut seen = 0;
+    for (page, text) in pages() {
+        for block in blocks(&text, "sh") {
+            for line in block.lines() {
+                let cmd = line.split('#').next().unwrap_or("").trim();
+                let Some(args) = cmd.strip_prefix("huddle ") else {
+                    continue;
+                };
+                // `--help` after the rest: clap parses every flag and
+                // value before it answers, so a renamed or mistyped flag
+                // fails.
+                let mut argv: Vec<&str> = args.split_whitespace().collect();
+                argv.push("--help");
+                let out = run(HUDDLE, &argv);
+                assert!(
+                    out.status.success(),
+                    "{page}: `{cmd}` does not parse: {}",
+                    String::from_utf8_lossy(&out.stderr)
+                );
+                seen += 1;
+            }
+        }
+        for block in blocks(&text, "toml") {
+            // The README's example is whole; a page's may be a fragment
+            // (one table), checked with an interface and a service added.
+            let mut whole = block.clone();
+            if page != "README.md" {
+                if !whole.lines().any(|l| l.starts_with("interface")) {
+                    whole = format!("interface = \"eth0\"\n{whole}");
+                }
+                if !whole.contains("[[service]]") {
+                    whole.push_str(
+                        "\n[[service]]\nvip = \"10.0.100.1:80\"\nbackends = [\"10.0.0.11:8080\"]\n",
+                    );
+                }
+            }
+            let (ok, said) = check(&whole);
+            assert!(ok, "{page}: its config does not pass huddle check: {said}");
+        }
+    }
+    assert!(
+        seen >= 9,
+        "only {seen} huddle commands found in the README and docs"
+    );
+    let configs = blocks(&readme(), "toml");
+    assert_eq!(configs.len(), 1, "the README has one example config");
 }
 
 /// Namespaces whose name contains `pid`.
