@@ -118,6 +118,46 @@ impl Dataplane {
             .filter_map(|s| s.last_swap.map(|t| (s.id, t)))
             .collect();
         let reloading = !self.services.is_empty();
+        self.sync_settings(cfg)?;
+        self.services.clear();
+        let (old_services, want) = self.service_ids(cfg)?;
+        let mut slots = self.backend_slots()?;
+        for ((key, sid), service) in want.iter().zip(&cfg.services) {
+            let ids = self.write_backends(*sid, service, &mut slots)?;
+            self.place_service(
+                *key,
+                *sid,
+                service,
+                ids,
+                old_services.contains_key(key),
+                &last_swaps,
+            )?;
+        }
+        for (k, id) in old_services {
+            if !want.iter().any(|(w, _)| *w == k) {
+                self.svc_remove(&k)
+                    .with_context(|| format!("removing service id {id}"))?;
+                info!("service id {id} is no longer configured: removed");
+            }
+        }
+        if self.adopted || reloading {
+            let gone = slots
+                .old
+                .values()
+                .filter(|id| !slots.kept.contains(id))
+                .count();
+            if gone > 0 {
+                info!(
+                    "{gone} backend(s) no longer configured: out of every ring, their flows drain"
+                );
+            }
+        }
+        self.publish_services()
+    }
+
+    /// The SYN timeout and the IP-in-IP outer source, into `CONFIG` when
+    /// they changed.
+    fn sync_settings(&mut self, cfg: &Config) -> Result<()> {
         let syn_timeout_ns = cfg.huddle.syn_timeout.as_nanos() as u64;
         // An IPv6-only balancer may have no IPv4 address at all (then no
         // IPv4 dsr-ipip service either: the daemon refuses one).
@@ -132,143 +172,128 @@ impl Dataplane {
             self.kernel_config.encap_vary = encap_vary;
             self.write_config()?;
         }
-        self.services.clear();
-        let old_services: StdHashMap<SvcKey, u32> = self
+        Ok(())
+    }
+
+    /// The services in the maps now (key -> id), and each configured one
+    /// with its id: kept where it was, else the lowest free.
+    fn service_ids(&self, cfg: &Config) -> Result<(StdHashMap<SvcKey, u32>, Vec<(SvcKey, u32)>)> {
+        let old: StdHashMap<SvcKey, u32> = self
             .svc_keys(SERVICE_KIND_VIP)
             .into_iter()
             .filter_map(|k| self.svc_get(&k).map(|v| (k, v.id)))
             .collect();
-        let mut used_sids: HashSet<u32> = HashSet::new();
-        let mut want: Vec<(SvcKey, Option<u32>)> = cfg
+        let keys: Vec<SvcKey> = cfg
             .services
             .iter()
-            .map(|s| {
-                let k = service_key(s.vip, s.proto);
-                let id = old_services.get(&k).copied();
-                if let Some(id) = id {
-                    used_sids.insert(id);
-                }
-                (k, id)
-            })
+            .map(|s| service_key(s.vip, s.proto))
             .collect();
-        for w in &mut want {
-            if w.1.is_none() {
-                let id = (0..MAX_SERVICES)
-                    .find(|i| !used_sids.contains(i))
-                    .context("no free service id")?;
-                used_sids.insert(id);
-                w.1 = Some(id);
-            }
+        let mut used: HashSet<u32> = keys.iter().filter_map(|k| old.get(k).copied()).collect();
+        let mut want = Vec::new();
+        for k in keys {
+            let id = match old.get(&k) {
+                Some(id) => *id,
+                None => {
+                    let id = (0..MAX_SERVICES)
+                        .find(|i| !used.contains(i))
+                        .context("no free service id")?;
+                    used.insert(id);
+                    id
+                }
+            };
+            want.push((k, id));
         }
-        // Backend slots in use: (service id, address) -> backend id.
-        let mut old_backends: StdHashMap<(u8, SocketAddr), u32> = StdHashMap::new();
-        let mut free: Vec<u32> = Vec::new();
-        let mut retired: Vec<u32> = Vec::new();
+        Ok((old, want))
+    }
+
+    /// Backend slots as the map has them now.
+    fn backend_slots(&self) -> Result<Slots> {
+        let mut slots = Slots::default();
         for id in 0..MAX_BACKENDS {
             let b = self.backends_map.get(&id, 0)?;
             if b.family == 0 {
-                free.push(id);
+                slots.free.push(id);
             } else {
-                old_backends.insert((b.service, backend_addr(&b)), id);
+                slots.old.insert((b.service, backend_addr(&b)), id);
             }
         }
-        let mut kept: HashSet<u32> = HashSet::new();
-        for ((key, sid), service) in want.iter().zip(&cfg.services) {
-            let sid = sid.context("service id")?;
-            let mut ids = Vec::new();
-            for addr in &service.backends {
-                let known = old_backends.get(&(sid as u8, *addr)).copied();
-                let id = match known {
-                    Some(id) => id,
-                    // Never-used slots first: a retired slot may still be
-                    // named by flows draining to its old backend.
-                    None => match free.pop() {
-                        Some(id) => id,
-                        None => {
-                            if retired.is_empty() {
-                                retired = old_backends
-                                    .values()
-                                    .copied()
-                                    .filter(|id| !kept.contains(id))
-                                    .collect();
-                                retired.sort_unstable();
-                            }
-                            retired.pop().context("no free backend slot")?
-                        }
-                    },
-                };
-                // A backend new to this slot walks its NAT tuples from where
-                // the clock says, not from where a slot's last run stopped.
-                if known.is_none() || self.fresh_cursors {
-                    self.start_cursor(id, *addr)?;
-                }
-                kept.insert(id);
-                let mut v = backend_value(*addr);
-                v.service = sid as u8;
-                self.backends_map
-                    .set(id, v, 0)
-                    .with_context(|| format!("writing backend {addr}"))?;
-                ids.push(id);
+        Ok(slots)
+    }
+
+    /// Writes service `sid`'s backends into their slots; their ids.
+    fn write_backends(
+        &mut self,
+        sid: u32,
+        service: &Service,
+        slots: &mut Slots,
+    ) -> Result<Vec<u32>> {
+        let mut ids = Vec::new();
+        for addr in &service.backends {
+            let (id, known) = slots.take(sid, *addr)?;
+            // A backend new to this slot walks its NAT tuples from where
+            // the clock says, not from where a slot's last run stopped.
+            if !known || self.fresh_cursors {
+                self.start_cursor(id, *addr)?;
             }
-            let generation = self.ring_gen.get(&sid, 0)?;
-            let kept_service = old_services.contains_key(key);
-            let actual: Vec<u32> = if kept_service {
-                let r = self.rings.get(&ring_slot(sid, generation), 0)?;
-                r.backends[..(r.len as usize).min(RING_CAPACITY)].to_vec()
-            } else {
-                Vec::new()
-            };
-            // A kept service keeps its live ring (less backends gone from
-            // the config) until the huddle says otherwise; a new one starts
-            // with every backend.
-            let live: Vec<u32> = actual
-                .iter()
-                .copied()
-                .filter(|id| ids.contains(id))
-                .collect();
-            let first = if live.is_empty() { ids.clone() } else { live };
-            self.services.push(ServiceSlot {
-                id: sid,
-                service: service.clone(),
-                ring: actual.clone(),
-                backend_ids: ids,
-                generation,
-                last_swap: last_swaps.get(&sid).copied(),
-            });
-            // A Maglev table is written afresh every time: the selection or
-            // a weight may have changed, or the map been made anew.
-            if first != actual || service.selection == Selection::Maglev {
-                self.swap_ring(self.services.len() - 1, &first)?;
-            }
-            // The selection is in the pass-over limits, which keep theirs.
-            let limits = self.tuning.get(&sid, 0).unwrap_or_default();
-            self.set_tuning(sid, limits)?;
-            let value = ServiceValue {
-                id: sid,
-                mode: service.mode.number(),
-            };
-            self.svc_insert(key, value)
-                .with_context(|| format!("writing service {}", service.name()))?;
+            let mut v = backend_value(*addr);
+            v.service = sid as u8;
+            self.backends_map
+                .set(id, v, 0)
+                .with_context(|| format!("writing backend {addr}"))?;
+            ids.push(id);
         }
-        for (k, id) in old_services {
-            if !want.iter().any(|(w, _)| *w == k) {
-                self.svc_remove(&k)
-                    .with_context(|| format!("removing service id {id}"))?;
-                info!("service id {id} is no longer configured: removed");
-            }
+        Ok(ids)
+    }
+
+    /// Service `sid` with backends `ids`: its slot, first ring, tuning and
+    /// `SERVICES` entry. A kept service (`kept`) keeps its live ring.
+    fn place_service(
+        &mut self,
+        key: SvcKey,
+        sid: u32,
+        service: &Service,
+        ids: Vec<u32>,
+        kept: bool,
+        last_swaps: &StdHashMap<u32, Instant>,
+    ) -> Result<()> {
+        let generation = self.ring_gen.get(&sid, 0)?;
+        let actual: Vec<u32> = if kept {
+            let r = self.rings.get(&ring_slot(sid, generation), 0)?;
+            r.backends[..(r.len as usize).min(RING_CAPACITY)].to_vec()
+        } else {
+            Vec::new()
+        };
+        // A kept service keeps its live ring (less backends gone from
+        // the config) until the huddle says otherwise; a new one starts
+        // with every backend.
+        let live: Vec<u32> = actual
+            .iter()
+            .copied()
+            .filter(|id| ids.contains(id))
+            .collect();
+        let first = if live.is_empty() { ids.clone() } else { live };
+        self.services.push(ServiceSlot {
+            id: sid,
+            service: service.clone(),
+            ring: actual.clone(),
+            backend_ids: ids,
+            generation,
+            last_swap: last_swaps.get(&sid).copied(),
+        });
+        // A Maglev table is written afresh every time: the selection or
+        // a weight may have changed, or the map been made anew.
+        if first != actual || service.selection == Selection::Maglev {
+            self.swap_ring(self.services.len() - 1, &first)?;
         }
-        if self.adopted || reloading {
-            let gone = old_backends
-                .values()
-                .filter(|id| !kept.contains(id))
-                .count();
-            if gone > 0 {
-                info!(
-                    "{gone} backend(s) no longer configured: out of every ring, their flows drain"
-                );
-            }
-        }
-        self.publish_services()
+        // The selection is in the pass-over limits, which keep theirs.
+        let limits = self.tuning.get(&sid, 0).unwrap_or_default();
+        self.set_tuning(sid, limits)?;
+        let value = ServiceValue {
+            id: sid,
+            mode: service.mode.number(),
+        };
+        self.svc_insert(&key, value)
+            .with_context(|| format!("writing service {}", service.name()))
     }
 
     /// Writes `SERVICES`' IPv4 entries into the half of `SERVICE_INDEX`
@@ -300,5 +325,47 @@ impl Dataplane {
         }
         self.kernel_config.service_half = half;
         self.write_config()
+    }
+}
+
+/// The backend slots a reconcile hands out.
+#[derive(Default)]
+struct Slots {
+    /// In use before: (service id, address) -> backend id.
+    old: StdHashMap<(u8, SocketAddr), u32>,
+    /// Never used.
+    free: Vec<u32>,
+    /// In use before and not kept, taken only when no slot is free.
+    retired: Vec<u32>,
+    /// Given to a configured backend by this reconcile.
+    kept: HashSet<u32>,
+}
+
+impl Slots {
+    /// The slot of `addr` in service `sid`, and whether it had it before.
+    fn take(&mut self, sid: u32, addr: SocketAddr) -> Result<(u32, bool)> {
+        let known = self.old.get(&(sid as u8, addr)).copied();
+        let id = match known {
+            Some(id) => id,
+            // Never-used slots first: a retired slot may still be named by
+            // flows draining to its old backend.
+            None => match self.free.pop() {
+                Some(id) => id,
+                None => {
+                    if self.retired.is_empty() {
+                        self.retired = self
+                            .old
+                            .values()
+                            .copied()
+                            .filter(|id| !self.kept.contains(id))
+                            .collect();
+                        self.retired.sort_unstable();
+                    }
+                    self.retired.pop().context("no free backend slot")?
+                }
+            },
+        };
+        self.kept.insert(id);
+        Ok((id, known.is_some()))
     }
 }
