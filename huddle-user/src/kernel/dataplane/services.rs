@@ -177,7 +177,7 @@ impl Dataplane {
 
     /// The services in the maps now (key -> id), and each configured one
     /// with its id: kept where it was, else the lowest free.
-    fn service_ids(&self, cfg: &Config) -> Result<(StdHashMap<SvcKey, u32>, Vec<(SvcKey, u32)>)> {
+    fn service_ids(&self, cfg: &Config) -> Result<ServiceIds> {
         let old: StdHashMap<SvcKey, u32> = self
             .svc_keys(SERVICE_KIND_VIP)
             .into_iter()
@@ -327,6 +327,10 @@ impl Dataplane {
         self.write_config()
     }
 }
+
+/// The services in the maps now (key -> id), and each configured one with
+/// its id.
+type ServiceIds = (StdHashMap<SvcKey, u32>, Vec<(SvcKey, u32)>);
 
 /// The backend slots a reconcile hands out.
 #[derive(Default)]
