@@ -171,129 +171,157 @@ impl Status {
             }
         }
         for s in &self.services {
-            let _ = writeln!(
-                out,
-                "\nservice {} ({}, {})  ring generation {}  rotation {}{}",
-                s.name,
-                if s.mode.is_empty() { "snat" } else { &s.mode },
-                if s.selection.is_empty() {
-                    "round_robin"
-                } else {
-                    &s.selection
-                },
-                s.ring_generation,
-                if s.rotation { "on" } else { "off" },
-                if s.panic {
-                    "  PANIC: too few healthy backends"
-                } else {
-                    ""
-                }
-            );
-            let _ = writeln!(out, "  inner ring: [{}]", s.ring.join(", "));
-            let _ = writeln!(
-                out,
-                "  {:<20} {:<7} {:>5} | {:>5} {:>4} {:>4} {:>4} {:>4} | {:>8} {:>8} {:>8} {:>5} {:>6} {:>8} {:>4}  last reason / health",
-                "backend", "ring", "temp", "anom", "cpu", "mem", "err", "load", "p50 ms", "p99 ms", "probe ms", "err%", "active", "flows", "rot"
-            );
-            for b in &s.backends {
-                let c = &b.components;
-                let ms = |v: Option<f64>| v.map_or("-".into(), |v| format!("{v:.1}"));
-                let health = match (&b.unhealthy, &b.last_reason) {
-                    (Some(u), _) => format!("UNHEALTHY {u}"),
-                    (None, Some(r)) => {
-                        format!("{r} ({:.0}s ago)", b.last_move_s_ago.unwrap_or(0.0))
-                    }
-                    (None, None) => String::new(),
-                };
-                let _ = writeln!(
-                    out,
-                    "  {:<20} {:<7} {:>5.2} | {:>5.2} {:>4.2} {:>4.2} {:>4.2} {:>4.2} | {:>8} {:>8} {:>8} {:>5.1} {:>6} {:>8} {:>4}  {}",
-                    b.addr,
-                    b.place,
-                    b.temperature,
-                    c.anomaly,
-                    c.cpu,
-                    c.memory,
-                    c.errors,
-                    c.load,
-                    ms(b.p50_ms),
-                    ms(b.p99_ms),
-                    ms(b.probe_ms),
-                    b.error_rate * 100.0,
-                    b.active_flows,
-                    b.counters.get("flows_new").copied().unwrap_or(0),
-                    b.rotations,
-                    health
-                );
-            }
-            // One line per distinct note, naming the backends it is about.
-            let mut notes: BTreeMap<&str, Vec<&str>> = BTreeMap::new();
-            for b in &s.backends {
-                if let Some(n) = &b.host_note {
-                    notes.entry(n).or_default().push(&b.addr);
-                }
-            }
-            for (n, addrs) in notes {
-                let _ = writeln!(out, "  note ({}): {n}", addrs.join(", "));
-            }
-            if s.mode.starts_with("dsr") {
-                let f = |v: Option<f64>| v.map_or("-".into(), |v| format!("{v:.2}"));
-                let _ = writeln!(
-                    out,
-                    "  latency from the clients' ACKs (ms): backend, ACK clock raw mean, agent's exact mean, taken off (agent's bias, else round trip)"
-                );
-                for b in &s.backends {
-                    let _ = writeln!(
-                        out,
-                        "    {:<20} {:>8} {:>8} {:>8}  {}",
-                        b.addr,
-                        f(b.ack_clock_ms),
-                        f(b.agent_ttfb_ms),
-                        f(b.rtt_ms),
-                        b.latency_source
-                    );
-                }
-            }
-            // UDP backends need not answer: neither applies to them.
-            if !s.name.ends_with("/udp") {
-                let _ = writeln!(
-                    out,
-                    "  hung after {:.0} ms; new flows pass over a backend owing an answer {:.0} ms or a SYN-ACK {:.0} ms (0: never)",
-                    s.hung_after_ms, s.pass_over_ms, s.pass_over_syn_ms
-                );
-            }
-            for b in &s.backends {
-                let c = |k: &str| b.counters.get(k).copied().unwrap_or(0);
-                let (refused, silent, passed, tw) = (
-                    c("retried_refused"),
-                    c("retried_silent"),
-                    c("skipped_owing"),
-                    c("retried_time_wait"),
-                );
-                if refused + silent + passed + tw > 0 {
-                    let _ = writeln!(
-                        out,
-                        "  {}: {refused} refused and {silent} unanswered SYNs retried on another backend, {tw} refused by an old connection's TIME_WAIT resent from another NAT tuple; passed over by {passed} new flows",
-                        b.addr
-                    );
-                }
-            }
-            let skip = s.recent.len().saturating_sub(5);
-            for e in s.recent.iter().skip(skip) {
-                let _ = writeln!(
-                    out,
-                    "  at {:>8.1}s  {} -> {} ring ({}), temperature {:.2}",
-                    e.at_s,
-                    e.backend,
-                    e.to.as_str(),
-                    e.reason,
-                    e.temperature
-                );
-            }
-            let _ = writeln!(out, "  service counters: {}", nonzero(&s.counters));
+            s.render(&mut out);
         }
         let _ = writeln!(out, "\nglobal counters: {}", nonzero(&self.global));
         out
+    }
+}
+
+impl ServiceStatus {
+    /// One service's block of the table.
+    fn render(&self, out: &mut String) {
+        let s = self;
+        let _ = writeln!(
+            out,
+            "\nservice {} ({}, {})  ring generation {}  rotation {}{}",
+            s.name,
+            if s.mode.is_empty() { "snat" } else { &s.mode },
+            if s.selection.is_empty() {
+                "round_robin"
+            } else {
+                &s.selection
+            },
+            s.ring_generation,
+            if s.rotation { "on" } else { "off" },
+            if s.panic {
+                "  PANIC: too few healthy backends"
+            } else {
+                ""
+            }
+        );
+        let _ = writeln!(out, "  inner ring: [{}]", s.ring.join(", "));
+        let _ = writeln!(
+            out,
+            "  {:<20} {:<7} {:>5} | {:>5} {:>4} {:>4} {:>4} {:>4} | {:>8} {:>8} {:>8} {:>5} {:>6} {:>8} {:>4}  last reason / health",
+            "backend", "ring", "temp", "anom", "cpu", "mem", "err", "load", "p50 ms", "p99 ms", "probe ms", "err%", "active", "flows", "rot"
+        );
+        for b in &s.backends {
+            b.render(out);
+        }
+        // One line per distinct note, naming the backends it is about.
+        let mut notes: BTreeMap<&str, Vec<&str>> = BTreeMap::new();
+        for b in &s.backends {
+            if let Some(n) = &b.host_note {
+                notes.entry(n).or_default().push(&b.addr);
+            }
+        }
+        for (n, addrs) in notes {
+            let _ = writeln!(out, "  note ({}): {n}", addrs.join(", "));
+        }
+        if s.mode.starts_with("dsr") {
+            s.render_ack_clock(out);
+        }
+        // UDP backends need not answer: neither applies to them.
+        if !s.name.ends_with("/udp") {
+            let _ = writeln!(
+                out,
+                "  hung after {:.0} ms; new flows pass over a backend owing an answer {:.0} ms or a SYN-ACK {:.0} ms (0: never)",
+                s.hung_after_ms, s.pass_over_ms, s.pass_over_syn_ms
+            );
+        }
+        s.render_retries(out);
+        let skip = s.recent.len().saturating_sub(5);
+        for e in s.recent.iter().skip(skip) {
+            let _ = writeln!(
+                out,
+                "  at {:>8.1}s  {} -> {} ring ({}), temperature {:.2}",
+                e.at_s,
+                e.backend,
+                e.to.as_str(),
+                e.reason,
+                e.temperature
+            );
+        }
+        let _ = writeln!(out, "  service counters: {}", nonzero(&s.counters));
+    }
+
+    /// DSR: where each backend's latency came from.
+    fn render_ack_clock(&self, out: &mut String) {
+        let s = self;
+        let f = |v: Option<f64>| v.map_or("-".into(), |v| format!("{v:.2}"));
+        let _ = writeln!(
+            out,
+            "  latency from the clients' ACKs (ms): backend, ACK clock raw mean, agent's exact mean, taken off (agent's bias, else round trip)"
+        );
+        for b in &s.backends {
+            let _ = writeln!(
+                out,
+                "    {:<20} {:>8} {:>8} {:>8}  {}",
+                b.addr,
+                f(b.ack_clock_ms),
+                f(b.agent_ttfb_ms),
+                f(b.rtt_ms),
+                b.latency_source
+            );
+        }
+    }
+
+    /// Backends whose SYNs were retried or that new flows passed over.
+    fn render_retries(&self, out: &mut String) {
+        let s = self;
+        for b in &s.backends {
+            let c = |k: &str| b.counters.get(k).copied().unwrap_or(0);
+            let (refused, silent, passed, tw) = (
+                c("retried_refused"),
+                c("retried_silent"),
+                c("skipped_owing"),
+                c("retried_time_wait"),
+            );
+            if refused + silent + passed + tw > 0 {
+                let _ = writeln!(
+                    out,
+                    "  {}: {refused} refused and {silent} unanswered SYNs retried on another backend, {tw} refused by an old connection's TIME_WAIT resent from another NAT tuple; passed over by {passed} new flows",
+                    b.addr
+                );
+            }
+        }
+    }
+}
+
+impl BackendStatus {
+    /// One backend's row.
+    fn render(&self, out: &mut String) {
+        let b = self;
+        let c = &b.components;
+        let ms = |v: Option<f64>| v.map_or("-".into(), |v| format!("{v:.1}"));
+        let health = match (&b.unhealthy, &b.last_reason) {
+            (Some(u), _) => format!("UNHEALTHY {u}"),
+            (None, Some(r)) => {
+                format!("{r} ({:.0}s ago)", b.last_move_s_ago.unwrap_or(0.0))
+            }
+            (None, None) => String::new(),
+        };
+        let _ = writeln!(
+            out,
+            "  {:<20} {:<7} {:>5.2} | {:>5.2} {:>4.2} {:>4.2} {:>4.2} {:>4.2} | {:>8} {:>8} {:>8} {:>5.1} {:>6} {:>8} {:>4}  {}",
+            b.addr,
+            b.place,
+            b.temperature,
+            c.anomaly,
+            c.cpu,
+            c.memory,
+            c.errors,
+            c.load,
+            ms(b.p50_ms),
+            ms(b.p99_ms),
+            ms(b.probe_ms),
+            b.error_rate * 100.0,
+            b.active_flows,
+            b.counters.get("flows_new").copied().unwrap_or(0),
+            b.rotations,
+            health
+        );
     }
 }
 
