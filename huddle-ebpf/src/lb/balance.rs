@@ -163,18 +163,7 @@ fn request<F: Balanced, const DSR: bool>(
             }
             nat::close(f, flow.backend);
             bump(&BACKEND_STATS, flow.backend, |s| s.flows_moved += 1);
-            flow = match new_flow(
-                ctx,
-                cfg,
-                service,
-                sc,
-                p,
-                Start {
-                    timed: false,
-                    half_open: false,
-                    dsr,
-                },
-            ) {
+            flow = match new_flow(ctx, cfg, service, sc, p, Start::carried_on(dsr)) {
                 Ok(f) => f,
                 Err(verdict) => return verdict,
             };
@@ -286,19 +275,7 @@ fn handshake<F: Balanced>(
 ) -> Result<(FlowValue, Option<*mut FlowValue>), u32> {
     let tcp = p.is_tcp();
     if tcp && p.has_flag(TCP_SYN) {
-        return new_flow(
-            ctx,
-            cfg,
-            service,
-            sc,
-            p,
-            Start {
-                timed: true,
-                half_open: true,
-                dsr,
-            },
-        )
-        .map(|f| (f, None));
+        return new_flow(ctx, cfg, service, sc, p, Start::syn(dsr)).map(|f| (f, None));
     }
     let Some((slot, h)) = halfopen::find_hashed(cfg, &sc.nval.flow) else {
         if tcp {
@@ -308,36 +285,13 @@ fn handshake<F: Balanced>(
             // where the backend sees the client's own address.
             if dsr && maglev(service) {
                 bump(&SERVICE_STATS, service, |s| s.taken_over += 1);
-                return new_flow(
-                    ctx,
-                    cfg,
-                    service,
-                    sc,
-                    p,
-                    Start {
-                        timed: false,
-                        half_open: false,
-                        dsr,
-                    },
-                )
-                .map(|f| (f, None));
+                return new_flow(ctx, cfg, service, sc, p, Start::carried_on(dsr))
+                    .map(|f| (f, None));
             }
             bump(&SERVICE_STATS, service, |s| s.pass_no_flow += 1);
             return Err(xdp_action::XDP_PASS);
         }
-        return new_flow(
-            ctx,
-            cfg,
-            service,
-            sc,
-            p,
-            Start {
-                timed: !dsr,
-                half_open: !dsr,
-                dsr,
-            },
-        )
-        .map(|f| (f, None));
+        return new_flow(ctx, cfg, service, sc, p, Start::datagram(dsr)).map(|f| (f, None));
     };
     // SAFETY: map value pointer, copied out at once.
     let half = unsafe { (*slot).flow };
@@ -461,6 +415,37 @@ struct Start {
     half_open: bool,
     /// Direct server return: no NAT tuple.
     dsr: bool,
+}
+
+impl Start {
+    /// A TCP SYN: timed, half-open until the handshake completes.
+    fn syn(dsr: bool) -> Start {
+        Start {
+            timed: true,
+            half_open: true,
+            dsr,
+        }
+    }
+
+    /// A flow that was open before (moved off a dead backend, or taken
+    /// over from another balancer): straight into the flow tables, untimed.
+    fn carried_on(dsr: bool) -> Start {
+        Start {
+            timed: false,
+            half_open: false,
+            dsr,
+        }
+    }
+
+    /// The first datagram of a UDP flow: timed and half-open until the
+    /// client sends again, except in DSR, where no answer comes back.
+    fn datagram(dsr: bool) -> Start {
+        Start {
+            timed: !dsr,
+            half_open: !dsr,
+            dsr,
+        }
+    }
 }
 
 /// Picks a backend and a NAT tuple for a new flow (its key in
