@@ -9,8 +9,13 @@ use crate::{
     kernel::prog_run::{ProgRun, BALANCER_IP, BALANCER_MAC},
 };
 use anyhow::{bail, Context, Result};
-use aya::{programs::Xdp, Ebpf};
-use huddle_common::{addr_v4, FlowKey, FlowValue, FAMILY_V4};
+use aya::{
+    maps::{Array, PerCpuArray},
+    programs::xdp::XdpMode as Mode,
+    programs::{TestRun, TestRunAttrs, TestRunOptions, Xdp},
+    Ebpf,
+};
+use huddle_common::{addr_v4, FlowKey, FlowValue, GenConfig, GenNat, FAMILY_V4, GEN_FRAME};
 use std::{net::Ipv4Addr, time::Duration};
 
 /// The one's-complement change of a checksum over `was` when those bytes
@@ -39,8 +44,8 @@ const PPS_BASE_PORT: u16 = 30000;
 /// Packets per second forwarded on a veth pair, one core: a generator
 /// (BPF_PROG_TEST_RUN live frames) sends established-flow frames into the
 /// balancer's interface, the program under test sends them back out, a
-/// sink on the peer counts them. Then the same with the minimal forwarder
-/// in its place.
+/// sink on the peer counts them. Then the same with the baselines in its
+/// place.
 pub(super) fn pps(
     cpu: usize,
     frames: u32,
@@ -49,12 +54,6 @@ pub(super) fn pps(
     client: Ipv4Addr,
     base: &mut Ebpf,
 ) -> Result<()> {
-    use aya::{
-        maps::{Array, PerCpuArray},
-        programs::xdp::XdpMode as Mode,
-        programs::{TestRun, TestRunAttrs, TestRunOptions},
-    };
-    use huddle_common::{GenConfig, GenNat, GEN_FRAME};
     let mut env = ProgRun::new(
         &format!("huddle-pps-{}", std::process::id()),
         cfg,
@@ -68,67 +67,102 @@ pub(super) fn pps(
     if env.dp.service_stats(0)?.promoted != u64::from(PPS_FLOWS) {
         bail!("could not establish the {PPS_FLOWS} flows of the packets-per-second run");
     }
-    let mut tpl = Frame::tcp((client, PPS_BASE_PORT), (VIP, 80))
-        .seq_ack(1001, 5001)
-        .payload(&[0x61; GEN_FRAME - 54])
-        .macs(
-            crate::kernel::prog_run::mac_of(client),
-            crate::kernel::prog_run::BALANCER_MAC,
-        )
-        .build();
-    tpl.resize(GEN_FRAME, 0);
-    let mut template = [0u8; GEN_FRAME];
-    template.copy_from_slice(&tpl);
-    let mut tg = Ebpf::load(object::TRAFFICGEN).context("loading the packet generator")?;
-    let tg = &mut tg;
-    Array::<_, [u8; GEN_FRAME]>::try_from(tg.map_mut("GEN_TEMPLATE").context("GEN_TEMPLATE")?)?
-        .set(0, template, 0)?;
-    Array::<_, GenConfig>::try_from(tg.map_mut("GEN_CONFIG").context("GEN_CONFIG")?)?.set(
-        0,
-        GenConfig {
-            ifindex: peer,
-            flows: u32::from(PPS_FLOWS),
-            base_port: PPS_BASE_PORT,
-            ..GenConfig::default()
-        },
-        0,
-    )?;
-    for name in ["gen", "sink", "lookup_tx", "nat_tx"] {
-        xdp_of(tg, name)?.load()?;
-    }
-    let sink_link = xdp_of(tg, "sink")?
+    let mut gen = Generator::load(peer, env.ifindex, client, frames)?;
+    gen.fill_lookup_table(client)?;
+    gen.fill_nat_table(client)?;
+    let sink_link = xdp_of(&mut gen.obj, "sink")?
         .attach_to_if_index(peer, Mode::Driver)
         .context("attaching the sink")?;
-    // struct xdp_md: data_end must be the frame's length, as in `test_run`.
-    let mut ctx = [0u8; 24];
-    ctx[4..8].copy_from_slice(&(GEN_FRAME as u32).to_ne_bytes());
-    ctx[12..16].copy_from_slice(&env.ifindex.to_ne_bytes());
-    let run = |tg: &mut Ebpf| -> Result<f64> {
-        let counted = |tg: &mut Ebpf| -> Result<u64> {
-            let m = PerCpuArray::<_, u64>::try_from(tg.map_mut("GEN_COUNT").context("GEN_COUNT")?)?;
-            Ok(m.get(&1, 0)?.iter().sum())
-        };
-        let before = counted(tg)?;
-        let gen: &Xdp = tg.program("gen").context("gen")?.try_into()?;
+    let rates = rounds(&mut env, &mut gen, base)?;
+    xdp_of(&mut gen.obj, "sink")?.detach(sink_link)?;
+    report(cpu, frames, rates);
+    Ok(())
+}
+
+/// The live-frames generator and its sink, with the two extra baselines
+/// (`lookup_tx`, `nat_tx`) in the same object.
+struct Generator {
+    obj: Ebpf,
+    template: [u8; GEN_FRAME],
+    /// struct xdp_md for the runs.
+    ctx: [u8; 24],
+    frames: u32,
+}
+
+impl Generator {
+    /// Loads the generator to send `frames` copies of `client`'s
+    /// established-flow frame from `peer` into `ifindex`.
+    fn load(peer: u32, ifindex: u32, client: Ipv4Addr, frames: u32) -> Result<Self> {
+        let mut tpl = Frame::tcp((client, PPS_BASE_PORT), (VIP, 80))
+            .seq_ack(1001, 5001)
+            .payload(&[0x61; GEN_FRAME - 54])
+            .macs(crate::kernel::prog_run::mac_of(client), BALANCER_MAC)
+            .build();
+        tpl.resize(GEN_FRAME, 0);
+        let mut template = [0u8; GEN_FRAME];
+        template.copy_from_slice(&tpl);
+        let mut obj = Ebpf::load(object::TRAFFICGEN).context("loading the packet generator")?;
+        Array::<_, [u8; GEN_FRAME]>::try_from(
+            obj.map_mut("GEN_TEMPLATE").context("GEN_TEMPLATE")?,
+        )?
+        .set(0, template, 0)?;
+        Array::<_, GenConfig>::try_from(obj.map_mut("GEN_CONFIG").context("GEN_CONFIG")?)?.set(
+            0,
+            GenConfig {
+                ifindex: peer,
+                flows: u32::from(PPS_FLOWS),
+                base_port: PPS_BASE_PORT,
+                ..GenConfig::default()
+            },
+            0,
+        )?;
+        for name in ["gen", "sink", "lookup_tx", "nat_tx"] {
+            xdp_of(&mut obj, name)?.load()?;
+        }
+        // struct xdp_md: data_end must be the frame's length, as in
+        // `test_run`.
+        let mut ctx = [0u8; 24];
+        ctx[4..8].copy_from_slice(&(GEN_FRAME as u32).to_ne_bytes());
+        ctx[12..16].copy_from_slice(&ifindex.to_ne_bytes());
+        Ok(Self {
+            obj,
+            template,
+            ctx,
+            frames,
+        })
+    }
+
+    /// Frames the sink counted so far.
+    fn counted(&mut self) -> Result<u64> {
+        let m =
+            PerCpuArray::<_, u64>::try_from(self.obj.map_mut("GEN_COUNT").context("GEN_COUNT")?)?;
+        Ok(m.get(&1, 0)?.iter().sum())
+    }
+
+    /// One run: frames the sink counted per second.
+    fn rate(&mut self) -> Result<f64> {
+        let before = self.counted()?;
+        let gen: &Xdp = self.obj.program("gen").context("gen")?.try_into()?;
         let mut opts = TestRunOptions::new();
-        opts.data_in = Some(&template);
-        opts.ctx_in = Some(&ctx);
-        opts.repeat = frames;
+        opts.data_in = Some(&self.template);
+        opts.ctx_in = Some(&self.ctx);
+        opts.repeat = self.frames;
         opts.attrs = TestRunAttrs::new().xdp_live_frames(64);
         let t = std::time::Instant::now();
         gen.test_run(opts)
             .context("BPF_PROG_TEST_RUN (live frames)")?;
         std::thread::sleep(Duration::from_millis(20));
         let took = t.elapsed().saturating_sub(Duration::from_millis(20));
-        let after = counted(tg)?;
+        let after = self.counted()?;
         Ok((after - before) as f64 / took.as_secs_f64())
-    };
-    // The forwarder plus one lookup in a table of the balancer's flow
-    // table's type, key and size holding these flows: what that lookup
-    // alone costs in the cycle.
-    {
+    }
+
+    /// The forwarder plus one lookup in a table of the balancer's flow
+    /// table's type, key and size holding these flows: what that lookup
+    /// alone costs in the cycle.
+    fn fill_lookup_table(&mut self, client: Ipv4Addr) -> Result<()> {
         let mut flows = aya::maps::HashMap::<_, FlowKey, FlowValue>::try_from(
-            tg.map_mut("GEN_FLOWS").context("GEN_FLOWS")?,
+            self.obj.map_mut("GEN_FLOWS").context("GEN_FLOWS")?,
         )?;
         for k in 0..PPS_FLOWS {
             let key = FlowKey::new(
@@ -141,12 +175,14 @@ pub(super) fn pps(
             );
             flows.insert(key, FlowValue::default(), 0)?;
         }
+        Ok(())
     }
-    // The bare NAT forwarder's flows: each rewritten toward a backend, as
-    // the balancer does (see `nat_tx`).
-    {
+
+    /// The bare NAT forwarder's flows: each rewritten toward a backend, as
+    /// the balancer does (see `nat_tx`).
+    fn fill_nat_table(&mut self, client: Ipv4Addr) -> Result<()> {
         let mut nat = aya::maps::HashMap::<_, [u64; 2], GenNat>::try_from(
-            tg.map_mut("GEN_NAT").context("GEN_NAT")?,
+            self.obj.map_mut("GEN_NAT").context("GEN_NAT")?,
         )?;
         let backend = Ipv4Addr::new(10, 213, 1, 1);
         let was = [client.octets(), VIP.octets()].concat();
@@ -172,16 +208,23 @@ pub(super) fn pps(
             };
             nat.insert(key, entry, 0)?;
         }
+        Ok(())
     }
-    // Rounds of the four in turn, so that a slower spell of the host
-    // (this is a virtual machine) falls on all of them; medians reported.
-    const PROGRAMS: usize = 4;
+}
+
+/// The programs timed: the balancer, then the baselines.
+const PROGRAMS: usize = 4;
+
+/// Rounds of the four programs in turn, so that a slower spell of the host
+/// (this is a virtual machine) falls on all of them; the median rate of
+/// each: huddle, minimal forwarder, forwarder + lookup, bare NAT forwarder.
+fn rounds(env: &mut ProgRun, gen: &mut Generator, base: &mut Ebpf) -> Result<[f64; PROGRAMS]> {
     let mut rates: [Vec<f64>; PROGRAMS] = Default::default();
     for _ in 0..PPS_ROUNDS {
         for (which, rate) in rates.iter_mut().enumerate() {
             let r = if which == 0 {
                 env.dp.attach(env.ifindex, XdpMode::Native)?;
-                let r = run(tg);
+                let r = gen.rate();
                 env.dp.detach()?;
                 r
             } else {
@@ -189,21 +232,24 @@ pub(super) fn pps(
                 // the generator's.
                 let name = ["swap_tx", "lookup_tx", "nat_tx"][which - 1];
                 let in_base = which == 1;
-                let obj = if in_base { &mut *base } else { &mut *tg };
+                let obj = if in_base { &mut *base } else { &mut gen.obj };
                 let link = xdp_of(obj, name)?.attach_to_if_index(env.ifindex, Mode::Driver)?;
-                let r = run(tg);
-                let obj = if in_base { &mut *base } else { &mut *tg };
+                let r = gen.rate();
+                let obj = if in_base { &mut *base } else { &mut gen.obj };
                 xdp_of(obj, name)?.detach(link)?;
                 r
             };
             rate.push(r?);
         }
     }
-    xdp_of(tg, "sink")?.detach(sink_link)?;
-    let [ours, theirs, lookup, bare] = rates.map(|mut r| {
+    Ok(rates.map(|mut r| {
         r.sort_by(f64::total_cmp);
         r[r.len() / 2]
-    });
+    }))
+}
+
+/// The table, and the whole cycle per packet.
+fn report(cpu: usize, frames: u32, [ours, theirs, lookup, bare]: [f64; PROGRAMS]) {
     println!(
         "\nPackets per second forwarded on a veth pair, one core (CPU {}), {} frames of {GEN_FRAME} bytes each from a \
          BPF_PROG_TEST_RUN live-frames generator, spread over {PPS_FLOWS} established flows; counted by an XDP sink on the peer. \
@@ -246,5 +292,4 @@ pub(super) fn pps(
         lookup_ns - theirs_ns,
         theirs_ns / 0.85 - theirs_ns
     );
-    Ok(())
 }

@@ -141,6 +141,9 @@ pub(super) fn handshake(
     Ok(([v, v2, v3], backend, nat_port))
 }
 
+/// The first flow number of the full balancer's SYNs.
+pub(super) const FULL_BASE: u32 = 10_000_000;
+
 /// First client number of the reuse case: round `r` finishes
 /// `REUSE_TUPLES` connections from `REUSE_BASE + 2r * REUSE_TUPLES`, then
 /// times SYNs from the next `REUSE_TUPLES`.

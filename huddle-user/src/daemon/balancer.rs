@@ -9,7 +9,7 @@ use crate::{
 };
 use anyhow::{bail, Context, Result};
 use std::{
-    collections::{HashSet, VecDeque},
+    collections::{HashMap, HashSet, VecDeque},
     net::SocketAddr,
     path::PathBuf,
     sync::{Arc, Mutex},
@@ -17,16 +17,28 @@ use std::{
 };
 use tracing::{info, warn};
 
-/// The running balancer's state, behind one lock.
+/// The running balancer's state, behind one lock: the data plane, the
+/// config and a huddle per service, then one struct per concern.
 pub struct Balancer {
     pub dp: Dataplane,
     pub cfg: Config,
     /// One per service, parallel to `cfg.services`.
     pub huddles: Vec<ServiceHuddle>,
-    /// Recent rotations, newest last.
-    pub events: VecDeque<RotationEvent>,
     /// Backends whose flows the kernel is moving off (marked dead).
     pub(super) moving: HashSet<u32>,
+    /// Pass-over limits last written, per service id.
+    pub(super) tuned: HashMap<u32, huddle_common::Tuning>,
+    /// Start, reload and stop.
+    pub life: Lifecycle,
+    /// What the balancer has seen and tells an operator.
+    pub(super) seen: Seen,
+    /// Its cluster and its BGP announcements.
+    pub cluster: ClusterSide,
+}
+
+/// The daemon's life: when it started, how it re-reads its config, how
+/// it is told to stop and what it leaves behind.
+pub struct Lifecycle {
     pub(super) started: Instant,
     /// Told when an operator asks the daemon to stop and remove everything.
     pub stop: Arc<tokio::sync::Notify>,
@@ -36,6 +48,14 @@ pub struct Balancer {
     pub sysctl_originals: Vec<(PathBuf, String)>,
     /// Re-reads the configuration (file and flags) for a reload.
     pub reloader: Option<Reloader>,
+}
+
+/// What the balancer has seen that an operator must hear about once, or
+/// find in `huddle status`.
+#[derive(Default)]
+pub struct Seen {
+    /// Recent rotations, newest last.
+    pub events: VecDeque<RotationEvent>,
     /// Things about the data plane an operator must know (shown by
     /// `huddle status`): how it was attached and why, pins that do not
     /// outlive the daemon, a mode that forwards nothing.
@@ -45,13 +65,17 @@ pub struct Balancer {
     /// Per backend id: early NAT tuple reuses counted so far, and whether
     /// they are being reported (one line when they start, one when they
     /// stop).
-    pub(super) nat_reuse: std::collections::HashMap<u32, (u64, bool)>,
-    /// Pass-over limits last written, per service id.
-    pub(super) tuned: std::collections::HashMap<u32, huddle_common::Tuning>,
+    pub(super) nat_reuse: HashMap<u32, (u64, bool)>,
+    /// Per service: when it was last seen in panic mode.
+    pub(super) last_panic: HashMap<usize, Instant>,
+}
+
+/// The balancer's side of its cluster and of BGP.
+pub struct ClusterSide {
     /// The member of `[cluster]` whose rings this balancer takes (`None`:
     /// it decides its own), and what the poll last found wrong.
     pub leader: Option<crate::cluster::peers::Leader>,
-    pub(super) cluster_note: Option<String>,
+    pub(super) leader_note: Option<String>,
     /// The flows this balancer shares with its cluster (`/flows`), and
     /// what the last exchange did (see `handoff`).
     pub shared_flows: Arc<crate::cluster::handoff::FlowsAnswer>,
@@ -60,8 +84,6 @@ pub struct Balancer {
     /// and what the last poll found.
     pub(super) pool: crate::cluster::pooled::Pool,
     pub(super) pool_note: Option<String>,
-    /// Per service: when it was last seen in panic mode.
-    pub(super) last_panic: std::collections::HashMap<usize, Instant>,
     /// Announces the VIPs through bird (with `[bgp]`); its own lock, so
     /// a slow bird never holds up a tick or `huddle status`.
     pub bgp: Option<Arc<Mutex<crate::cluster::bgp::Announcer>>>,
@@ -117,25 +139,25 @@ impl Balancer {
             dp,
             cfg,
             huddles,
-            events: VecDeque::new(),
             moving: HashSet::new(),
-            started: Instant::now(),
-            stop: Arc::new(tokio::sync::Notify::new()),
-            remove_on_exit: false,
-            sysctl_originals: Vec::new(),
-            reloader: None,
-            notes: Vec::new(),
-            watch: None,
-            nat_reuse: std::collections::HashMap::new(),
-            tuned: std::collections::HashMap::new(),
-            last_panic: std::collections::HashMap::new(),
-            leader: None,
-            cluster_note: None,
-            shared_flows: Arc::default(),
-            handoff_note: None,
-            pool: crate::cluster::pooled::Pool::default(),
-            pool_note: None,
-            bgp,
+            tuned: HashMap::new(),
+            life: Lifecycle {
+                started: Instant::now(),
+                stop: Arc::new(tokio::sync::Notify::new()),
+                remove_on_exit: false,
+                sysctl_originals: Vec::new(),
+                reloader: None,
+            },
+            seen: Seen::default(),
+            cluster: ClusterSide {
+                leader: None,
+                leader_note: None,
+                shared_flows: Arc::default(),
+                handoff_note: None,
+                pool: crate::cluster::pooled::Pool::default(),
+                pool_note: None,
+                bgp,
+            },
         };
         if let Some(saved) = saved {
             b.restore(saved);
@@ -150,7 +172,7 @@ impl Balancer {
     }
 
     pub(super) fn now(&self) -> Duration {
-        self.started.elapsed()
+        self.life.started.elapsed()
     }
 
     /// Re-reads the configuration and applies it to the running data plane:
@@ -160,6 +182,7 @@ impl Balancer {
     /// changes nothing.
     pub fn reload(&mut self) -> Result<String> {
         let reloader = self
+            .life
             .reloader
             .clone()
             .context("this balancer has no configuration to reload")?;

@@ -46,7 +46,7 @@ impl Balancer {
         for (peer, a) in answers {
             match a {
                 Ok(a) => {
-                    let bad = self.pool.take(peer, &a);
+                    let bad = self.cluster.pool.take(peer, &a);
                     if bad == 0 {
                         from.push(peer.to_string());
                     } else {
@@ -56,7 +56,7 @@ impl Balancer {
                 Err(e) => passed.push(format!("{peer}: {e:#}")),
             }
         }
-        self.pool_note = Some(format!(
+        self.cluster.pool_note = Some(format!(
             "readings: this balancer's{}{}",
             if from.is_empty() {
                 " alone".to_string()
@@ -96,7 +96,7 @@ impl Balancer {
     /// backend ids; `None` without a leader, or when its ring names no
     /// backend this balancer knows (never an empty ring from a peer).
     pub(super) fn leader_ring(&self, si: usize) -> Option<Vec<u32>> {
-        let leader = self.leader.as_ref()?;
+        let leader = self.cluster.leader.as_ref()?;
         let slot = &self.dp.services[si];
         let ids: Vec<u32> = leader
             .rings
@@ -113,7 +113,7 @@ impl Balancer {
     /// Takes the result of a leader poll: follows `leader` (or decides
     /// alone), saying when that changes.
     pub fn follow(&mut self, leader: Option<crate::cluster::peers::Leader>, problems: &[String]) {
-        let was = self.leader.as_ref().map(|l| l.addr);
+        let was = self.cluster.leader.as_ref().map(|l| l.addr);
         let now = leader.as_ref().map(|l| l.addr);
         if was != now {
             match now {
@@ -129,7 +129,7 @@ impl Balancer {
                 ),
             }
         }
-        self.cluster_note = Some(match (&leader, problems.is_empty()) {
+        self.cluster.leader_note = Some(match (&leader, problems.is_empty()) {
             (Some(l), true) => format!("cluster: rings from {}", l.addr),
             (Some(l), false) => format!(
                 "cluster: rings from {}; passed over {}",
@@ -142,8 +142,9 @@ impl Balancer {
                 problems.join("; ")
             ),
         });
-        let changed = self.leader.as_ref().map(|l| &l.rings) != leader.as_ref().map(|l| &l.rings);
-        self.leader = leader;
+        let changed =
+            self.cluster.leader.as_ref().map(|l| &l.rings) != leader.as_ref().map(|l| &l.rings);
+        self.cluster.leader = leader;
         // At once, not at the next tick: the rings disagree meanwhile.
         if changed {
             for si in 0..self.huddles.len() {
@@ -294,13 +295,13 @@ pub(super) async fn handoff(
         pace.scanned(scanned_in);
         book = Some(b);
         let mut bal = lock(&shared);
-        bal.handoff_note = Some(format!(
+        bal.cluster.handoff_note = Some(format!(
             "handoff: shares {}{} flows its Maglev tables no longer explain; holds peers' ({})",
             mine.len(),
             if truncated { " (the first)" } else { "" },
             parts.join("; ")
         ));
-        bal.shared_flows = Arc::new(crate::cluster::handoff::FlowsAnswer {
+        bal.cluster.shared_flows = Arc::new(crate::cluster::handoff::FlowsAnswer {
             flows: mine,
             truncated,
         });

@@ -1,9 +1,11 @@
 //! The control socket: requests from `huddle` commands (status, drain,
-//! reload, stop) answered under the balancer's lock.
+//! reload, stop); status from the tick's snapshot, the rest under the
+//! balancer's lock.
 
 use super::{
     balancer::{lock, Balancer},
     cluster::log_bgp,
+    snapshot::Snapshots,
 };
 use crate::status::control::{Reply, Request, MAX_REQUEST};
 use anyhow::{bail, Context, Result};
@@ -22,7 +24,7 @@ use tracing::{info, warn};
 impl Balancer {
     /// Withdraws every VIP (`drain`) or announces them again.
     pub(super) fn drain_balancer(&mut self, drain: bool) -> Result<String> {
-        let Some(bgp) = self.bgp.clone() else {
+        let Some(bgp) = self.cluster.bgp.clone() else {
             bail!("this balancer announces nothing: its config has no [bgp]");
         };
         let want = self.vips_to_announce();
@@ -94,14 +96,10 @@ impl Balancer {
         Ok(msg)
     }
 
+    /// Answers every request but `Status` (see `client`).
     pub(super) fn handle(&mut self, req: Request) -> Reply {
         let result = match req {
-            Request::Status => self.status().map(|s| Reply {
-                ok: true,
-                error: None,
-                status: Some(s),
-                message: None,
-            }),
+            Request::Status => self.status().map(Reply::status),
             Request::Drain { backend, vip } => self
                 .set_drained(&backend, vip.as_deref(), true)
                 .map(Reply::message),
@@ -111,8 +109,8 @@ impl Balancer {
             Request::Reload => self.reload().map(Reply::message),
             Request::DrainBalancer { undo } => self.drain_balancer(!undo).map(Reply::message),
             Request::Stop => {
-                self.remove_on_exit = true;
-                self.stop.notify_one();
+                self.life.remove_on_exit = true;
+                self.life.stop.notify_one();
                 Ok(Reply::message(format!(
                     "stopping: detaching from {} and removing its pinned maps",
                     self.cfg.interface
@@ -150,11 +148,15 @@ impl Drop for SocketFile {
     }
 }
 
-pub(super) async fn serve(listener: UnixListener, shared: Arc<Mutex<Balancer>>) {
+pub(super) async fn serve(
+    listener: UnixListener,
+    shared: Arc<Mutex<Balancer>>,
+    snapshots: Arc<Snapshots>,
+) {
     loop {
         match listener.accept().await {
             Ok((stream, _)) => {
-                tokio::spawn(client(stream, shared.clone()));
+                tokio::spawn(client(stream, shared.clone(), snapshots.clone()));
             }
             Err(e) => {
                 warn!("control socket accept failed: {e}");
@@ -164,11 +166,15 @@ pub(super) async fn serve(listener: UnixListener, shared: Arc<Mutex<Balancer>>) 
     }
 }
 
-async fn client(stream: UnixStream, shared: Arc<Mutex<Balancer>>) {
+async fn client(stream: UnixStream, shared: Arc<Mutex<Balancer>>, snapshots: Arc<Snapshots>) {
     let (read, mut write) = stream.into_split();
     let mut lines = BufReader::new(read.take(MAX_REQUEST as u64)).lines();
     while let Ok(Some(line)) = lines.next_line().await {
         let reply = match serde_json::from_str::<Request>(&line) {
+            Ok(Request::Status) => match snapshots.fresh().await {
+                Ok(s) => Reply::status(s.status.clone()),
+                Err(e) => Reply::error(&e),
+            },
             Ok(req) => lock(&shared).handle(req),
             Err(e) => Reply::error(&anyhow::anyhow!("bad request: {e}")),
         };

@@ -3,7 +3,8 @@
 //! balancer's state and its reloads are `balancer`, one tick of the huddle
 //! `tick`, the cluster's side `cluster`, what it reports `report`, the
 //! control socket `control`, the HTTP listener's pages `pages`, the state
-//! it saves `saved`, its periodic tasks `tasks`.
+//! it saves `saved`, the snapshot `/metrics` and `huddle status` read
+//! `snapshot`, its periodic tasks `tasks`.
 
 pub mod balancer;
 mod cluster;
@@ -13,6 +14,7 @@ mod preflight;
 mod report;
 pub mod run;
 mod saved;
+mod snapshot;
 mod start;
 pub mod stop;
 mod tasks;

@@ -1,24 +1,23 @@
-//! What the daemon's HTTP listener serves: `/metrics` from one snapshot
-//! taken under the balancer's lock, and the cluster's `/ring`,
-//! `/readings` and `/flows`.
+//! What the daemon's HTTP listener serves: `/metrics` from the tick's
+//! snapshot (see `snapshot`), and the cluster's `/ring`, `/readings` and
+//! `/flows`.
 
-use super::balancer::{lock, Balancer};
+use super::{
+    balancer::{lock, Balancer},
+    snapshot::Snapshots,
+};
 use crate::{
     net::http::Answer,
-    status::metrics::{render, Histogram, Snapshot, OPENMETRICS},
+    status::metrics::{render, OPENMETRICS},
 };
 use std::sync::Mutex;
 
 /// Answers a GET of `path`.
-pub fn route(shared: &Mutex<Balancer>, path: &str) -> Answer {
+pub async fn route(shared: &Mutex<Balancer>, snapshots: &Snapshots, path: &str) -> Answer {
     match path {
-        "/metrics" => match snapshot(shared) {
+        "/metrics" => match snapshots.fresh().await {
             Ok(s) => (200, OPENMETRICS, render(s)),
-            Err(e) => (
-                500,
-                "text/plain",
-                format!("reading the kernel's counters: {e:#}\n"),
-            ),
+            Err(e) => (503, "text/plain", format!("{e:#}\n")),
         },
         // The rings this balancer's huddle decides, for the other members
         // of its cluster (see `peers`).
@@ -33,7 +32,7 @@ pub fn route(shared: &Mutex<Balancer>, path: &str) -> Answer {
         // the other members (see `handoff`).
         "/flows" => {
             // Serialised off the lock: the list may be long.
-            let flows = lock(shared).shared_flows.clone();
+            let flows = lock(shared).cluster.shared_flows.clone();
             json(&*flows)
         }
         "/" => (
@@ -51,32 +50,4 @@ fn json(v: &impl serde::Serialize) -> Answer {
         Ok(j) => (200, "application/json", j),
         Err(e) => (500, "text/plain", format!("{e}\n")),
     }
-}
-
-/// Takes one scrape's snapshot, under the lock once.
-fn snapshot(shared: &Mutex<Balancer>) -> anyhow::Result<Snapshot> {
-    let b = lock(shared);
-    let status = b.status()?;
-    let (mut ttfb, mut connect) = (Vec::new(), Vec::new());
-    for s in &status.services {
-        for be in &s.backends {
-            let sum = |c: &str| be.counters.get(c).copied().unwrap_or(0);
-            let key = (s.name.clone(), be.addr.clone());
-            ttfb.push((
-                key.0.clone(),
-                key.1.clone(),
-                Histogram::from_kernel(&b.dp.latency(be.id)?, sum("ttfb_ns")),
-            ));
-            connect.push((
-                key.0,
-                key.1,
-                Histogram::from_kernel(&b.dp.connect_latency(be.id)?, sum("connect_ns")),
-            ));
-        }
-    }
-    Ok(Snapshot {
-        status,
-        ttfb,
-        connect,
-    })
 }

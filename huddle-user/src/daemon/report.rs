@@ -95,6 +95,7 @@ impl Balancer {
                 pass_over_syn_ms: tuning.syn_skip_ns as f64 / 1e6,
                 backends,
                 recent: self
+                    .seen
                     .events
                     .iter()
                     .filter(|e| e.service == name)
@@ -124,13 +125,13 @@ impl Balancer {
                 .dp
                 .mode_note
                 .iter()
-                .chain(&self.notes)
-                .chain(&self.cluster_note)
-                .chain(&self.handoff_note)
-                .chain(&self.pool_note)
+                .chain(&self.seen.notes)
+                .chain(&self.cluster.leader_note)
+                .chain(&self.cluster.handoff_note)
+                .chain(&self.cluster.pool_note)
                 .cloned()
                 .collect(),
-            bgp: self.bgp.as_ref().map(|b| lock(b).status()),
+            bgp: self.cluster.bgp.as_ref().map(|b| lock(b).status()),
         })
     }
 }

@@ -31,7 +31,7 @@ pub async fn run(cfg: Config, reloader: Option<Reloader>) -> Result<()> {
     let metrics = bind_metrics(&cfg).await?;
     preflight::backends(&cfg)?;
     let (mut balancer, pinned) = start::start(&cfg, &facts, reloader)?;
-    let stop = balancer.stop.clone();
+    let stop = balancer.life.stop.clone();
     let handles = Handles {
         sweeper: balancer.dp.take_sweeper(),
         flow_book: match balancer.dp.flow_map() {
@@ -41,7 +41,7 @@ pub async fn run(cfg: Config, reloader: Option<Reloader>) -> Result<()> {
                 None
             }
         },
-        bgp: balancer.bgp.clone(),
+        bgp: balancer.cluster.bgp.clone(),
     };
     let bgp = handles.bgp.clone();
     let shared = Arc::new(Mutex::new(balancer));
@@ -110,7 +110,7 @@ async fn shutdown(
         pins,
         shown,
     } = pinned;
-    let remove = cfg.detach_on_exit || lock(&shared).remove_on_exit;
+    let remove = cfg.detach_on_exit || lock(&shared).life.remove_on_exit;
     if !remove && place.survives {
         lock(&shared).save_state_and_walk(true);
         sysctls.keep();

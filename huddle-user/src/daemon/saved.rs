@@ -45,7 +45,7 @@ impl Balancer {
     pub fn snapshot(&self) -> Saved {
         let now = self.now();
         let mut saved = Saved::new(&self.cfg.interface);
-        saved.sysctls = self.sysctl_originals.clone();
+        saved.sysctls = self.life.sysctl_originals.clone();
         for (si, s) in self.cfg.services.iter().enumerate() {
             let h = &self.huddles[si];
             saved.services.push(SavedService {

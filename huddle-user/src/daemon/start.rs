@@ -81,10 +81,10 @@ pub(super) fn start(
     ));
     let mut balancer = balancer;
     if let Some(n) = place.note.clone().filter(|_| !place.survives) {
-        balancer.notes.push(n);
+        balancer.seen.notes.push(n);
     }
-    balancer.sysctl_originals = sysctls.saved.clone();
-    balancer.reloader = reloader;
+    balancer.life.sysctl_originals = sysctls.saved.clone();
+    balancer.life.reloader = reloader;
     balancer.save_state();
     log_settings(cfg);
     Ok((

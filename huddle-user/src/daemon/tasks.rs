@@ -6,6 +6,7 @@ use super::{
     cluster::{announcer, follower, handoff, pool},
     control::serve,
     pages,
+    snapshot::Snapshots,
 };
 use crate::config::Config;
 use crate::sys::host;
@@ -94,12 +95,20 @@ pub(super) async fn sweep_idle(
     }
 }
 
-pub(super) async fn ticker(shared: Arc<Mutex<Balancer>>, every: Duration) {
+/// The huddle's tick, every `every`, and the snapshot readers asked for
+/// since the last one.
+pub(super) async fn ticker(
+    shared: Arc<Mutex<Balancer>>,
+    snapshots: Arc<Snapshots>,
+    every: Duration,
+) {
     let mut tick = tokio::time::interval(every);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         tick.tick().await;
-        lock(&shared).tick();
+        let mut b = lock(&shared);
+        b.tick();
+        snapshots.take_if_wanted(&b);
     }
 }
 
@@ -218,8 +227,9 @@ pub(super) fn spawn(
         flow_book,
         bgp,
     } = handles;
+    let snapshots = Arc::new(Snapshots::new(cfg.huddle.tick));
     let mut tasks = vec![
-        tokio::spawn(serve(control, shared.clone())),
+        tokio::spawn(serve(control, shared.clone(), snapshots.clone())),
         tokio::spawn(async move {
             let mut tick = tokio::time::interval(NEIGHBOUR_REFRESH);
             loop {
@@ -227,7 +237,7 @@ pub(super) fn spawn(
                 host::warm_neighbours(&backends);
             }
         }),
-        tokio::spawn(ticker(shared.clone(), cfg.huddle.tick)),
+        tokio::spawn(ticker(shared.clone(), snapshots.clone(), cfg.huddle.tick)),
         tokio::spawn(saver(shared.clone())),
         tokio::spawn(sweep_idle(shared.clone(), sweeper)),
         tokio::spawn(prober(shared.clone(), cfg.huddle.probe.clone())),
@@ -263,8 +273,8 @@ pub(super) fn spawn(
         info!("Prometheus metrics on http://{}/metrics", l.local_addr()?);
         let shared = shared.clone();
         tasks.push(tokio::spawn(crate::net::http::serve(l, move |path| {
-            let shared = shared.clone();
-            async move { pages::route(&shared, &path) }
+            let (shared, snapshots) = (shared.clone(), snapshots.clone());
+            async move { pages::route(&shared, &snapshots, &path).await }
         })));
     }
     Ok(tasks)

@@ -51,7 +51,7 @@ impl Balancer {
                         // The huddle judges from every balancer's samples.
                         let mut all = own;
                         let addr = self.cfg.services[si].backends[bi];
-                        if let Some(peers) = self.pool.sum(&service, addr) {
+                        if let Some(peers) = self.cluster.pool.sum(&service, addr) {
                             all.add(peers);
                         }
                         if self.cfg.services[si].mode.is_dsr() {
@@ -103,9 +103,9 @@ impl Balancer {
                     ev.reason,
                     m.temperature
                 );
-                self.events.push_back(ev);
-                if self.events.len() > EVENTS_KEPT {
-                    self.events.pop_front();
+                self.seen.events.push_back(ev);
+                if self.seen.events.len() > EVENTS_KEPT {
+                    self.seen.events.pop_front();
                 }
             }
             let panic = self.huddles[si].engine.panic;
@@ -135,7 +135,7 @@ impl Balancer {
     /// tuples used less than a TIME_WAIT ago: the backend may still hold
     /// the old connection, and then the client waits a retransmission.
     pub(super) fn watch_nat_reuse(&mut self, si: usize, bi: usize, id: u32, count: u64) {
-        let e = self.nat_reuse.entry(id).or_insert((count, false));
+        let e = self.seen.nat_reuse.entry(id).or_insert((count, false));
         let new = count.wrapping_sub(e.0);
         e.0 = count;
         let addr = self.cfg.services[si].backends[bi];
@@ -167,16 +167,16 @@ impl Balancer {
     /// TCP only: a SYN always gets an answer (SYN-ACK or RST) from a live
     /// backend, while a UDP service may be one-way by design.
     pub(super) fn watch_tx(&mut self, now: Duration, cur: TxWatch) {
-        if self.watch.is_some_and(|w| w.done) {
+        if self.seen.watch.is_some_and(|w| w.done) {
             return;
         }
-        let Some(first) = self.watch else {
-            self.watch = Some(cur);
+        let Some(first) = self.seen.watch else {
+            self.seen.watch = Some(cur);
             return;
         };
         let sent = cur.sent.wrapping_sub(first.sent);
         if cur.answered != first.answered {
-            self.watch = Some(TxWatch { done: true, ..cur });
+            self.seen.watch = Some(TxWatch { done: true, ..cur });
             return;
         }
         if sent >= TX_WATCH_MIN_SENT && now >= TX_WATCH {
@@ -186,8 +186,8 @@ impl Balancer {
                 TX_WATCH.as_secs()
             );
             warn!(event = "forwarding_nothing", mode, sent, "{note}");
-            self.notes.push(note);
-            self.watch = Some(TxWatch { done: true, ..cur });
+            self.seen.notes.push(note);
+            self.seen.watch = Some(TxWatch { done: true, ..cur });
         }
     }
 
@@ -202,9 +202,10 @@ impl Balancer {
         // isolation (also when only panic mode itself held it back: the
         // panic ended a tick before the backends' probes passed again).
         if self.huddles[si].engine.panic {
-            self.last_panic.insert(si, Instant::now());
+            self.seen.last_panic.insert(si, Instant::now());
         }
         let calm = self
+            .seen
             .last_panic
             .get(&si)
             .is_none_or(|t| t.elapsed() >= CALM_BEFORE_MOVING);

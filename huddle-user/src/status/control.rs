@@ -60,6 +60,16 @@ impl Reply {
     }
 
     #[must_use]
+    pub fn status(s: super::Status) -> Reply {
+        Reply {
+            ok: true,
+            error: None,
+            status: Some(s),
+            message: None,
+        }
+    }
+
+    #[must_use]
     pub fn message(m: String) -> Reply {
         Reply {
             ok: true,

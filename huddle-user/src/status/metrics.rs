@@ -13,10 +13,11 @@ use prometheus_client::{
     metrics::{exemplar::Exemplar, MetricType},
     registry::Registry,
 };
+use std::sync::Arc;
 
 pub const OPENMETRICS: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
 
-/// Everything one scrape shows, read under the lock once.
+/// Everything one scrape shows, taken by one tick.
 #[derive(Debug)]
 pub struct Snapshot {
     pub status: Status,
@@ -68,9 +69,9 @@ impl Histogram {
 
 /// The whole exposition, ending in `# EOF`.
 #[must_use]
-pub fn render(snapshot: Snapshot) -> String {
+pub fn render(snapshot: impl Into<Arc<Snapshot>>) -> String {
     let mut registry = Registry::default();
-    registry.register_collector(Box::new(snapshot));
+    registry.register_collector(Box::new(Page(snapshot.into())));
     let mut out = String::new();
     // Writing into a String cannot fail.
     let _ = prometheus_client::encoding::text::encode(&mut out, &registry);
@@ -87,6 +88,17 @@ fn counter(name: &str, value: u64) -> (String, f64) {
 }
 
 type Encoded = Result<(), std::fmt::Error>;
+
+/// A shared snapshot as the registry's collector: the daemon publishes one
+/// snapshot to every reader that asked for it in the same tick.
+#[derive(Debug)]
+struct Page(Arc<Snapshot>);
+
+impl Collector for Page {
+    fn encode(&self, enc: DescriptorEncoder) -> Encoded {
+        self.0.encode(enc)
+    }
+}
 
 fn no_exemplar() -> Option<&'static Exemplar<NoLabelSet, f64>> {
     None
