@@ -358,52 +358,16 @@ pub fn main() -> ExitCode {
     }
 }
 
+/// Runs one command: each is a line here or a function of its own below.
 fn dispatch(cmd: Cmd) -> Result<()> {
     match cmd {
-        Cmd::Run(args) => {
-            let cfg = args.config()?;
-            let reloader: crate::daemon::balancer::Reloader =
-                std::sync::Arc::new(move || args.config());
-            let rt = tokio::runtime::Builder::new_multi_thread()
-                .worker_threads(2)
-                .enable_all()
-                .build()?;
-            rt.block_on(crate::daemon::run::run(cfg, Some(reloader)))
-        }
-        Cmd::Status { target, json } => {
-            let reply = call(&target.socket()?, &Request::Status)?;
-            let status = match (reply.ok, reply.status) {
-                (true, Some(s)) => s,
-                _ => bail!(
-                    "{}",
-                    reply.error.unwrap_or_else(|| "no status in reply".into())
-                ),
-            };
-            if json {
-                println!("{}", serde_json::to_string_pretty(&status)?);
-            } else {
-                print!("{}", status.render());
-            }
-            Ok(())
-        }
+        Cmd::Run(args) => run(args),
+        Cmd::Status { target, json } => status(&target, json),
         Cmd::Stop {
             target,
             pin_dir,
             state_file,
-        } => {
-            let (socket, iface) = target.resolve(true)?;
-            let pins = match (pin_dir, &iface) {
-                (Some(p), _) => p,
-                (None, Some(i)) => crate::sys::host::default_pin_dir(i),
-                (None, None) => bail!("say which pin folder: --iface IFACE or --pin-dir PATH"),
-            };
-            let state_file = state_file.unwrap_or_else(|| socket.with_extension("state"));
-            println!(
-                "{}",
-                crate::daemon::stop::stop(&socket, &pins, &state_file)?
-            );
-            Ok(())
-        }
+        } => stop(&target, pin_dir, state_file),
         Cmd::Reload { target } => control_message(&target, Request::Reload),
         Cmd::Top { target } => crate::cli::top::run(&target.socket()?),
         Cmd::Drain(a) => control_message(
@@ -423,21 +387,7 @@ fn dispatch(cmd: Cmd) -> Result<()> {
         Cmd::DrainBalancer { target, undo } => {
             control_message(&target, Request::DrainBalancer { undo })
         }
-        Cmd::Check { config } => {
-            let cfg = ConfigFile::load(&config)?
-                .validate()
-                .with_context(|| format!("config {}", config.display()))?;
-            for r in &cfg.renamed {
-                println!("warning: {r}");
-            }
-            println!(
-                "{}: OK, {} service(s) on {}",
-                config.display(),
-                cfg.services.len(),
-                cfg.interface
-            );
-            Ok(())
-        }
+        Cmd::Check { config } => check(&config),
         Cmd::Bench(args) => crate::bench::run(&args),
         Cmd::Completions { shell } => {
             let mut cmd = <Cli as clap::CommandFactory>::command();
@@ -467,6 +417,69 @@ fn dispatch(cmd: Cmd) -> Result<()> {
             }))
         }
     }
+}
+
+/// `huddle run`: the daemon, re-reading the same flags and file on reload.
+fn run(args: RunArgs) -> Result<()> {
+    let cfg = args.config()?;
+    let reloader: crate::daemon::balancer::Reloader = std::sync::Arc::new(move || args.config());
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()?;
+    rt.block_on(crate::daemon::run::run(cfg, Some(reloader)))
+}
+
+/// `huddle status`, as text or JSON.
+fn status(target: &Target, json: bool) -> Result<()> {
+    let reply = call(&target.socket()?, &Request::Status)?;
+    let status = match (reply.ok, reply.status) {
+        (true, Some(s)) => s,
+        _ => bail!(
+            "{}",
+            reply.error.unwrap_or_else(|| "no status in reply".into())
+        ),
+    };
+    if json {
+        println!("{}", serde_json::to_string_pretty(&status)?);
+    } else {
+        print!("{}", status.render());
+    }
+    Ok(())
+}
+
+/// `huddle stop`: the daemon told to remove everything, or the pins
+/// removed by hand when no daemon answers.
+fn stop(target: &Target, pin_dir: Option<PathBuf>, state_file: Option<PathBuf>) -> Result<()> {
+    let (socket, iface) = target.resolve(true)?;
+    let pins = match (pin_dir, &iface) {
+        (Some(p), _) => p,
+        (None, Some(i)) => crate::sys::host::default_pin_dir(i),
+        (None, None) => bail!("say which pin folder: --iface IFACE or --pin-dir PATH"),
+    };
+    let state_file = state_file.unwrap_or_else(|| socket.with_extension("state"));
+    println!(
+        "{}",
+        crate::daemon::stop::stop(&socket, &pins, &state_file)?
+    );
+    Ok(())
+}
+
+/// `huddle check`: the config validated, renamed keys warned about.
+fn check(config: &Path) -> Result<()> {
+    let cfg = ConfigFile::load(config)?
+        .validate()
+        .with_context(|| format!("config {}", config.display()))?;
+    for r in &cfg.renamed {
+        println!("warning: {r}");
+    }
+    println!(
+        "{}: OK, {} service(s) on {}",
+        config.display(),
+        cfg.services.len(),
+        cfg.interface
+    );
+    Ok(())
 }
 
 fn control_message(target: &Target, req: Request) -> Result<()> {

@@ -8,7 +8,7 @@
 
 use crate::{
     status::control::{call, Request},
-    status::{BackendStatus, Status},
+    status::{BackendStatus, ServiceStatus, Status},
 };
 use anyhow::Result;
 use ratatui::{
@@ -113,7 +113,8 @@ fn ms(v: Option<f64>) -> String {
     v.map_or("-".into(), |v| format!("{v:.1}"))
 }
 
-/// Draws the view.
+/// Draws the view: the header, the service's backends, the selected
+/// backend's detail, recent rotations and the keys.
 pub fn draw(f: &mut Frame, m: &Model) {
     let [head, table, detail, events, keys] = Layout::vertical([
         Constraint::Length(2),
@@ -134,6 +135,24 @@ pub fn draw(f: &mut Frame, m: &Model) {
         f.render_widget(Paragraph::new("no services"), head);
         return;
     };
+    f.render_widget(header(m, st, svc), head);
+    f.render_widget(backends(m, svc), table);
+    if let Some(b) = svc.backends.get(m.selected) {
+        f.render_widget(Paragraph::new(detail_line(b)), detail);
+    }
+    f.render_widget(
+        Paragraph::new(rotations(svc)).block(Block::bordered().title("rotations")),
+        events,
+    );
+    let help = m
+        .message
+        .clone()
+        .unwrap_or_else(|| "up/down select  d drain  u undrain  tab service  q quit".into());
+    f.render_widget(Paragraph::new(help), keys);
+}
+
+/// The balancer, its connection and the service shown.
+fn header<'a>(m: &Model, st: &Status, svc: &ServiceStatus) -> Paragraph<'a> {
     let state = match &m.error {
         Some(e) => Span::styled(
             format!(" reconnecting: {e}"),
@@ -141,69 +160,45 @@ pub fn draw(f: &mut Frame, m: &Model) {
         ),
         None => Span::raw(""),
     };
-    f.render_widget(
-        Paragraph::new(vec![
-            Line::from(vec![
-                Span::styled(
-                    format!("huddle on {} ({}) ", st.interface, st.xdp_mode),
-                    Style::default().add_modifier(Modifier::BOLD),
-                ),
-                Span::raw(format!("up {:.0}s  tick {} ms", st.uptime_s, st.tick_ms)),
-                state,
-            ]),
-            Line::from(format!(
-                "service {}/{} {}  ring gen {}  inner {}{}",
-                m.service + 1,
-                st.services.len(),
-                svc.name,
-                svc.ring_generation,
-                svc.ring.len(),
-                if svc.panic { "  PANIC" } else { "" }
-            )),
+    Paragraph::new(vec![
+        Line::from(vec![
+            Span::styled(
+                format!("huddle on {} ({}) ", st.interface, st.xdp_mode),
+                Style::default().add_modifier(Modifier::BOLD),
+            ),
+            Span::raw(format!("up {:.0}s  tick {} ms", st.uptime_s, st.tick_ms)),
+            state,
         ]),
-        head,
-    );
+        Line::from(format!(
+            "service {}/{} {}  ring gen {}  inner {}{}",
+            m.service + 1,
+            st.services.len(),
+            svc.name,
+            svc.ring_generation,
+            svc.ring.len(),
+            if svc.panic { "  PANIC" } else { "" }
+        )),
+    ])
+}
+
+/// A temperature term in two columns: ".3", "1.".
+fn term(v: f64) -> String {
+    let tenths = (v.clamp(0.0, 1.0) * 10.0).round() as u32;
+    if tenths >= 10 {
+        "1.".to_string()
+    } else {
+        format!(".{tenths}")
+    }
+}
+
+/// The service's backends, one row each, the selected one reversed.
+fn backends<'a>(m: &Model, svc: &ServiceStatus) -> Table<'a> {
     let rows: Vec<Row> = svc
         .backends
         .iter()
         .enumerate()
         .map(|(i, b)| {
-            let key = (svc.name.clone(), b.addr.clone());
-            let (rps, nfs) = m.rates.get(&key).copied().unwrap_or((0.0, 0.0));
-            let c = &b.components;
-            let ring_style = match (b.place.as_str(), b.unhealthy.is_some()) {
-                (_, true) => Style::default().fg(Color::Red).add_modifier(Modifier::BOLD),
-                ("inner", _) => Style::default().fg(Color::Green),
-                ("outer", _) => Style::default().fg(Color::Yellow),
-                _ => Style::default().fg(Color::DarkGray),
-            };
-            // Two columns a term: ".3", "1.".
-            let term = |v: f64| {
-                let tenths = (v.clamp(0.0, 1.0) * 10.0).round() as u32;
-                if tenths >= 10 {
-                    "1.".to_string()
-                } else {
-                    format!(".{tenths}")
-                }
-            };
-            let row = Row::new(vec![
-                Cell::from(b.addr.clone()),
-                Cell::from(b.place.clone()).style(ring_style),
-                Cell::from(format!("{:.2}", b.temperature)),
-                Cell::from(sparkline(m.history.get(&key))),
-                Cell::from(format!(
-                    "{:>2} {:>2} {:>2} {:>2} {:>2}",
-                    term(c.anomaly),
-                    term(c.cpu),
-                    term(c.memory),
-                    term(c.errors),
-                    term(c.load)
-                )),
-                Cell::from(format!("{}/{}", ms(b.p50_ms), ms(b.p99_ms))),
-                Cell::from(format!("{rps:.0}")),
-                Cell::from(format!("{nfs:.0}")),
-                Cell::from(b.active_flows.to_string()),
-            ]);
+            let row = backend_row(m, &svc.name, b);
             if i == m.selected {
                 row.style(Style::default().add_modifier(Modifier::REVERSED))
             } else {
@@ -223,49 +218,79 @@ pub fn draw(f: &mut Frame, m: &Model) {
         "act",
     ])
     .style(Style::default().add_modifier(Modifier::BOLD));
-    f.render_widget(
-        Table::new(
-            rows,
-            [
-                Constraint::Length(16),
-                Constraint::Length(5),
-                Constraint::Length(4),
-                Constraint::Length(SPARK as u16),
-                Constraint::Length(14),
-                Constraint::Length(9),
-                Constraint::Length(5),
-                Constraint::Length(5),
-                Constraint::Length(4),
-            ],
-        )
-        .header(header)
-        .column_spacing(1),
-        table,
-    );
-    // The selected backend's health, last move and probe, in full.
-    if let Some(b) = svc.backends.get(m.selected) {
-        let health = match (&b.unhealthy, &b.last_reason) {
-            (Some(u), _) => format!("UNHEALTHY: {u}"),
-            (None, Some(r)) => format!("{r}, {:.0}s ago", b.last_move_s_ago.unwrap_or(0.0)),
-            (None, None) => "healthy, never moved".into(),
-        };
-        let rest = match b.rest_left_s {
-            Some(r) if r > 0.0 => format!("; rests {r:.0}s more"),
-            Some(_) => "; may return once cool".into(),
-            None => String::new(),
-        };
-        f.render_widget(
-            Paragraph::new(format!(
-                "{}: {health}{rest}; probe {} ms{}",
-                b.addr,
-                ms(b.probe_ms),
-                if b.drained { "; drained" } else { "" }
-            )),
-            detail,
-        );
-    }
-    let recent: Vec<Line> = svc
-        .recent
+    Table::new(
+        rows,
+        [
+            Constraint::Length(16),
+            Constraint::Length(5),
+            Constraint::Length(4),
+            Constraint::Length(SPARK as u16),
+            Constraint::Length(14),
+            Constraint::Length(9),
+            Constraint::Length(5),
+            Constraint::Length(5),
+            Constraint::Length(4),
+        ],
+    )
+    .header(header)
+    .column_spacing(1)
+}
+
+/// One backend's row: place, temperature and its history, the terms,
+/// latency, rates and flows.
+fn backend_row<'a>(m: &Model, service: &str, b: &BackendStatus) -> Row<'a> {
+    let key = (service.to_string(), b.addr.clone());
+    let (rps, nfs) = m.rates.get(&key).copied().unwrap_or((0.0, 0.0));
+    let c = &b.components;
+    let ring_style = match (b.place.as_str(), b.unhealthy.is_some()) {
+        (_, true) => Style::default().fg(Color::Red).add_modifier(Modifier::BOLD),
+        ("inner", _) => Style::default().fg(Color::Green),
+        ("outer", _) => Style::default().fg(Color::Yellow),
+        _ => Style::default().fg(Color::DarkGray),
+    };
+    Row::new(vec![
+        Cell::from(b.addr.clone()),
+        Cell::from(b.place.clone()).style(ring_style),
+        Cell::from(format!("{:.2}", b.temperature)),
+        Cell::from(sparkline(m.history.get(&key))),
+        Cell::from(format!(
+            "{:>2} {:>2} {:>2} {:>2} {:>2}",
+            term(c.anomaly),
+            term(c.cpu),
+            term(c.memory),
+            term(c.errors),
+            term(c.load)
+        )),
+        Cell::from(format!("{}/{}", ms(b.p50_ms), ms(b.p99_ms))),
+        Cell::from(format!("{rps:.0}")),
+        Cell::from(format!("{nfs:.0}")),
+        Cell::from(b.active_flows.to_string()),
+    ])
+}
+
+/// The selected backend's health, last move and probe, in full.
+fn detail_line(b: &BackendStatus) -> String {
+    let health = match (&b.unhealthy, &b.last_reason) {
+        (Some(u), _) => format!("UNHEALTHY: {u}"),
+        (None, Some(r)) => format!("{r}, {:.0}s ago", b.last_move_s_ago.unwrap_or(0.0)),
+        (None, None) => "healthy, never moved".into(),
+    };
+    let rest = match b.rest_left_s {
+        Some(r) if r > 0.0 => format!("; rests {r:.0}s more"),
+        Some(_) => "; may return once cool".into(),
+        None => String::new(),
+    };
+    format!(
+        "{}: {health}{rest}; probe {} ms{}",
+        b.addr,
+        ms(b.probe_ms),
+        if b.drained { "; drained" } else { "" }
+    )
+}
+
+/// The service's last five rotations, newest first.
+fn rotations<'a>(svc: &ServiceStatus) -> Vec<Line<'a>> {
+    svc.recent
         .iter()
         .rev()
         .take(5)
@@ -279,16 +304,7 @@ pub fn draw(f: &mut Frame, m: &Model) {
                 e.temperature
             ))
         })
-        .collect();
-    f.render_widget(
-        Paragraph::new(recent).block(Block::bordered().title("rotations")),
-        events,
-    );
-    let help = m
-        .message
-        .clone()
-        .unwrap_or_else(|| "up/down select  d drain  u undrain  tab service  q quit".into());
-    f.render_widget(Paragraph::new(help), keys);
+        .collect()
 }
 
 /// Runs the view until `q` (or Ctrl-C) on the terminal.

@@ -34,10 +34,48 @@ pub(super) fn fraction(v: Option<f64>, default: f64, field: &str, lo_open: bool)
     Ok(v)
 }
 
+/// The `[huddle]` table: each group of settings checked by its own step.
 pub(super) fn validate_huddle(h: &HuddleFile) -> Result<Huddle> {
-    let rd = RotationParams::default();
-    let td = ThermalParams::default();
-    let tick = millis(h.tick_ms, 100, "huddle.tick_ms", 10, 60_000)?;
+    let (hung_after, hung_after_min) = hung(h)?;
+    Ok(Huddle {
+        rotation: h.rotation.unwrap_or(true),
+        tick: millis(h.tick_ms, 100, "huddle.tick_ms", 10, 60_000)?,
+        thermal: thermal(h)?,
+        rotation_params: rotation(h)?,
+        hung_after,
+        hung_after_min,
+        hung_after_p99: match h.hung_after_p99 {
+            None => 5.0,
+            Some(k) if k.is_finite() && (1.0..=1000.0).contains(&k) => k,
+            Some(k) => bail!("huddle.hung_after_p99: {k} is outside 1..=1000"),
+        },
+        pass_over_owing: h.pass_over_owing.unwrap_or(true),
+        syn_timeout: millis(h.syn_timeout_ms, 300, "huddle.syn_timeout_ms", 10, 600_000)?,
+        error_threshold: fraction(h.error_threshold, 0.5, "huddle.error_threshold", true)?,
+        min_samples: h.min_samples.unwrap_or(3).max(1),
+        move_flows_off_dead: h.move_flows_off_dead.unwrap_or(false),
+        listen: listen(h)?,
+        scrape_interval: millis(
+            h.scrape_interval_ms,
+            1000,
+            "huddle.scrape_interval_ms",
+            50,
+            600_000,
+        )?,
+        scrape_timeout: millis(
+            h.scrape_timeout_ms,
+            500,
+            "huddle.scrape_timeout_ms",
+            10,
+            60_000,
+        )?,
+        probe: probe(h)?,
+    })
+}
+
+/// How long a backend may owe an answer before it counts as hung: the
+/// ceiling and the floor of the p99-based wait.
+fn hung(h: &HuddleFile) -> Result<(Duration, Duration)> {
     let hung_after = millis(h.hung_after_ms, 200, "huddle.hung_after_ms", 10, 600_000)?;
     let hung_after_min = millis(
         h.hung_after_min_ms,
@@ -53,20 +91,12 @@ pub(super) fn validate_huddle(h: &HuddleFile) -> Result<Huddle> {
             hung_after.as_millis()
         );
     }
-    let heat = fraction(h.heat, rd.heat, "huddle.heat", true)?;
-    let cool = fraction(h.cool, rd.cool, "huddle.cool", false)?;
-    if cool >= heat {
-        bail!("huddle.cool: {cool} must be below huddle.heat ({heat}), or backends would flap");
-    }
-    let min_inner = h.min_inner.unwrap_or(rd.min_inner);
-    if min_inner == 0 {
-        bail!("huddle.min_inner: must be at least 1 (the inner ring is never empty)");
-    }
-    let min_rest = millis(h.min_rest_ms, 10_000, "huddle.min_rest_ms", 0, 86_400_000)?;
-    let max_rest = millis(h.max_rest_ms, 160_000, "huddle.max_rest_ms", 0, 86_400_000)?;
-    if max_rest < min_rest {
-        bail!("huddle.max_rest_ms: below huddle.min_rest_ms");
-    }
+    Ok((hung_after, hung_after_min))
+}
+
+/// The temperature: weights, smoothing and the latency scale.
+fn thermal(h: &HuddleFile) -> Result<ThermalParams> {
+    let td = ThermalParams::default();
     let weights = h.weights.unwrap_or_default();
     for (name, w) in [
         ("latency", weights.latency),
@@ -87,77 +117,74 @@ pub(super) fn validate_huddle(h: &HuddleFile) -> Result<Huddle> {
             bail!("huddle.latency_ceiling_ms: {c} must be a positive number");
         }
     }
-    let listen = match h.listen.as_deref().unwrap_or(DEFAULT_METRICS_LISTEN) {
-        "off" | "" => None,
-        a => Some(
-            a.parse::<SocketAddr>()
-                .with_context(|| format!("huddle.listen: {a:?} is not IP:PORT or \"off\""))?,
-        ),
-    };
     let floor_ms = h.latency_floor_ms.unwrap_or(td.floor_ms);
     if !floor_ms.is_finite() || floor_ms < 0.0 {
         bail!("huddle.latency_floor_ms: {floor_ms} must be a number >= 0");
     }
+    Ok(ThermalParams {
+        weights,
+        alpha: fraction(h.alpha, td.alpha, "huddle.alpha", true)?,
+        full_anomaly_ratio: ratio,
+        ceiling_ms: h.latency_ceiling_ms,
+        floor_ms,
+    })
+}
+
+/// The rotation: hysteresis, the inner ring's floor and rest times.
+fn rotation(h: &HuddleFile) -> Result<RotationParams> {
+    let rd = RotationParams::default();
+    let heat = fraction(h.heat, rd.heat, "huddle.heat", true)?;
+    let cool = fraction(h.cool, rd.cool, "huddle.cool", false)?;
+    if cool >= heat {
+        bail!("huddle.cool: {cool} must be below huddle.heat ({heat}), or backends would flap");
+    }
+    let min_inner = h.min_inner.unwrap_or(rd.min_inner);
+    if min_inner == 0 {
+        bail!("huddle.min_inner: must be at least 1 (the inner ring is never empty)");
+    }
+    let min_rest = millis(h.min_rest_ms, 10_000, "huddle.min_rest_ms", 0, 86_400_000)?;
+    let max_rest = millis(h.max_rest_ms, 160_000, "huddle.max_rest_ms", 0, 86_400_000)?;
+    if max_rest < min_rest {
+        bail!("huddle.max_rest_ms: below huddle.min_rest_ms");
+    }
+    Ok(RotationParams {
+        heat,
+        cool,
+        min_inner,
+        cooldown: millis(h.cooldown_ms, 5000, "huddle.cooldown_ms", 0, 86_400_000)?,
+        min_rest,
+        max_rest,
+        warmup: millis(h.warmup_ms, 0, "huddle.warmup_ms", 0, 86_400_000)?,
+    })
+}
+
+/// Our own HTTP listener (`/metrics` and the cluster's pages), or none.
+fn listen(h: &HuddleFile) -> Result<Option<SocketAddr>> {
+    Ok(
+        match h.listen.as_deref().unwrap_or(DEFAULT_METRICS_LISTEN) {
+            "off" | "" => None,
+            a => Some(
+                a.parse::<SocketAddr>()
+                    .with_context(|| format!("huddle.listen: {a:?} is not IP:PORT or \"off\""))?,
+            ),
+        },
+    )
+}
+
+/// The health probe.
+fn probe(h: &HuddleFile) -> Result<Probe> {
     let pf = h.probe.clone().unwrap_or_default();
     let path = pf.path.unwrap_or_else(|| "/".into());
     if !path.starts_with('/') || path.contains(char::is_whitespace) {
         bail!("huddle.probe.path: {path:?} must start with / and hold no spaces");
     }
-    let probe = Probe {
+    Ok(Probe {
         kind: pf.kind.unwrap_or_default(),
         path,
         interval: millis(pf.interval_ms, 250, "huddle.probe.interval_ms", 10, 600_000)?,
         timeout: millis(pf.timeout_ms, 1000, "huddle.probe.timeout_ms", 10, 60_000)?,
         fall: pf.fall.unwrap_or(2).max(1),
         rise: pf.rise.unwrap_or(2).max(1),
-    };
-    Ok(Huddle {
-        rotation: h.rotation.unwrap_or(true),
-        tick,
-        thermal: ThermalParams {
-            weights,
-            alpha: fraction(h.alpha, td.alpha, "huddle.alpha", true)?,
-            full_anomaly_ratio: ratio,
-            ceiling_ms: h.latency_ceiling_ms,
-            floor_ms,
-        },
-        rotation_params: RotationParams {
-            heat,
-            cool,
-            min_inner,
-            cooldown: millis(h.cooldown_ms, 5000, "huddle.cooldown_ms", 0, 86_400_000)?,
-            min_rest,
-            max_rest,
-            warmup: millis(h.warmup_ms, 0, "huddle.warmup_ms", 0, 86_400_000)?,
-        },
-        hung_after,
-        hung_after_min,
-        hung_after_p99: match h.hung_after_p99 {
-            None => 5.0,
-            Some(k) if k.is_finite() && (1.0..=1000.0).contains(&k) => k,
-            Some(k) => bail!("huddle.hung_after_p99: {k} is outside 1..=1000"),
-        },
-        pass_over_owing: h.pass_over_owing.unwrap_or(true),
-        syn_timeout: millis(h.syn_timeout_ms, 300, "huddle.syn_timeout_ms", 10, 600_000)?,
-        error_threshold: fraction(h.error_threshold, 0.5, "huddle.error_threshold", true)?,
-        min_samples: h.min_samples.unwrap_or(3).max(1),
-        move_flows_off_dead: h.move_flows_off_dead.unwrap_or(false),
-        listen,
-        scrape_interval: millis(
-            h.scrape_interval_ms,
-            1000,
-            "huddle.scrape_interval_ms",
-            50,
-            600_000,
-        )?,
-        scrape_timeout: millis(
-            h.scrape_timeout_ms,
-            500,
-            "huddle.scrape_timeout_ms",
-            10,
-            60_000,
-        )?,
-        probe,
     })
 }
 

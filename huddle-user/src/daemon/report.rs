@@ -7,103 +7,16 @@ use crate::{
     status::{counters, BackendStatus, ServiceStatus, Status},
 };
 use anyhow::Result;
+use huddle_common::BackendStats;
+use std::time::Duration;
 
 impl Balancer {
+    /// The whole status: the balancer, then each service with its backends.
     pub fn status(&self) -> Result<Status> {
         let now = self.now();
-        let mut services = Vec::new();
-        for (si, slot) in self.dp.services.iter().enumerate() {
-            let h = &self.huddles[si];
-            let mut backends = Vec::new();
-            let mut read = Vec::new();
-            for (bi, (addr, id)) in slot
-                .service
-                .backends
-                .iter()
-                .zip(&slot.backend_ids)
-                .enumerate()
-            {
-                let st = self.dp.backend_stats(*id)?;
-                read.push(st);
-                let t = &h.trackers[bi];
-                let m = &h.engine.members[bi];
-                let place = match (m.drained, m.place) {
-                    (true, _) => "drained",
-                    (false, Place::Inner) => "inner",
-                    (false, Place::Outer) => "outer",
-                };
-                backends.push(BackendStatus {
-                    addr: addr.to_string(),
-                    id: *id,
-                    place: place.into(),
-                    in_ring: slot.ring.contains(id),
-                    drained: m.drained,
-                    temperature: t.temperature,
-                    components: t.components,
-                    latency_source: t.latency_source.into(),
-                    rtt_ms: t
-                        .agent
-                        .as_ref()
-                        .and_then(|a| a.bias_ms)
-                        .or_else(|| t.rtt.as_ref().and_then(|r| r.p50_ms)),
-                    agent_ttfb_ms: t.agent.as_ref().and_then(|a| a.ttfb_ms),
-                    ack_clock_ms: t.agent.as_ref().and_then(|a| a.ack_ms),
-                    samples: t.window.samples,
-                    mean_ms: t.window.mean_ms,
-                    p50_ms: t.window.p50_ms,
-                    p99_ms: t.window.p99_ms,
-                    probe_ms: t.probe.as_ref().map(|p| p.latency_ms),
-                    probe_error: t.probe.as_ref().and_then(|p| p.error.clone()),
-                    error_rate: t.error_rate,
-                    cpu: t.host.cpu,
-                    memory: t.host.memory,
-                    host_note: match (&t.opts.metrics, &t.host_error) {
-                        (None, _) => Some("no metrics URL: cpu and memory count as 0".into()),
-                        (Some(_), Some(e)) => Some(e.clone()),
-                        (Some(_), None) => None,
-                    },
-                    unhealthy: t.unhealthy.clone(),
-                    weight: t.opts.weight,
-                    rotations: m.rotations,
-                    last_reason: m.last_reason.as_ref().map(ToString::to_string),
-                    last_move_s_ago: m.moved_at.map(|at| now.saturating_sub(at).as_secs_f64()),
-                    rest_left_s: (m.place == Place::Outer && !m.drained)
-                        .then(|| m.rest_until.saturating_sub(now).as_secs_f64()),
-                    active_flows: t.active_flows,
-                    counters: counters(&st),
-                });
-            }
-            let ring = slot
-                .ring
-                .iter()
-                .filter_map(|id| slot.backend_ids.iter().position(|b| b == id))
-                .map(|i| slot.service.backends[i].to_string())
-                .collect();
-            let name = slot.service.name();
-            // What the kernel has, as `tune` last wrote it.
-            let tuning = self.tuned.get(&slot.id).copied().unwrap_or_default();
-            services.push(ServiceStatus {
-                mode: slot.service.mode.to_string(),
-                selection: slot.service.selection.to_string(),
-                rotation: h.rotation,
-                panic: h.engine.panic,
-                ring_generation: slot.generation,
-                ring,
-                counters: counters(&self.dp.service_stats_from(slot.id, &read)?),
-                hung_after_ms: h.hung_after(&self.cfg.huddle).as_secs_f64() * 1e3,
-                pass_over_ms: tuning.turn_skip_ns as f64 / 1e6,
-                pass_over_syn_ms: tuning.syn_skip_ns as f64 / 1e6,
-                backends,
-                recent: self
-                    .seen
-                    .events
-                    .iter()
-                    .filter(|e| e.service == name)
-                    .cloned()
-                    .collect(),
-                name,
-            });
-        }
+        let services = (0..self.dp.services.len())
+            .map(|si| self.service_status(si, now))
+            .collect::<Result<Vec<_>>>()?;
         Ok(Status {
             interface: self.cfg.interface.clone(),
             xdp_mode: self.dp.mode.map_or("detached", |m| m.as_str()).to_string(),
@@ -133,5 +46,108 @@ impl Balancer {
                 .collect(),
             bgp: self.cluster.bgp.as_ref().map(|b| lock(b).status()),
         })
+    }
+
+    /// Service `si`: its ring, tuning, counters, backends and rotations.
+    fn service_status(&self, si: usize, now: Duration) -> Result<ServiceStatus> {
+        let slot = &self.dp.services[si];
+        let h = &self.huddles[si];
+        let mut backends = Vec::new();
+        let mut read = Vec::new();
+        for (bi, id) in slot.backend_ids.iter().enumerate() {
+            let st = self.dp.backend_stats(*id)?;
+            backends.push(self.backend_status(si, bi, &st, now));
+            read.push(st);
+        }
+        let ring = slot
+            .ring
+            .iter()
+            .filter_map(|id| slot.backend_ids.iter().position(|b| b == id))
+            .map(|i| slot.service.backends[i].to_string())
+            .collect();
+        let name = slot.service.name();
+        // What the kernel has, as `tune` last wrote it.
+        let tuning = self.tuned.get(&slot.id).copied().unwrap_or_default();
+        Ok(ServiceStatus {
+            mode: slot.service.mode.to_string(),
+            selection: slot.service.selection.to_string(),
+            rotation: h.rotation,
+            panic: h.engine.panic,
+            ring_generation: slot.generation,
+            ring,
+            counters: counters(&self.dp.service_stats_from(slot.id, &read)?),
+            hung_after_ms: h.hung_after(&self.cfg.huddle).as_secs_f64() * 1e3,
+            pass_over_ms: tuning.turn_skip_ns as f64 / 1e6,
+            pass_over_syn_ms: tuning.syn_skip_ns as f64 / 1e6,
+            backends,
+            recent: self
+                .seen
+                .events
+                .iter()
+                .filter(|e| e.service == name)
+                .cloned()
+                .collect(),
+            name,
+        })
+    }
+
+    /// Backend `bi` of service `si`: place, temperature and every term,
+    /// latency by source, health and its kernel counters `st`.
+    fn backend_status(
+        &self,
+        si: usize,
+        bi: usize,
+        st: &BackendStats,
+        now: Duration,
+    ) -> BackendStatus {
+        let slot = &self.dp.services[si];
+        let id = slot.backend_ids[bi];
+        let t = &self.huddles[si].trackers[bi];
+        let m = &self.huddles[si].engine.members[bi];
+        let place = match (m.drained, m.place) {
+            (true, _) => "drained",
+            (false, Place::Inner) => "inner",
+            (false, Place::Outer) => "outer",
+        };
+        BackendStatus {
+            addr: slot.service.backends[bi].to_string(),
+            id,
+            place: place.into(),
+            in_ring: slot.ring.contains(&id),
+            drained: m.drained,
+            temperature: t.temperature,
+            components: t.components,
+            latency_source: t.latency_source.into(),
+            rtt_ms: t
+                .agent
+                .as_ref()
+                .and_then(|a| a.bias_ms)
+                .or_else(|| t.rtt.as_ref().and_then(|r| r.p50_ms)),
+            agent_ttfb_ms: t.agent.as_ref().and_then(|a| a.ttfb_ms),
+            ack_clock_ms: t.agent.as_ref().and_then(|a| a.ack_ms),
+            samples: t.window.samples,
+            mean_ms: t.window.mean_ms,
+            p50_ms: t.window.p50_ms,
+            p99_ms: t.window.p99_ms,
+            probe_ms: t.probe.as_ref().map(|p| p.latency_ms),
+            probe_error: t.probe.as_ref().and_then(|p| p.error.clone()),
+            error_rate: t.error_rate,
+            cpu: t.host.cpu,
+            memory: t.host.memory,
+            host_note: match (&t.opts.metrics, &t.host_error) {
+                (None, _) => Some("no metrics URL: cpu and memory count as 0".into()),
+                (Some(_), Some(e)) => Some(e.clone()),
+                (Some(_), None) => None,
+            },
+            unhealthy: t.unhealthy.clone(),
+            weight: t.opts.weight,
+            rotations: m.rotations,
+            last_reason: m.last_reason.as_ref().map(ToString::to_string),
+            last_move_s_ago: m.moved_at.map(|at| now.saturating_sub(at).as_secs_f64()),
+            rest_left_s: (m.place == Place::Outer && !m.drained)
+                .then(|| m.rest_until.saturating_sub(now).as_secs_f64()),
+            active_flows: t.active_flows,
+            counters: counters(st),
+        }
     }
 }

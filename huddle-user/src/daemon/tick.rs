@@ -11,6 +11,14 @@ use huddle_common::{backend_flags, Pulse};
 use std::time::{Duration, Instant};
 use tracing::{info, warn};
 
+/// What every backend of a service is read against in one tick.
+#[derive(Clone, Copy)]
+struct Reading<'a> {
+    service: &'a str,
+    now_ns: u64,
+    hung_after: Duration,
+}
+
 impl Balancer {
     /// One huddle tick: read the kernel's counters, update temperatures,
     /// rotate, and swap changed rings in. Errors are logged, never fatal.
@@ -25,95 +33,17 @@ impl Balancer {
             done: false,
         };
         for si in 0..self.huddles.len() {
-            let hung_after = self.huddles[si].hung_after(&self.cfg.huddle);
             let service = self.cfg.services[si].name();
+            let hung_after = self.huddles[si].hung_after(&self.cfg.huddle);
             for bi in 0..self.huddles[si].trackers.len() {
-                let id = self.huddles[si].trackers[bi].id;
-                let read = (|| -> Result<_> {
-                    let mut pulse = self.dp.pulse(id)?;
-                    if std::mem::take(&mut self.huddles[si].trackers[bi].clear_pulse) {
-                        self.dp.clear_pulse(id)?;
-                        pulse = Pulse::default();
-                    }
-                    let mut own = crate::cluster::pooled::Counts {
-                        stats: self.dp.backend_stats(id)?,
-                        ttfb: self.dp.latency(id)?,
-                        connect: huddle_common::Latency::default(),
-                    };
-                    if self.cfg.services[si].mode.is_dsr() {
-                        own.connect = self.dp.connect_latency(id)?;
-                    }
-                    Ok((own, pulse))
-                })();
-                match read {
-                    Ok((own, pulse)) => {
-                        let st = own.stats;
-                        // The huddle judges from every balancer's samples.
-                        let mut all = own;
-                        let addr = self.cfg.services[si].backends[bi];
-                        if let Some(peers) = self.cluster.pool.sum(&service, addr) {
-                            all.add(peers);
-                        }
-                        if self.cfg.services[si].mode.is_dsr() {
-                            self.huddles[si].trackers[bi].observe_connect(&all.connect);
-                        }
-                        tx.sent += st.syns;
-                        // DSR replies bypass the balancer: a completed
-                        // handshake is the proof that SYNs arrived.
-                        tx.answered += if self.cfg.services[si].mode.is_dsr() {
-                            st.syn_acks
-                        } else {
-                            st.pkts_from
-                        };
-                        self.watch_nat_reuse(si, bi, id, st.nat_reuse_early);
-                        self.huddles[si].trackers[bi].observe(
-                            &all.stats,
-                            &all.ttfb,
-                            &pulse,
-                            now_ns,
-                            &self.cfg.huddle,
-                            hung_after,
-                        );
-                    }
-                    Err(e) => warn!("reading counters of backend {id}: {e:#}"),
-                }
-            }
-            let was_panic = self.huddles[si].engine.panic;
-            let moves = self.huddles[si].step(&self.cfg.huddle, now);
-            rotated |= !moves.is_empty();
-            for m in moves {
-                let backend = self.cfg.services[si].backends[m.member];
-                let ev = RotationEvent {
-                    at_s: now.as_secs_f64(),
-                    service: service.clone(),
-                    backend: backend.to_string(),
-                    to: m.to,
-                    reason: m.reason.to_string(),
-                    temperature: m.temperature,
+                let at = Reading {
+                    service: &service,
+                    now_ns,
+                    hung_after,
                 };
-                info!(
-                    event = "rotation",
-                    service = %service,
-                    backend = %backend,
-                    to = m.to.as_str(),
-                    reason = %ev.reason,
-                    temperature = m.temperature,
-                    "rotation: {service} backend {backend} -> {} ring ({}), temperature {:.2}",
-                    m.to.as_str(),
-                    ev.reason,
-                    m.temperature
-                );
-                self.seen.events.push_back(ev);
-                if self.seen.events.len() > EVENTS_KEPT {
-                    self.seen.events.pop_front();
-                }
+                self.observe_backend(si, bi, at, &mut tx);
             }
-            let panic = self.huddles[si].engine.panic;
-            if panic && !was_panic {
-                warn!("{service}: panic mode: too few healthy backends; keeping the least hot ones in the ring");
-            } else if was_panic && !panic {
-                info!("{service}: panic mode over");
-            }
+            rotated |= self.rotate(si, now);
             if let Err(e) = self.publish(si) {
                 warn!("{e:#}");
             }
@@ -129,6 +59,112 @@ impl Balancer {
         if now < TX_WATCH + self.cfg.huddle.tick {
             self.watch_tx(now, tx);
         }
+    }
+
+    /// Reads backend `bi` of service `si` (its counters, latency and owed
+    /// answer, pooled with the cluster's) into its tracker, adding its
+    /// SYNs and answers to `tx`.
+    fn observe_backend(&mut self, si: usize, bi: usize, at: Reading, tx: &mut TxWatch) {
+        let id = self.huddles[si].trackers[bi].id;
+        let dsr = self.cfg.services[si].mode.is_dsr();
+        let (own, pulse) = match self.read_backend(si, bi, id, dsr) {
+            Ok(r) => r,
+            Err(e) => {
+                warn!("reading counters of backend {id}: {e:#}");
+                return;
+            }
+        };
+        let st = own.stats;
+        // The huddle judges from every balancer's samples.
+        let mut all = own;
+        let addr = self.cfg.services[si].backends[bi];
+        if let Some(peers) = self.cluster.pool.sum(at.service, addr) {
+            all.add(peers);
+        }
+        if dsr {
+            self.huddles[si].trackers[bi].observe_connect(&all.connect);
+        }
+        tx.sent += st.syns;
+        // DSR replies bypass the balancer: a completed handshake is the
+        // proof that SYNs arrived.
+        tx.answered += if dsr { st.syn_acks } else { st.pkts_from };
+        self.watch_nat_reuse(si, bi, id, st.nat_reuse_early);
+        self.huddles[si].trackers[bi].observe(
+            &all.stats,
+            &all.ttfb,
+            &pulse,
+            at.now_ns,
+            &self.cfg.huddle,
+            at.hung_after,
+        );
+    }
+
+    /// Backend `id`'s kernel counters and latency, and the answer it owes
+    /// (cleared first if its tracker asked).
+    fn read_backend(
+        &mut self,
+        si: usize,
+        bi: usize,
+        id: u32,
+        dsr: bool,
+    ) -> Result<(crate::cluster::pooled::Counts, Pulse)> {
+        let mut pulse = self.dp.pulse(id)?;
+        if std::mem::take(&mut self.huddles[si].trackers[bi].clear_pulse) {
+            self.dp.clear_pulse(id)?;
+            pulse = Pulse::default();
+        }
+        let mut own = crate::cluster::pooled::Counts {
+            stats: self.dp.backend_stats(id)?,
+            ttfb: self.dp.latency(id)?,
+            connect: huddle_common::Latency::default(),
+        };
+        if dsr {
+            own.connect = self.dp.connect_latency(id)?;
+        }
+        Ok((own, pulse))
+    }
+
+    /// Service `si`'s rotation step: each move logged and kept, panic mode
+    /// announced when it starts and ends. Whether anything moved.
+    fn rotate(&mut self, si: usize, now: Duration) -> bool {
+        let service = self.cfg.services[si].name();
+        let was_panic = self.huddles[si].engine.panic;
+        let moves = self.huddles[si].step(&self.cfg.huddle, now);
+        let rotated = !moves.is_empty();
+        for m in moves {
+            let backend = self.cfg.services[si].backends[m.member];
+            let ev = RotationEvent {
+                at_s: now.as_secs_f64(),
+                service: service.clone(),
+                backend: backend.to_string(),
+                to: m.to,
+                reason: m.reason.to_string(),
+                temperature: m.temperature,
+            };
+            info!(
+                event = "rotation",
+                service = %service,
+                backend = %backend,
+                to = m.to.as_str(),
+                reason = %ev.reason,
+                temperature = m.temperature,
+                "rotation: {service} backend {backend} -> {} ring ({}), temperature {:.2}",
+                m.to.as_str(),
+                ev.reason,
+                m.temperature
+            );
+            self.seen.events.push_back(ev);
+            if self.seen.events.len() > EVENTS_KEPT {
+                self.seen.events.pop_front();
+            }
+        }
+        let panic = self.huddles[si].engine.panic;
+        if panic && !was_panic {
+            warn!("{service}: panic mode: too few healthy backends; keeping the least hot ones in the ring");
+        } else if was_panic && !panic {
+            info!("{service}: panic mode over");
+        }
+        rotated
     }
 
     /// Says when new flows toward a backend start (and stop) getting NAT

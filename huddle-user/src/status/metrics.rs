@@ -156,170 +156,201 @@ const KERNEL: &str = "Kernel counter, summed over CPUs.";
 impl Collector for Snapshot {
     fn encode(&self, mut enc: DescriptorEncoder) -> Encoded {
         let st = &self.status;
-        type Get = fn(&BackendStatus) -> Option<f64>;
-        let gauges: [(&str, &str, Get); 12] = [
-            (
-                "huddle_backend_temperature",
-                "EMA of the raw score, 0..1.",
-                |b| Some(b.temperature),
-            ),
-            (
-                "huddle_backend_inner",
-                "1 if the backend is in the inner ring (takes new flows).",
-                |b| Some(f64::from(u8::from(b.place == "inner"))),
-            ),
-            (
-                "huddle_backend_unhealthy",
-                "1 if a health signal failed.",
-                |b| Some(f64::from(u8::from(b.unhealthy.is_some()))),
-            ),
-            (
-                "huddle_backend_latency_anomaly",
-                "Latency anomaly term, 0..1.",
-                |b| Some(b.components.anomaly),
-            ),
-            (
-                "huddle_backend_cpu",
-                "Host CPU utilisation from the metrics URL, 0..1.",
-                |b| b.cpu,
-            ),
-            (
-                "huddle_backend_memory",
-                "Host memory utilisation from the metrics URL, 0..1.",
-                |b| b.memory,
-            ),
-            (
-                "huddle_backend_error_rate",
-                "Failed share of last tick's attempts.",
-                |b| Some(b.error_rate),
-            ),
-            (
-                "huddle_backend_load",
-                "Active flows over capacity, 0..1.",
-                |b| Some(b.components.load),
-            ),
-            (
-                "huddle_backend_active_flows",
-                "Flows assigned minus flows seen closing.",
-                |b| Some(b.active_flows as f64),
-            ),
-            (
-                "huddle_backend_latency_p50_seconds",
-                "Median time to first byte over the newest ticks.",
-                |b| b.p50_ms.map(|v| v / 1e3),
-            ),
-            (
-                "huddle_backend_latency_p99_seconds",
-                "99th percentile time to first byte over the newest ticks.",
-                |b| b.p99_ms.map(|v| v / 1e3),
-            ),
-            (
-                "huddle_backend_probe_seconds",
-                "Latency of the last probe.",
-                |b| b.probe_ms.map(|v| v / 1e3),
-            ),
-        ];
-        for (name, help, get) in gauges {
-            per_backend(&mut enc, st, name, MetricType::Gauge, help, get)?;
-        }
-        per_backend(
-            &mut enc,
-            st,
-            "huddle_backend_rotations",
-            MetricType::Counter,
-            "Moves between the inner and outer ring.",
-            |b| Some(b.rotations as f64),
-        )?;
+        backend_gauges(&mut enc, st)?;
+        self.histograms(&mut enc)?;
+        backend_counters(&mut enc, st)?;
+        service_families(&mut enc, st)?;
+        global_counters(&mut enc, st)
+    }
+}
+
+/// The gauge per backend for each term and figure of `huddle status`,
+/// and its rotations.
+fn backend_gauges(enc: &mut DescriptorEncoder, st: &Status) -> Encoded {
+    type Get = fn(&BackendStatus) -> Option<f64>;
+    let gauges: [(&str, &str, Get); 12] = [
+        (
+            "huddle_backend_temperature",
+            "EMA of the raw score, 0..1.",
+            |b| Some(b.temperature),
+        ),
+        (
+            "huddle_backend_inner",
+            "1 if the backend is in the inner ring (takes new flows).",
+            |b| Some(f64::from(u8::from(b.place == "inner"))),
+        ),
+        (
+            "huddle_backend_unhealthy",
+            "1 if a health signal failed.",
+            |b| Some(f64::from(u8::from(b.unhealthy.is_some()))),
+        ),
+        (
+            "huddle_backend_latency_anomaly",
+            "Latency anomaly term, 0..1.",
+            |b| Some(b.components.anomaly),
+        ),
+        (
+            "huddle_backend_cpu",
+            "Host CPU utilisation from the metrics URL, 0..1.",
+            |b| b.cpu,
+        ),
+        (
+            "huddle_backend_memory",
+            "Host memory utilisation from the metrics URL, 0..1.",
+            |b| b.memory,
+        ),
+        (
+            "huddle_backend_error_rate",
+            "Failed share of last tick's attempts.",
+            |b| Some(b.error_rate),
+        ),
+        (
+            "huddle_backend_load",
+            "Active flows over capacity, 0..1.",
+            |b| Some(b.components.load),
+        ),
+        (
+            "huddle_backend_active_flows",
+            "Flows assigned minus flows seen closing.",
+            |b| Some(b.active_flows as f64),
+        ),
+        (
+            "huddle_backend_latency_p50_seconds",
+            "Median time to first byte over the newest ticks.",
+            |b| b.p50_ms.map(|v| v / 1e3),
+        ),
+        (
+            "huddle_backend_latency_p99_seconds",
+            "99th percentile time to first byte over the newest ticks.",
+            |b| b.p99_ms.map(|v| v / 1e3),
+        ),
+        (
+            "huddle_backend_probe_seconds",
+            "Latency of the last probe.",
+            |b| b.probe_ms.map(|v| v / 1e3),
+        ),
+    ];
+    for (name, help, get) in gauges {
+        per_backend(enc, st, name, MetricType::Gauge, help, get)?;
+    }
+    per_backend(
+        enc,
+        st,
+        "huddle_backend_rotations",
+        MetricType::Counter,
+        "Moves between the inner and outer ring.",
+        |b| Some(b.rotations as f64),
+    )?;
+    Ok(())
+}
+
+impl Snapshot {
+    /// Each backend's time to first byte and connect time, as histograms.
+    fn histograms(&self, enc: &mut DescriptorEncoder) -> Encoded {
         for (name, help, hists) in [
-            (
-                "huddle_backend_ttfb_seconds",
-                "Time to first byte of every request turn the kernel timed (from the client's data to the backend's first data back).",
-                &self.ttfb,
-            ),
-            (
-                "huddle_backend_connect_seconds",
-                "Connect time of every connection the kernel timed (from the client's SYN to the backend's SYN-ACK).",
-                &self.connect,
-            ),
-        ] {
-            let mut family = enc.encode_descriptor(name, help, None, MetricType::Histogram)?;
-            for (service, backend, h) in hists {
-                let labels = [("service", service.as_str()), ("backend", backend.as_str())];
-                family.encode_family(&labels)?.encode_histogram::<NoLabelSet>(
-                    h.sum,
-                    h.count,
-                    &h.buckets,
-                    None,
-                )?;
+                (
+                    "huddle_backend_ttfb_seconds",
+                    "Time to first byte of every request turn the kernel timed (from the client's data to the backend's first data back).",
+                    &self.ttfb,
+                ),
+                (
+                    "huddle_backend_connect_seconds",
+                    "Connect time of every connection the kernel timed (from the client's SYN to the backend's SYN-ACK).",
+                    &self.connect,
+                ),
+            ] {
+                let mut family = enc.encode_descriptor(name, help, None, MetricType::Histogram)?;
+                for (service, backend, h) in hists {
+                    let labels = [("service", service.as_str()), ("backend", backend.as_str())];
+                    family.encode_family(&labels)?.encode_histogram::<NoLabelSet>(
+                        h.sum,
+                        h.count,
+                        &h.buckets,
+                        None,
+                    )?;
+                }
             }
-        }
-        // Kernel counters, one family each (the summed times to first byte
-        // and of connects are the histograms' sums).
-        let mut names: Vec<&String> = st
-            .services
-            .iter()
-            .flat_map(|s| s.backends.iter().flat_map(|b| b.counters.keys()))
-            .filter(|c| c.as_str() != "ttfb_ns" && c.as_str() != "connect_ns")
-            .collect();
-        names.sort();
-        names.dedup();
-        for c in names {
-            let (name, _) = counter(c, 0);
-            per_backend(
-                &mut enc,
-                st,
-                &format!("huddle_backend_{name}"),
-                MetricType::Counter,
-                KERNEL,
-                |b| Some(counter(c, b.counters.get(c).copied().unwrap_or(0)).1),
-            )?;
-        }
-        per_service(
-            &mut enc,
-            st,
-            "huddle_service_inner_size",
-            MetricType::Gauge,
-            "Backends in the live ring.",
-            |s| s.ring.len() as f64,
-        )?;
-        per_service(
-            &mut enc,
-            st,
-            "huddle_service_panic",
-            MetricType::Gauge,
-            "1 while too few healthy backends remain.",
-            |s| f64::from(u8::from(s.panic)),
-        )?;
-        per_service(
-            &mut enc,
-            st,
-            "huddle_service_ring_generation",
-            MetricType::Counter,
-            "Ring swaps written to the kernel.",
-            |s| s.ring_generation as f64,
-        )?;
-        if let Some(first) = st.services.first() {
-            for c in first.counters.keys() {
-                per_service(
-                    &mut enc,
-                    st,
-                    &format!("huddle_service_{c}"),
-                    MetricType::Counter,
-                    KERNEL,
-                    |s| s.counters.get(c).copied().unwrap_or(0) as f64,
-                )?;
-            }
-        }
-        for (c, v) in &st.global {
-            let name = format!("huddle_{c}");
-            let mut family = enc.encode_descriptor(&name, KERNEL, None, MetricType::Counter)?;
-            let labels = [("interface", st.interface.as_str())];
-            family
-                .encode_family(&labels)?
-                .encode_counter(&(*v as f64), no_exemplar())?;
-        }
         Ok(())
     }
+}
+
+/// Every kernel counter per backend, one family each (the summed times to
+/// first byte and of connects are the histograms' sums).
+fn backend_counters(enc: &mut DescriptorEncoder, st: &Status) -> Encoded {
+    let mut names: Vec<&String> = st
+        .services
+        .iter()
+        .flat_map(|s| s.backends.iter().flat_map(|b| b.counters.keys()))
+        .filter(|c| c.as_str() != "ttfb_ns" && c.as_str() != "connect_ns")
+        .collect();
+    names.sort();
+    names.dedup();
+    for c in names {
+        let (name, _) = counter(c, 0);
+        per_backend(
+            enc,
+            st,
+            &format!("huddle_backend_{name}"),
+            MetricType::Counter,
+            KERNEL,
+            |b| Some(counter(c, b.counters.get(c).copied().unwrap_or(0)).1),
+        )?;
+    }
+    Ok(())
+}
+
+/// The ring, panic and kernel counters per service.
+fn service_families(enc: &mut DescriptorEncoder, st: &Status) -> Encoded {
+    per_service(
+        enc,
+        st,
+        "huddle_service_inner_size",
+        MetricType::Gauge,
+        "Backends in the live ring.",
+        |s| s.ring.len() as f64,
+    )?;
+    per_service(
+        enc,
+        st,
+        "huddle_service_panic",
+        MetricType::Gauge,
+        "1 while too few healthy backends remain.",
+        |s| f64::from(u8::from(s.panic)),
+    )?;
+    per_service(
+        enc,
+        st,
+        "huddle_service_ring_generation",
+        MetricType::Counter,
+        "Ring swaps written to the kernel.",
+        |s| s.ring_generation as f64,
+    )?;
+    if let Some(first) = st.services.first() {
+        for c in first.counters.keys() {
+            per_service(
+                enc,
+                st,
+                &format!("huddle_service_{c}"),
+                MetricType::Counter,
+                KERNEL,
+                |s| s.counters.get(c).copied().unwrap_or(0) as f64,
+            )?;
+        }
+    }
+    Ok(())
+}
+
+/// The interface's global kernel counters.
+fn global_counters(enc: &mut DescriptorEncoder, st: &Status) -> Encoded {
+    for (c, v) in &st.global {
+        let name = format!("huddle_{c}");
+        let mut family = enc.encode_descriptor(&name, KERNEL, None, MetricType::Counter)?;
+        let labels = [("interface", st.interface.as_str())];
+        family
+            .encode_family(&labels)?
+            .encode_counter(&(*v as f64), no_exemplar())?;
+    }
+    Ok(())
 }
 
 #[cfg(test)]
