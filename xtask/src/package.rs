@@ -67,6 +67,36 @@ pub fn build(binary: &Path, packaging: &Path, out: &Path) -> Result<PathBuf> {
     if stage.exists() {
         fs::remove_dir_all(&stage)?;
     }
+    stage_files(binary, packaging, &stage)?;
+    let size_kib = fs::metadata(binary)?.len() / 1024 + 64;
+    write(
+        &stage.join("DEBIAN/control"),
+        control(&version, &arch, size_kib).as_bytes(),
+        0o644,
+    )?;
+    write(
+        &stage.join("DEBIAN/conffiles"),
+        b"/etc/huddle/example.toml\n",
+        0o644,
+    )?;
+    let deb = out.join(format!("huddle_{version}_{arch}.deb"));
+    let status = Command::new("dpkg-deb")
+        .args(["--root-owner-group", "--build"])
+        .arg(&stage)
+        .arg(&deb)
+        .stdout(std::process::Stdio::null())
+        .status()
+        .context("running dpkg-deb")?;
+    if !status.success() {
+        bail!("dpkg-deb --build failed ({status})");
+    }
+    fs::remove_dir_all(&stage)?;
+    Ok(deb)
+}
+
+/// The binary, the unit, the example config, completions and the man page,
+/// under `stage` where they install.
+fn stage_files(binary: &Path, packaging: &Path, stage: &Path) -> Result<()> {
     write(
         &stage.join("usr/bin/huddle"),
         &fs::read(binary).with_context(|| format!("reading {}", binary.display()))?,
@@ -98,8 +128,12 @@ pub fn build(binary: &Path, packaging: &Path, out: &Path) -> Result<PathBuf> {
         &gzip(&stdout_of(binary, &["man"])?)?,
         0o644,
     )?;
-    let size_kib = fs::metadata(binary)?.len() / 1024 + 64;
-    let control = format!(
+    Ok(())
+}
+
+/// The package's `DEBIAN/control`.
+fn control(version: &str, arch: &str, size_kib: u64) -> String {
+    format!(
         "Package: huddle\n\
          Version: {version}\n\
          Architecture: {arch}\n\
@@ -113,24 +147,5 @@ pub fn build(binary: &Path, packaging: &Path, out: &Path) -> Result<PathBuf> {
          HuddleCluster balances TCP and UDP services in the kernel (XDP) and\n \
          moves slow, failing or hung backends out of the ring until they\n \
          cool down. One binary: the daemon (huddle@IFACE.service) and the CLI.\n"
-    );
-    write(&stage.join("DEBIAN/control"), control.as_bytes(), 0o644)?;
-    write(
-        &stage.join("DEBIAN/conffiles"),
-        b"/etc/huddle/example.toml\n",
-        0o644,
-    )?;
-    let deb = out.join(format!("huddle_{version}_{arch}.deb"));
-    let status = Command::new("dpkg-deb")
-        .args(["--root-owner-group", "--build"])
-        .arg(&stage)
-        .arg(&deb)
-        .stdout(std::process::Stdio::null())
-        .status()
-        .context("running dpkg-deb")?;
-    if !status.success() {
-        bail!("dpkg-deb --build failed ({status})");
-    }
-    fs::remove_dir_all(&stage)?;
-    Ok(deb)
+    )
 }

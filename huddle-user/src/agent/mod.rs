@@ -94,26 +94,7 @@ pub struct AgentArgs {
 pub async fn run(args: AgentArgs) -> Result<()> {
     current()?;
     let decap = match &args.decap {
-        Some(iface) => {
-            crate::sys::host::check_privileges()?;
-            let ifindex = crate::sys::host::ifindex(iface)?;
-            let mut d = Decap::load()?;
-            d.set_local(&local_ips()?)?;
-            let mode = d.attach(ifindex, args.xdp_mode)?;
-            info!("huddle agent: unwrapping IP-in-IP to this host on {iface} ({mode} mode)");
-            if !args.vips.is_empty() {
-                d.time_vips(iface, &args.vips)?;
-                info!(
-                    "huddle agent: timing requests to {} from arrival to first answer byte on {iface} (huddle_agent_ttfb_seconds)",
-                    args.vips
-                        .iter()
-                        .map(ToString::to_string)
-                        .collect::<Vec<_>>()
-                        .join(", ")
-                );
-            }
-            Some(Arc::new(Mutex::new(d)))
-        }
+        Some(iface) => Some(Arc::new(Mutex::new(start_decap(iface, &args)?))),
         None => None,
     };
     let iface = match &args.decap {
@@ -146,33 +127,59 @@ pub async fn run(args: AgentArgs) -> Result<()> {
         let decap = decap.clone();
         async move {
             match path.as_str() {
-                "/metrics" => match current() {
-                    Ok(mut text) => {
-                        if let Some(d) = decap {
-                            let d = lock(&d);
-                            let ttfb: Result<Vec<_>> = (0..d.vips.len() as u32)
-                                .map(|i| Ok((d.vips[i as usize], d.ttfb(i)?)))
-                                .collect();
-                            match (d.stats(), ttfb) {
-                                (Ok(st), Ok(t)) => {
-                                    text.push_str(&render_decap(&st));
-                                    text.push_str(&render_ttfb(&t));
-                                }
-                                (Err(e), _) | (_, Err(e)) => {
-                                    return (500, "text/plain", format!("{e:#}\n"))
-                                }
-                            }
-                        }
-                        (200, "text/plain; version=0.0.4", text)
-                    }
-                    Err(e) => (500, "text/plain", format!("{e:#}\n")),
-                },
+                "/metrics" => page(decap.as_deref()),
                 _ => (404, "text/plain", "not found: try /metrics\n".into()),
             }
         }
     })
     .await;
     Ok(())
+}
+
+/// Attaches the decap program to `iface`, fed with this host's addresses,
+/// timing requests to `args.vips`.
+fn start_decap(iface: &str, args: &AgentArgs) -> Result<Decap> {
+    crate::sys::host::check_privileges()?;
+    let ifindex = crate::sys::host::ifindex(iface)?;
+    let mut d = Decap::load()?;
+    d.set_local(&local_ips()?)?;
+    let mode = d.attach(ifindex, args.xdp_mode)?;
+    info!("huddle agent: unwrapping IP-in-IP to this host on {iface} ({mode} mode)");
+    if !args.vips.is_empty() {
+        d.time_vips(iface, &args.vips)?;
+        info!(
+            "huddle agent: timing requests to {} from arrival to first answer byte on {iface} (huddle_agent_ttfb_seconds)",
+            args.vips
+                .iter()
+                .map(ToString::to_string)
+                .collect::<Vec<_>>()
+                .join(", ")
+        );
+    }
+    Ok(d)
+}
+
+/// `/metrics`: the host's figures, and the decap program's counters and
+/// request timings when it runs.
+fn page(decap: Option<&Mutex<Decap>>) -> http::Answer {
+    let mut text = match current() {
+        Ok(t) => t,
+        Err(e) => return (500, "text/plain", format!("{e:#}\n")),
+    };
+    if let Some(d) = decap {
+        let d = lock(d);
+        let ttfb: Result<Vec<_>> = (0..d.vips.len() as u32)
+            .map(|i| Ok((d.vips[i as usize], d.ttfb(i)?)))
+            .collect();
+        match (d.stats(), ttfb) {
+            (Ok(st), Ok(t)) => {
+                text.push_str(&render_decap(&st));
+                text.push_str(&render_ttfb(&t));
+            }
+            (Err(e), _) | (_, Err(e)) => return (500, "text/plain", format!("{e:#}\n")),
+        }
+    }
+    (200, "text/plain; version=0.0.4", text)
 }
 
 fn lock(d: &Mutex<Decap>) -> std::sync::MutexGuard<'_, Decap> {

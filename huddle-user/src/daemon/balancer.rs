@@ -187,61 +187,9 @@ impl Balancer {
             .clone()
             .context("this balancer has no configuration to reload")?;
         let new = reloader().context("reload refused, nothing changed")?;
-        let old = &self.cfg;
-        let fixed = [
-            ("interface", old.interface == new.interface),
-            ("snat_ips", old.snat_ips == new.snat_ips),
-            ("snat_ips6", old.snat_ips6 == new.snat_ips6),
-            ("nat_ports", old.nat_ports == new.nat_ports),
-            (
-                "flow_table_size",
-                old.flow_table_size == new.flow_table_size,
-            ),
-            (
-                "maglev_table_size",
-                old.maglev_table_size == new.maglev_table_size,
-            ),
-            ("bgp", old.bgp == new.bgp),
-            ("cluster", old.cluster == new.cluster),
-            ("xdp_mode", old.xdp_mode == new.xdp_mode),
-            ("pin_dir", old.pin_dir == new.pin_dir),
-            ("control_socket", old.control_socket == new.control_socket),
-            ("state_file", old.state_file == new.state_file),
-            ("huddle.tick_ms", old.huddle.tick == new.huddle.tick),
-            ("huddle.probe", old.huddle.probe == new.huddle.probe),
-            ("huddle.listen", old.huddle.listen == new.huddle.listen),
-            (
-                "huddle.scrape_interval_ms",
-                old.huddle.scrape_interval == new.huddle.scrape_interval,
-            ),
-            (
-                "huddle.scrape_timeout_ms",
-                old.huddle.scrape_timeout == new.huddle.scrape_timeout,
-            ),
-        ];
-        if let Some((field, _)) = fixed.iter().find(|(_, same)| !same) {
-            bail!(
-                "reload refused, nothing changed: {field} cannot change while running; \
-                 restart `huddle run` instead (it takes over the data plane without dropping flows)"
-            );
-        }
+        refuse_restart_only(&self.cfg, &new)?;
         super::preflight::backends(&new).context("reload refused, nothing changed")?;
-        for s in &new.services {
-            if let Some(o) = old
-                .services
-                .iter()
-                .find(|o| o.vip == s.vip && o.proto == s.proto)
-            {
-                if o.mode != s.mode {
-                    warn!(
-                        "service {}: mode {} -> {}: its established connections break (their packets now reach the backends another way)",
-                        s.name(),
-                        o.mode,
-                        s.mode
-                    );
-                }
-            }
-        }
+        warn_mode_changes(&self.cfg, &new);
         let saved = self.snapshot();
         self.dp.reconcile(&new)?;
         let now = self.now();
@@ -348,5 +296,67 @@ impl Balancer {
             }
         }
         v
+    }
+}
+
+/// Refuses a reload that changes what only a restart can change.
+fn refuse_restart_only(old: &Config, new: &Config) -> Result<()> {
+    let fixed = [
+        ("interface", old.interface == new.interface),
+        ("snat_ips", old.snat_ips == new.snat_ips),
+        ("snat_ips6", old.snat_ips6 == new.snat_ips6),
+        ("nat_ports", old.nat_ports == new.nat_ports),
+        (
+            "flow_table_size",
+            old.flow_table_size == new.flow_table_size,
+        ),
+        (
+            "maglev_table_size",
+            old.maglev_table_size == new.maglev_table_size,
+        ),
+        ("bgp", old.bgp == new.bgp),
+        ("cluster", old.cluster == new.cluster),
+        ("xdp_mode", old.xdp_mode == new.xdp_mode),
+        ("pin_dir", old.pin_dir == new.pin_dir),
+        ("control_socket", old.control_socket == new.control_socket),
+        ("state_file", old.state_file == new.state_file),
+        ("huddle.tick_ms", old.huddle.tick == new.huddle.tick),
+        ("huddle.probe", old.huddle.probe == new.huddle.probe),
+        ("huddle.listen", old.huddle.listen == new.huddle.listen),
+        (
+            "huddle.scrape_interval_ms",
+            old.huddle.scrape_interval == new.huddle.scrape_interval,
+        ),
+        (
+            "huddle.scrape_timeout_ms",
+            old.huddle.scrape_timeout == new.huddle.scrape_timeout,
+        ),
+    ];
+    if let Some((field, _)) = fixed.iter().find(|(_, same)| !same) {
+        bail!(
+            "reload refused, nothing changed: {field} cannot change while running; \
+             restart `huddle run` instead (it takes over the data plane without dropping flows)"
+        );
+    }
+    Ok(())
+}
+
+/// Warns of services whose mode a reload changes: their connections break.
+fn warn_mode_changes(old: &Config, new: &Config) {
+    for s in &new.services {
+        if let Some(o) = old
+            .services
+            .iter()
+            .find(|o| o.vip == s.vip && o.proto == s.proto)
+        {
+            if o.mode != s.mode {
+                warn!(
+                    "service {}: mode {} -> {}: its established connections break (their packets now reach the backends another way)",
+                    s.name(),
+                    o.mode,
+                    s.mode
+                );
+            }
+        }
     }
 }

@@ -158,7 +158,7 @@ impl Balancer {
     /// The VIPs to announce now: those with a service whose ring holds a
     /// healthy backend, while the data plane is attached.
     pub(super) fn vips_to_announce(&self) -> std::collections::BTreeSet<std::net::IpAddr> {
-        if self.dp.mode.is_none() {
+        if self.dp.attach.mode.is_none() {
             return Default::default();
         }
         self.dp

@@ -19,23 +19,30 @@ impl Balancer {
             .collect::<Result<Vec<_>>>()?;
         Ok(Status {
             interface: self.cfg.interface.clone(),
-            xdp_mode: self.dp.mode.map_or("detached", |m| m.as_str()).to_string(),
+            xdp_mode: self
+                .dp
+                .attach
+                .mode
+                .map_or("detached", |m| m.as_str())
+                .to_string(),
             program_id: self.dp.program_id(),
             snat: self
                 .dp
+                .settings
                 .snat
                 .iter()
                 .map(ToString::to_string)
-                .chain(self.dp.snat6.iter().map(ToString::to_string))
+                .chain(self.dp.settings.snat6.iter().map(ToString::to_string))
                 .collect::<Vec<_>>()
                 .join(", "),
-            nat_ports: self.dp.nat_ports.to_string(),
+            nat_ports: self.dp.settings.nat_ports.to_string(),
             uptime_s: now.as_secs_f64(),
             tick_ms: self.cfg.huddle.tick.as_secs_f64() * 1e3,
             services,
             global: counters(&self.dp.global_stats()?),
             notes: self
                 .dp
+                .attach
                 .mode_note
                 .iter()
                 .chain(&self.seen.notes)

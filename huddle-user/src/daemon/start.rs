@@ -52,7 +52,7 @@ pub(super) fn start(
             return Err(e);
         }
     };
-    let adopted = balancer.dp.adopted;
+    let adopted = balancer.dp.attach.adopted;
     if adopted {
         info!(
             "took over the running data plane on {} (pinned under {}): flows, NAT entries and counters carry on",

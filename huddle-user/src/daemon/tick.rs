@@ -175,8 +175,8 @@ impl Balancer {
         let new = count.wrapping_sub(e.0);
         e.0 = count;
         let addr = self.cfg.services[si].backends[bi];
-        let tuples = u64::from(self.dp.nat_ports.max - self.dp.nat_ports.min + 1)
-            * self.dp.snat.len() as u64;
+        let tuples = u64::from(self.dp.settings.nat_ports.max - self.dp.settings.nat_ports.min + 1)
+            * self.dp.settings.snat.len() as u64;
         if new > 0 && !e.1 {
             e.1 = true;
             warn!(
@@ -216,7 +216,7 @@ impl Balancer {
             return;
         }
         if sent >= TX_WATCH_MIN_SENT && now >= TX_WATCH {
-            let mode = self.dp.mode.map_or("detached", |m| m.as_str());
+            let mode = self.dp.attach.mode.map_or("detached", |m| m.as_str());
             let note = format!(
                 "forwarding nothing: {sent} SYNs sent toward backends in the first {}s in {mode} mode and not one answer came back; either every backend is down, or this mode loses what it transmits (on a veth, native XDP_TX needs an XDP program on the peer and senders that compute checksums: try --xdp-mode generic)",
                 TX_WATCH.as_secs()

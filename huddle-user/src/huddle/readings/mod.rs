@@ -228,6 +228,37 @@ impl Tracker {
         hung_after: Duration,
     ) {
         let (ps, ph) = self.prev.take().unwrap_or((*stats, *hist));
+        self.prev = Some((*stats, *hist));
+        self.latency_window(stats, hist, (&ps, &ph), s);
+        self.active_flows = stats
+            .flows_new
+            .saturating_sub(stats.flows_closed)
+            .min(u64::MAX / 2);
+        let refused = self.errors(stats, &ps);
+        self.kernel_fault = None;
+        if refused >= 2
+            && refused as f64
+                >= s.error_threshold * stats.flows_new.wrapping_sub(ps.flows_new).max(1) as f64
+        {
+            // Out of the SYNs sent (`flows_new` counts completed
+            // handshakes only, which a refusing backend has none of).
+            let syns = stats.syns.wrapping_sub(ps.syns).max(refused);
+            self.kernel_fault = Some(format!("refused {refused} of {syns} connection attempts"));
+        }
+        if !self.udp {
+            self.owed_answers(stats, pulse, now_ns, s, hung_after);
+        }
+    }
+
+    /// This tick's latency samples (the change in the kernel's histogram
+    /// since `prev`) into the window, less the network's round trip.
+    fn latency_window(
+        &mut self,
+        stats: &BackendStats,
+        hist: &Latency,
+        (ps, ph): (&BackendStats, &Latency),
+        s: &Settings,
+    ) {
         let d = |now: u64, before: u64| now.wrapping_sub(before);
         let mut tick = TickSamples {
             count: d(stats.answered, ps.answered),
@@ -237,7 +268,6 @@ impl Tracker {
         for (i, b) in tick.hist.iter_mut().enumerate() {
             *b = d(hist.buckets[i], ph.buckets[i]);
         }
-        self.prev = Some((*stats, *hist));
         self.ticks.push_front(tick);
         self.ticks.truncate(WINDOW_TICKS);
         self.window = window(&self.ticks, s.min_samples);
@@ -251,12 +281,13 @@ impl Tracker {
             self.window.p50_ms = less(self.window.p50_ms);
             self.window.p99_ms = less(self.window.p99_ms);
         }
-        self.active_flows = stats
-            .flows_new
-            .saturating_sub(stats.flows_closed)
-            .min(u64::MAX / 2);
+    }
 
-        // Errors over attempts this tick.
+    /// Errors over attempts this tick (refusals and reset turns over new
+    /// connections and turns, with a fresh probe as one more attempt).
+    /// Returns the refusals.
+    fn errors(&mut self, stats: &BackendStats, ps: &BackendStats) -> u64 {
+        let d = |now: u64, before: u64| now.wrapping_sub(before);
         let refused = d(stats.refused, ps.refused);
         let resets = d(stats.reset_turns, ps.reset_turns);
         let conns = d(stats.flows_new, ps.flows_new);
@@ -274,18 +305,19 @@ impl Tracker {
         } else {
             (errors as f64 / attempts as f64).min(1.0)
         };
+        refused
+    }
 
-        // Faults: refusing, hung (owes answers, none come), unreachable.
-        self.kernel_fault = None;
-        if refused >= 2 && refused as f64 >= s.error_threshold * conns.max(1) as f64 {
-            // Out of the SYNs sent (`conns` counts completed handshakes
-            // only, which a refusing backend has none of).
-            let syns = d(stats.syns, ps.syns).max(refused);
-            self.kernel_fault = Some(format!("refused {refused} of {syns} connection attempts"));
-        }
-        if self.udp {
-            return;
-        }
+    /// Faults from answers owed: hung (owes a turn's answer, none comes),
+    /// unreachable (owes a SYN-ACK).
+    fn owed_answers(
+        &mut self,
+        stats: &BackendStats,
+        pulse: &Pulse,
+        now_ns: u64,
+        s: &Settings,
+        hung_after: Duration,
+    ) {
         let hung_ns = hung_after.as_nanos() as u64;
         if let Some(age) = owed(pulse.turn_wait_ns, now_ns, stats.turns, &mut self.wait_seen) {
             let (_, turns_then) = self.wait_seen.unwrap_or_default();

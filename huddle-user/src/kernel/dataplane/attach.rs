@@ -18,11 +18,11 @@ impl Dataplane {
     /// link gets the new program atomically (traffic never stops), and a
     /// new link is pinned so the program outlives the daemon.
     pub fn attach(&mut self, ifindex: u32, mode: XdpMode) -> Result<AttachedMode> {
-        let link_pin = self.pins.as_ref().map(|d| d.join(LINK_PIN));
+        let link_pin = self.attach.pins.as_ref().map(|d| d.join(LINK_PIN));
         if let Some(pin) = link_pin.as_ref().filter(|p| p.exists()) {
             match self.adopt_link(pin) {
                 Ok(()) => {
-                    self.mode = Some(AttachedMode::Adopted);
+                    self.attach.mode = Some(AttachedMode::Adopted);
                     return Ok(AttachedMode::Adopted);
                 }
                 Err(e) => {
@@ -81,7 +81,7 @@ impl Dataplane {
             let owned = prog.take_link(link).context("taking the XDP link")?;
             match FdLink::try_from(owned) {
                 Ok(fd) => {
-                    self.pinned_link = Some(
+                    self.attach.pinned_link = Some(
                         fd.pin(&pin)
                             .with_context(|| format!("pinning the XDP link at {}", pin.display()))?,
                     );
@@ -89,16 +89,16 @@ impl Dataplane {
                 Err(e) => bail!("the kernel gave a netlink XDP attachment, which cannot be pinned ({e}); run with pins off"),
             }
         } else {
-            self.link = Some(link);
+            self.attach.link = Some(link);
         }
-        self.mode = Some(mode);
-        self.mode_note = auto_reason;
+        self.attach.mode = Some(mode);
+        self.attach.mode_note = auto_reason;
         Ok(mode)
     }
 
     /// Detaches an unpinned attachment (pinned ones go with `unpin`).
     pub fn detach(&mut self) -> Result<()> {
-        if let Some(link) = self.link.take() {
+        if let Some(link) = self.attach.link.take() {
             let prog: &mut Xdp = self
                 .ebpf
                 .program_mut(PROGRAM_NAME)
@@ -106,7 +106,7 @@ impl Dataplane {
                 .try_into()?;
             prog.detach(link).context("detaching the XDP program")?;
         }
-        self.mode = None;
+        self.attach.mode = None;
         Ok(())
     }
 
@@ -120,7 +120,7 @@ impl Dataplane {
             .program_mut(PROGRAM_NAME)
             .context("program missing")?
             .try_into()?;
-        self.link = Some(
+        self.attach.link = Some(
             prog.attach_to_link(link)
                 .context("replacing the program in the pinned link")?,
         );

@@ -60,63 +60,35 @@ impl Dataplane {
         let (snat_addrs, kernel_config) =
             kernel_config(cfg, snat, snat6, &geo, half_open, config.get(&0, 0).ok())?;
         config.set(0, kernel_config, 0).context("writing CONFIG")?;
-
-        // Before the maps are taken: handles of its own for the sweep.
-        let sweeper = Sweeper {
-            flows: HashMap::try_from(reopen(&ebpf, maps::FLOWS)?)?,
-            nat: HashMap::try_from(reopen(&ebpf, maps::NAT)?)?,
-            backends: Array::try_from(reopen(&ebpf, maps::BACKENDS)?)?,
-            swept: Array::try_from(reopen(&ebpf, maps::SWEPT)?)?,
-            snat_addrs,
-        };
-        let maglev = match ebpf.take_map(maps::MAGLEV) {
-            Some(aya::maps::Map::Array(data)) => {
-                MappedArray::new(data, maglev_elements(cfg.maglev_table_size) as usize * 4)?
-            }
-            _ => bail!("map {} missing from the XDP object", maps::MAGLEV),
-        };
+        let nat = NatState::take(&mut ebpf, snat_addrs, fresh_cursors, resume)?;
         let mut dp = Dataplane {
-            maglev,
-            maglev_size: cfg.maglev_table_size,
-            services_map: take(&mut ebpf, maps::SERVICES)?,
-            services_map6: take(&mut ebpf, maps::SERVICES6)?,
-            service_index: take(&mut ebpf, maps::SERVICE_INDEX)?,
-            backends_map: take(&mut ebpf, maps::BACKENDS)?,
-            rings: take(&mut ebpf, maps::RINGS)?,
-            ring_gen: take(&mut ebpf, maps::RING_GEN)?,
-            backend_stats: take(&mut ebpf, maps::BACKEND_STATS)?,
-            service_stats: take(&mut ebpf, maps::SERVICE_STATS)?,
-            global_stats: take(&mut ebpf, maps::GLOBAL_STATS)?,
-            latency: take(&mut ebpf, maps::LATENCY)?,
-            connect: take(&mut ebpf, maps::CONNECT)?,
-            nat_cursor: take(&mut ebpf, maps::NAT_CURSOR)?,
-            fresh_cursors,
-            resume,
+            maps: ServiceMaps::take(&mut ebpf, cfg.maglev_table_size)?,
+            stats: StatMaps::take(&mut ebpf)?,
+            nat,
             cpus,
-            pulse: take(&mut ebpf, maps::PULSE)?,
-            tuning: take(&mut ebpf, maps::TUNING)?,
-            sweeper: Some(sweeper),
-            swept: take(&mut ebpf, maps::SWEPT)?,
-            tw_hints: take(&mut ebpf, maps::TW_HINTS)?,
-            tw_hints_until: take(&mut ebpf, maps::TW_HINTS_UNTIL)?,
             ebpf,
-            link: None,
-            pinned_link: None,
-            pins: pins.map(Path::to_path_buf),
-            adopted,
-            mode: None,
-            mode_note: None,
-            snat: snat.to_vec(),
-            snat6: snat6.to_vec(),
-            nat_ports: cfg.nat_ports,
-            config,
-            kernel_config,
+            attach: Attachment {
+                link: None,
+                pinned_link: None,
+                pins: pins.map(Path::to_path_buf),
+                adopted,
+                mode: None,
+                mode_note: None,
+            },
+            settings: Settings {
+                snat: snat.to_vec(),
+                snat6: snat6.to_vec(),
+                nat_ports: cfg.nat_ports,
+                config,
+                kernel_config,
+            },
             services: Vec::new(),
         };
         dp.program_snat()?;
         dp.reconcile(cfg)?;
-        if dp.fresh_cursors {
+        if dp.nat.fresh_cursors {
             let hints = dp
+                .nat
                 .resume
                 .as_ref()
                 .map(|w| w.hints.clone())
@@ -126,7 +98,7 @@ impl Dataplane {
                 info!("{n} NAT tuples the backends may still hold in TIME_WAIT, from the last run, are checked against new SYNs for a minute");
             }
         }
-        dp.fresh_cursors = false;
+        dp.nat.fresh_cursors = false;
         Ok(dp)
     }
 
@@ -254,6 +226,71 @@ pub(super) fn random_seed() -> Result<u64> {
         .and_then(|mut f| std::io::Read::read_exact(&mut f, &mut b))
         .context("reading /dev/urandom for the hash seed")?;
     Ok(u64::from_ne_bytes(b) | 1)
+}
+
+impl ServiceMaps {
+    /// The service, backend and ring maps out of `ebpf`, the Maglev
+    /// tables mapped for `maglev_size` entries each.
+    fn take(ebpf: &mut Ebpf, maglev_size: u32) -> Result<Self> {
+        let maglev = match ebpf.take_map(maps::MAGLEV) {
+            Some(aya::maps::Map::Array(data)) => {
+                MappedArray::new(data, maglev_elements(maglev_size) as usize * 4)?
+            }
+            _ => bail!("map {} missing from the XDP object", maps::MAGLEV),
+        };
+        Ok(Self {
+            services_map: take(ebpf, maps::SERVICES)?,
+            services_map6: take(ebpf, maps::SERVICES6)?,
+            service_index: take(ebpf, maps::SERVICE_INDEX)?,
+            backends_map: take(ebpf, maps::BACKENDS)?,
+            rings: take(ebpf, maps::RINGS)?,
+            ring_gen: take(ebpf, maps::RING_GEN)?,
+            tuning: take(ebpf, maps::TUNING)?,
+            maglev,
+            maglev_size,
+        })
+    }
+}
+
+impl StatMaps {
+    fn take(ebpf: &mut Ebpf) -> Result<Self> {
+        Ok(Self {
+            backend_stats: take(ebpf, maps::BACKEND_STATS)?,
+            service_stats: take(ebpf, maps::SERVICE_STATS)?,
+            global_stats: take(ebpf, maps::GLOBAL_STATS)?,
+            latency: take(ebpf, maps::LATENCY)?,
+            connect: take(ebpf, maps::CONNECT)?,
+            pulse: take(ebpf, maps::PULSE)?,
+        })
+    }
+}
+
+impl NatState {
+    /// The NAT walk's maps out of `ebpf`, and before they are taken, the
+    /// idle sweep's own handles on the maps it walks.
+    fn take(
+        ebpf: &mut Ebpf,
+        snat_addrs: [huddle_common::Addr; MAX_SNAT],
+        fresh_cursors: bool,
+        resume: Option<walk::NatWalk>,
+    ) -> Result<Self> {
+        let sweeper = Sweeper {
+            flows: HashMap::try_from(reopen(ebpf, maps::FLOWS)?)?,
+            nat: HashMap::try_from(reopen(ebpf, maps::NAT)?)?,
+            backends: Array::try_from(reopen(ebpf, maps::BACKENDS)?)?,
+            swept: Array::try_from(reopen(ebpf, maps::SWEPT)?)?,
+            snat_addrs,
+        };
+        Ok(Self {
+            swept: take(ebpf, maps::SWEPT)?,
+            tw_hints: take(ebpf, maps::TW_HINTS)?,
+            tw_hints_until: take(ebpf, maps::TW_HINTS_UNTIL)?,
+            sweeper: Some(sweeper),
+            nat_cursor: take(ebpf, maps::NAT_CURSOR)?,
+            fresh_cursors,
+            resume,
+        })
+    }
 }
 
 /// How the NAT port range is cut per CPU, and what tracking its tuples

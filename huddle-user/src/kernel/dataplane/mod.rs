@@ -119,9 +119,26 @@ pub struct ServiceSlot {
     last_swap: Option<Instant>,
 }
 
-/// The loaded program and its maps.
+/// The loaded program and its maps, one struct per concern.
 pub struct Dataplane {
     ebpf: Ebpf,
+    /// Possible CPUs: per-CPU map values have one entry each.
+    cpus: usize,
+    pub services: Vec<ServiceSlot>,
+    /// Where and how it is attached, and its pins.
+    pub attach: Attachment,
+    /// What the kernel is told about this balancer as a whole.
+    pub settings: Settings,
+    /// Services, backends and rings.
+    maps: ServiceMaps,
+    /// Counters and latency, per CPU.
+    stats: StatMaps,
+    /// The NAT walk and what it knows of tuples in use.
+    nat: NatState,
+}
+
+/// Where the program is attached and what outlives the process.
+pub struct Attachment {
     link: Option<XdpLinkId>,
     pinned_link: Option<PinnedLink>,
     /// The bpffs folder holding the maps and the link, if pinned.
@@ -131,6 +148,10 @@ pub struct Dataplane {
     pub mode: Option<AttachedMode>,
     /// Why `auto` chose the mode it did, when that needs saying.
     pub mode_note: Option<String>,
+}
+
+/// The balancer-wide settings: `CONFIG` and the SNAT addresses and ports.
+pub struct Settings {
     /// SNAT addresses, in `Config::snat_addrs` order: IPv4, then IPv6.
     pub snat: Vec<Ipv4Addr>,
     pub snat6: Vec<std::net::Ipv6Addr>,
@@ -138,22 +159,34 @@ pub struct Dataplane {
     config: Array<MapData, KernelConfig>,
     /// The kernel settings as last written (the next-hop generation moves).
     kernel_config: KernelConfig,
+}
+
+/// The maps that say where a new flow goes.
+struct ServiceMaps {
     services_map: HashMap<MapData, ServiceKey, ServiceValue>,
     services_map6: HashMap<MapData, ServiceKey6, ServiceValue>,
     service_index: Array<MapData, ServiceEntry>,
     backends_map: Array<MapData, Backend>,
     rings: Array<MapData, Ring>,
     ring_gen: Array<MapData, u64>,
+    tuning: Array<MapData, Tuning>,
+    /// The Maglev tables, two per service (see `swap_ring`).
+    maglev: MappedArray,
+    maglev_size: u32,
+}
+
+/// What the program counts and times.
+struct StatMaps {
     backend_stats: PerCpuArray<MapData, BackendStats>,
     service_stats: PerCpuArray<MapData, ServiceStats>,
     global_stats: PerCpuArray<MapData, GlobalStats>,
     latency: PerCpuArray<MapData, Latency>,
     connect: PerCpuArray<MapData, Latency>,
     pulse: Array<MapData, Pulse>,
-    tuning: Array<MapData, Tuning>,
-    /// The Maglev tables, two per service (see `swap_ring`).
-    maglev: MappedArray,
-    pub maglev_size: u32,
+}
+
+/// The NAT walk's cursors and what is known of tuples still in use.
+struct NatState {
     swept: Array<MapData, u64>,
     tw_hints: HashMap<MapData, NatKey, huddle_common::TwHint>,
     tw_hints_until: Array<MapData, u64>,
@@ -164,9 +197,6 @@ pub struct Dataplane {
     fresh_cursors: bool,
     /// Where an earlier run's NAT walk stood (`start_cursor`).
     resume: Option<walk::NatWalk>,
-    /// Possible CPUs: per-CPU map values have one entry each.
-    cpus: usize,
-    pub services: Vec<ServiceSlot>,
 }
 
 /// A second handle on map `name` of `ebpf` (its fd duplicated).

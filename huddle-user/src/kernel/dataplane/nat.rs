@@ -20,14 +20,14 @@ impl Dataplane {
     pub(super) fn start_cursor(&mut self, id: u32, addr: SocketAddr) -> Result<()> {
         let cursor = cursor_at(
             crate::sys::host::monotonic_ns(),
-            u64::from(self.kernel_config.slice_ports),
-            u64::from(self.kernel_config.snat_count),
+            u64::from(self.settings.kernel_config.slice_ports),
+            u64::from(self.settings.kernel_config.snat_count),
         );
         let mut per_cpu = vec![cursor; self.cpus];
         // An earlier run's walk, if it walked the same slices: carry on.
-        if let Some(saved) = self.resume.as_ref().filter(|w| {
-            w.slice_ports == u32::from(self.kernel_config.slice_ports)
-                && w.snat_count == u32::from(self.kernel_config.snat_count)
+        if let Some(saved) = self.nat.resume.as_ref().filter(|w| {
+            w.slice_ports == u32::from(self.settings.kernel_config.slice_ports)
+                && w.snat_count == u32::from(self.settings.kernel_config.snat_count)
                 && w.cpus == self.cpus
         }) {
             if let Some(pos) = saved.backends.get(&addr.to_string()) {
@@ -37,7 +37,8 @@ impl Dataplane {
                 }
             }
         }
-        self.nat_cursor
+        self.nat
+            .nat_cursor
             .set(id, aya::maps::PerCpuValues::try_from(per_cpu)?, 0)
             .with_context(|| format!("setting the NAT cursor of backend id {id}"))
     }
@@ -75,13 +76,13 @@ impl Dataplane {
                 _pad: 0,
                 closed_ns,
             };
-            if self.tw_hints.insert(key, v, 0).is_ok() {
+            if self.nat.tw_hints.insert(key, v, 0).is_ok() {
                 n += 1;
                 until = until.max(closed_ns + huddle_common::TIME_WAIT_NS);
             }
         }
         if n > 0 {
-            self.tw_hints_until.set(0, until, 0)?;
+            self.nat.tw_hints_until.set(0, until, 0)?;
         }
         Ok(n)
     }
@@ -111,10 +112,10 @@ impl Dataplane {
                 if v.flags & tw != tw || v.synack_seq == 0 || !fresh(v.stamp_ns) {
                     continue;
                 }
-                let Ok(b) = self.backends_map.get(&v.backend, 0) else {
+                let Ok(b) = self.maps.backends_map.get(&v.backend, 0) else {
                     continue;
                 };
-                let local = self.kernel_config.snat_addrs[usize::from(v.snat) % MAX_SNAT];
+                let local = self.settings.kernel_config.snat_addrs[usize::from(v.snat) % MAX_SNAT];
                 let t = (
                     ip_of(&local, b.family),
                     u16::from_be(v.nat_port_be),
@@ -124,7 +125,7 @@ impl Dataplane {
                 keep(t, v.synack_seq, v.stamp_ns);
             }
         }
-        for (k, h) in self.tw_hints.iter().flatten() {
+        for (k, h) in self.nat.tw_hints.iter().flatten() {
             if fresh(h.closed_ns) {
                 let backend =
                     SocketAddr::new(ip_of(&k.backend, k.family), u16::from_be(k.backend_port_be));
@@ -153,15 +154,15 @@ impl Dataplane {
     /// run: `start_cursor`).
     pub fn nat_walk(&self) -> walk::NatWalk {
         let mut w = walk::NatWalk {
-            slice_ports: u32::from(self.kernel_config.slice_ports),
-            snat_count: u32::from(self.kernel_config.snat_count),
+            slice_ports: u32::from(self.settings.kernel_config.slice_ports),
+            snat_count: u32::from(self.settings.kernel_config.snat_count),
             cpus: self.cpus,
             backends: std::collections::BTreeMap::new(),
             hints: Vec::new(),
         };
         for slot in &self.services {
             for (id, addr) in slot.backend_ids.iter().zip(&slot.service.backends) {
-                if let Ok(v) = self.nat_cursor.get(id, 0) {
+                if let Ok(v) = self.nat.nat_cursor.get(id, 0) {
                     w.backends.insert(
                         addr.to_string(),
                         v.iter().map(|c| (c.port, c.addr)).collect(),

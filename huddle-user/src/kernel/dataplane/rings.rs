@@ -38,19 +38,22 @@ impl Dataplane {
         }
         let next = slot.generation + 1;
         if slot.service.selection == Selection::Maglev {
-            let table: Vec<u16> = maglev::table(&members(slot, backends), self.maglev_size)
+            let table: Vec<u16> = maglev::table(&members(slot, backends), self.maps.maglev_size)
                 .into_iter()
                 .map(|id| u16::try_from(id).unwrap_or(MAGLEV_EMPTY))
                 .collect();
-            let at = ring_slot(slot.id, next) as usize * self.maglev_size as usize;
-            self.maglev
+            let at = ring_slot(slot.id, next) as usize * self.maps.maglev_size as usize;
+            self.maps
+                .maglev
                 .write(at, &table)
                 .context("writing the idle Maglev table")?;
         }
-        self.rings
+        self.maps
+            .rings
             .set(ring_slot(slot.id, next), ring, 0)
             .context("writing the idle ring slot")?;
-        self.ring_gen
+        self.maps
+            .ring_gen
             .set(slot.id, next, 0)
             .context("publishing the ring generation")?;
         let slot = &mut self.services[index];
@@ -66,10 +69,11 @@ impl Dataplane {
         if slot.service.selection != Selection::Maglev {
             return Ok(Vec::new());
         }
-        let at = ring_slot(slot.id, slot.generation) as usize * self.maglev_size as usize;
+        let at = ring_slot(slot.id, slot.generation) as usize * self.maps.maglev_size as usize;
         Ok(self
+            .maps
             .maglev
-            .read(at, self.maglev_size as usize)?
+            .read(at, self.maps.maglev_size as usize)?
             .into_iter()
             .map(|id| {
                 if id == MAGLEV_EMPTY {
@@ -109,7 +113,7 @@ impl Dataplane {
 
     /// Forgets what backend `id` owed: a probe showed it answers again.
     pub fn clear_pulse(&mut self, id: u32) -> Result<()> {
-        Ok(self.pulse.set(id, Pulse::default(), 0)?)
+        Ok(self.stats.pulse.set(id, Pulse::default(), 0)?)
     }
 
     /// Sets how long a backend of service `id` may owe an answer before
@@ -122,12 +126,12 @@ impl Dataplane {
             .iter()
             .any(|s| s.id == id && s.service.selection == Selection::Maglev)
         {
-            t.maglev_size = self.maglev_size;
+            t.maglev_size = self.maps.maglev_size;
             t.two_choices = 0;
         } else {
             t.maglev_size = 0;
         }
-        Ok(self.tuning.set(id, t, 0)?)
+        Ok(self.maps.tuning.set(id, t, 0)?)
     }
 
     /// Sets `huddle_common::backend_flags` on backend `id`. The address and
@@ -135,7 +139,8 @@ impl Dataplane {
     pub fn set_backend_flags(&mut self, id: u32, addr: SocketAddr, flags: u32) -> Result<()> {
         let mut b = backend_value(addr);
         b.flags = flags;
-        self.backends_map
+        self.maps
+            .backends_map
             .set(id, b, 0)
             .with_context(|| format!("writing backend {addr}"))
     }

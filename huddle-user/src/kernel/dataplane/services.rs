@@ -24,10 +24,16 @@ impl Dataplane {
     /// to them are translated (and an adopted map forgets old ones).
     pub(super) fn program_snat(&mut self) -> Result<()> {
         let want: Vec<SvcKey> = self
+            .settings
             .snat
             .iter()
             .map(|ip| snat_key(IpAddr::V4(*ip)))
-            .chain(self.snat6.iter().map(|ip| snat_key(IpAddr::V6(*ip))))
+            .chain(
+                self.settings
+                    .snat6
+                    .iter()
+                    .map(|ip| snat_key(IpAddr::V6(*ip))),
+            )
             .collect();
         for k in self.svc_keys(SERVICE_KIND_SNAT) {
             if !want.contains(&k) {
@@ -49,12 +55,14 @@ impl Dataplane {
     /// The keys of `kind` in both service maps.
     pub(super) fn svc_keys(&self, kind: u8) -> Vec<SvcKey> {
         let v4 = self
+            .maps
             .services_map
             .keys()
             .filter_map(Result::ok)
             .filter(|k| k.kind == kind)
             .map(SvcKey::V4);
         let v6 = self
+            .maps
             .services_map6
             .keys()
             .filter_map(Result::ok)
@@ -65,37 +73,38 @@ impl Dataplane {
 
     pub(super) fn svc_get(&self, k: &SvcKey) -> Option<ServiceValue> {
         match k {
-            SvcKey::V4(k) => self.services_map.get(k, 0).ok(),
-            SvcKey::V6(k) => self.services_map6.get(k, 0).ok(),
+            SvcKey::V4(k) => self.maps.services_map.get(k, 0).ok(),
+            SvcKey::V6(k) => self.maps.services_map6.get(k, 0).ok(),
         }
     }
 
     pub(super) fn svc_insert(&mut self, k: &SvcKey, v: ServiceValue) -> Result<()> {
         match k {
-            SvcKey::V4(k) => self.services_map.insert(k, v, 0)?,
-            SvcKey::V6(k) => self.services_map6.insert(k, v, 0)?,
+            SvcKey::V4(k) => self.maps.services_map.insert(k, v, 0)?,
+            SvcKey::V6(k) => self.maps.services_map6.insert(k, v, 0)?,
         }
         Ok(())
     }
 
     pub(super) fn svc_remove(&mut self, k: &SvcKey) -> Result<()> {
         match k {
-            SvcKey::V4(k) => self.services_map.remove(k)?,
-            SvcKey::V6(k) => self.services_map6.remove(k)?,
+            SvcKey::V4(k) => self.maps.services_map.remove(k)?,
+            SvcKey::V6(k) => self.maps.services_map6.remove(k)?,
         }
         Ok(())
     }
 
     /// Writes the kernel settings as they now stand in `kernel_config`.
     pub(super) fn write_config(&mut self) -> Result<()> {
-        self.config
-            .set(0, self.kernel_config, 0)
+        self.settings
+            .config
+            .set(0, self.settings.kernel_config, 0)
             .context("writing CONFIG")
     }
 
     /// The outer source of IPv6-in-IPv6 packets (an address of this host).
     pub fn set_encap6(&mut self, src: std::net::Ipv6Addr) -> Result<()> {
-        self.kernel_config.encap6_src = src.octets();
+        self.settings.kernel_config.encap6_src = src.octets();
         self.write_config()
     }
 
@@ -103,7 +112,8 @@ impl Dataplane {
     /// each backend's next hop on its next packet (a changed neighbour is
     /// picked up within one call of this).
     pub fn refresh_next_hops(&mut self) -> Result<()> {
-        self.kernel_config.hop_generation = self.kernel_config.hop_generation.wrapping_add(1);
+        self.settings.kernel_config.hop_generation =
+            self.settings.kernel_config.hop_generation.wrapping_add(1);
         self.write_config()
     }
 
@@ -140,7 +150,7 @@ impl Dataplane {
                 info!("service id {id} is no longer configured: removed");
             }
         }
-        if self.adopted || reloading {
+        if self.attach.adopted || reloading {
             let gone = slots
                 .old
                 .values()
@@ -161,15 +171,20 @@ impl Dataplane {
         let syn_timeout_ns = cfg.huddle.syn_timeout.as_nanos() as u64;
         // An IPv6-only balancer may have no IPv4 address at all (then no
         // IPv4 dsr-ipip service either: the daemon refuses one).
-        let own = self.snat.first().copied().unwrap_or(Ipv4Addr::UNSPECIFIED);
+        let own = self
+            .settings
+            .snat
+            .first()
+            .copied()
+            .unwrap_or(Ipv4Addr::UNSPECIFIED);
         let (encap_src, encap_vary) = encap_source(cfg.encap_prefix, own);
-        if self.kernel_config.syn_timeout_ns != syn_timeout_ns
-            || self.kernel_config.encap_src != encap_src
-            || self.kernel_config.encap_vary != encap_vary
+        if self.settings.kernel_config.syn_timeout_ns != syn_timeout_ns
+            || self.settings.kernel_config.encap_src != encap_src
+            || self.settings.kernel_config.encap_vary != encap_vary
         {
-            self.kernel_config.syn_timeout_ns = syn_timeout_ns;
-            self.kernel_config.encap_src = encap_src;
-            self.kernel_config.encap_vary = encap_vary;
+            self.settings.kernel_config.syn_timeout_ns = syn_timeout_ns;
+            self.settings.kernel_config.encap_src = encap_src;
+            self.settings.kernel_config.encap_vary = encap_vary;
             self.write_config()?;
         }
         Ok(())
@@ -210,7 +225,7 @@ impl Dataplane {
     fn backend_slots(&self) -> Result<Slots> {
         let mut slots = Slots::default();
         for id in 0..MAX_BACKENDS {
-            let b = self.backends_map.get(&id, 0)?;
+            let b = self.maps.backends_map.get(&id, 0)?;
             if b.family == 0 {
                 slots.free.push(id);
             } else {
@@ -232,12 +247,13 @@ impl Dataplane {
             let (id, known) = slots.take(sid, *addr)?;
             // A backend new to this slot walks its NAT tuples from where
             // the clock says, not from where a slot's last run stopped.
-            if !known || self.fresh_cursors {
+            if !known || self.nat.fresh_cursors {
                 self.start_cursor(id, *addr)?;
             }
             let mut v = backend_value(*addr);
             v.service = sid as u8;
-            self.backends_map
+            self.maps
+                .backends_map
                 .set(id, v, 0)
                 .with_context(|| format!("writing backend {addr}"))?;
             ids.push(id);
@@ -256,9 +272,9 @@ impl Dataplane {
         kept: bool,
         last_swaps: &StdHashMap<u32, Instant>,
     ) -> Result<()> {
-        let generation = self.ring_gen.get(&sid, 0)?;
+        let generation = self.maps.ring_gen.get(&sid, 0)?;
         let actual: Vec<u32> = if kept {
-            let r = self.rings.get(&ring_slot(sid, generation), 0)?;
+            let r = self.maps.rings.get(&ring_slot(sid, generation), 0)?;
             r.backends[..(r.len as usize).min(RING_CAPACITY)].to_vec()
         } else {
             Vec::new()
@@ -286,7 +302,7 @@ impl Dataplane {
             self.swap_ring(self.services.len() - 1, &first)?;
         }
         // The selection is in the pass-over limits, which keep theirs.
-        let limits = self.tuning.get(&sid, 0).unwrap_or_default();
+        let limits = self.maps.tuning.get(&sid, 0).unwrap_or_default();
         self.set_tuning(sid, limits)?;
         let value = ServiceValue {
             id: sid,
@@ -300,30 +316,35 @@ impl Dataplane {
     /// that is not live, with that half's multiplier, then makes it live.
     /// A packet that read the old half number finds the old half intact.
     pub(super) fn publish_services(&mut self) -> Result<()> {
-        let entries: Vec<(ServiceKey, ServiceValue)> =
-            self.services_map.iter().filter_map(Result::ok).collect();
+        let entries: Vec<(ServiceKey, ServiceValue)> = self
+            .maps
+            .services_map
+            .iter()
+            .filter_map(Result::ok)
+            .collect();
         let Some(placed) = service_index::place(&entries) else {
             warn!(
                 "no layout of the service index gives each of the {} IPv4 services and SNAT addresses a slot of its own: every packet looks its service up in the hash table (about 6 ns more)",
                 entries.len()
             );
-            self.kernel_config.service_half = 0;
+            self.settings.kernel_config.service_half = 0;
             return self.write_config();
         };
-        let half = if self.kernel_config.service_half == 1 {
+        let half = if self.settings.kernel_config.service_half == 1 {
             2
         } else {
             1
         };
-        self.kernel_config.service_mul[usize::from(half == 2)] = placed.mul;
+        self.settings.kernel_config.service_mul[usize::from(half == 2)] = placed.mul;
         self.write_config()?;
         let base = u32::from(half - 1) * SERVICE_INDEX_SLOTS;
         for (i, e) in placed.slots.iter().enumerate() {
-            self.service_index
+            self.maps
+                .service_index
                 .set(base + i as u32, *e, 0)
                 .context("writing SERVICE_INDEX")?;
         }
-        self.kernel_config.service_half = half;
+        self.settings.kernel_config.service_half = half;
         self.write_config()
     }
 }

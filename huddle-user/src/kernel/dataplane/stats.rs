@@ -15,8 +15,8 @@ impl Dataplane {
     /// Sum over CPUs of one backend's counters; `flows_closed` includes
     /// the idle UDP flows `sweep_idle_udp` removed.
     pub fn backend_stats(&self, id: u32) -> Result<BackendStats> {
-        let mut st: BackendStats = sum(&self.backend_stats.get(&id, 0)?);
-        st.flows_closed += self.swept.get(&id, 0).unwrap_or(0);
+        let mut st: BackendStats = sum(&self.stats.backend_stats.get(&id, 0)?);
+        st.flows_closed += self.nat.swept.get(&id, 0).unwrap_or(0);
         Ok(st)
     }
 
@@ -30,7 +30,7 @@ impl Dataplane {
     /// (a sweep of a large flow table must not hold up the huddle's tick).
     /// Given once.
     pub fn take_sweeper(&mut self) -> Option<Sweeper> {
-        self.sweeper.take()
+        self.nat.sweeper.take()
     }
 
     /// Sum over CPUs of one service's counters; its packets and bytes are
@@ -49,7 +49,7 @@ impl Dataplane {
 
     /// As `service_stats`, from its backends' counters already read.
     pub fn service_stats_from(&self, id: u32, backends: &[BackendStats]) -> Result<ServiceStats> {
-        let mut st: ServiceStats = sum(&self.service_stats.get(&id, 0)?);
+        let mut st: ServiceStats = sum(&self.stats.service_stats.get(&id, 0)?);
         for b in backends {
             st.pkts += b.pkts_to;
             st.bytes += b.bytes_to;
@@ -58,22 +58,22 @@ impl Dataplane {
     }
 
     pub fn global_stats(&self) -> Result<GlobalStats> {
-        Ok(sum(&self.global_stats.get(&0, 0)?))
+        Ok(sum(&self.stats.global_stats.get(&0, 0)?))
     }
 
     /// Sum over CPUs of one backend's time-to-first-byte histogram.
     pub fn latency(&self, id: u32) -> Result<Latency> {
-        histogram(&self.latency, id)
+        histogram(&self.stats.latency, id)
     }
 
     /// Sum over CPUs of one backend's connect-time histogram.
     pub fn connect_latency(&self, id: u32) -> Result<Latency> {
-        histogram(&self.connect, id)
+        histogram(&self.stats.connect, id)
     }
 
     /// Since when backend `id` owes an answer (kernel monotonic ns, 0: none).
     pub fn pulse(&self, id: u32) -> Result<Pulse> {
-        Ok(self.pulse.get(&id, 0)?)
+        Ok(self.stats.pulse.get(&id, 0)?)
     }
 
     /// The loaded program (for BPF_PROG_TEST_RUN).
@@ -89,7 +89,7 @@ impl Dataplane {
     /// fixtures that need tuples sharing a slot compute them with it.
     #[must_use]
     pub fn hash_seed(&self) -> u64 {
-        self.kernel_config.hash_seed
+        self.settings.kernel_config.hash_seed
     }
 
     /// The program's kernel id, for bpftool.
