@@ -16,26 +16,24 @@ use crate::{
     lb::latency::ackclock,
     lb::latency::timing,
     lb::maps::{bump, global, BACKENDS, BACKEND_STATS, CONFIG, FLOWS, NAT, SERVICE_STATS, TUNING},
+    lb::new_flow::{new_flow, Start},
     lb::reply::{back, reply},
-    lb::select,
     lb::snat::nat,
     lb::snat::retry,
     lb::snat::rewrite::Tuple,
     lb::snat::timewait,
     mem::put,
     net::parse::{Packet, TCP_ACK, TCP_FIN, TCP_RST, TCP_SYN},
-    net::tcp,
 };
 use aya_ebpf::{
     bindings::xdp_action,
     helpers::{bpf_ktime_get_ns, generated::bpf_ktime_get_coarse_ns},
     programs::XdpContext,
 };
-use aya_log_ebpf::warn;
 use huddle_common::{
-    backend_flags, flow_flags, service_mode, short_tag,
-    verdict::{FORWARD, FORWARD_NEW, NO_BACKEND, RETRY, TOO_BIG},
-    Config, FlowKey, FlowValue, HalfOpen, MAX_SYN_RETRIES, NAT_PORT_TRIES,
+    backend_flags, flow_flags, service_mode,
+    verdict::{FORWARD, FORWARD_NEW, RETRY, TOO_BIG},
+    Backend, Config, FlowKey, FlowValue, HalfOpen,
 };
 
 #[inline(always)]
@@ -118,23 +116,7 @@ fn request<F: Balanced, const DSR: bool>(
         p.proto,
         F::FAMILY,
     );
-    // A SYN always starts a connection: it never looks in the flow table
-    // (a flow left there by an earlier connection on this tuple is
-    // replaced when the new one is promoted).
-    let existing = if p.is_tcp() && p.has_flag(TCP_SYN) {
-        None
-    } else {
-        // A closed flow's entry stays a while; a new connection on the same
-        // client tuple (a client reusing its port at once) is half-open
-        // until promoted, and its packets go there, not to the old flow.
-        FLOWS.get_ptr_mut(&sc.nval.flow).filter(|f| {
-            // SAFETY: map value pointer, valid for this run.
-            let flags = unsafe { (**f).flags };
-            flags & (flow_flags::CLOSING | flow_flags::ADOPTED) == 0
-                || !p.is_tcp()
-                || halfopen::find(cfg, &sc.nval.flow).is_none()
-        })
-    };
+    let existing = existing(cfg, sc, p);
     // The flow's table entry, kept so a FIN or RST can mark it without a
     // second lookup; `None` for a flow not (yet) in the flow table.
     let (mut flow, mut entry) = match existing {
@@ -154,34 +136,13 @@ fn request<F: Balanced, const DSR: bool>(
     };
     if let Some(f) = entry {
         if backend.flags & backend_flags::MOVE_FLOWS != 0 {
-            // Its backend is dead: balance the flow afresh. A TCP peer then
-            // gets a RST from the new backend at once instead of waiting
-            // on a dead one; a UDP flow simply carries on there.
-            if !dsr {
-                sc.nkey = nat::flow_key(cfg, &flow, backend, p.proto);
-                nat::forget(&sc.nkey);
-            }
-            nat::close(f, flow.backend);
-            bump(&BACKEND_STATS, flow.backend, |s| s.flows_moved += 1);
-            flow = match new_flow(ctx, cfg, service, sc, p, Start::carried_on(dsr)) {
+            flow = match move_off_dead(ctx, cfg, service, sc, p, f, &flow, backend, dsr) {
                 Ok(f) => f,
                 Err(verdict) => return verdict,
             };
             entry = None;
         } else {
-            if !p.is_tcp() {
-                // A UDP flow's last activity, for its idle timeout.
-                // SAFETY: map value pointer, valid for this run.
-                unsafe { (*f).stamp_ns = bpf_ktime_get_coarse_ns() };
-            }
-            if dsr {
-                ackclock::request(f, p, flow.backend);
-            } else {
-                timing::request(f, p, flow.backend);
-                if flow.flags & flow_flags::BACKEND_TIME_WAIT != 0 && p.is_tcp() {
-                    timewait::note_client(ctx, p, f);
-                }
-            }
+            carry_on(ctx, p, f, &flow, dsr);
         }
     }
     if p.has_flag(TCP_FIN | TCP_RST) {
@@ -200,6 +161,77 @@ fn request<F: Balanced, const DSR: bool>(
         FORWARD_NEW
     } else {
         FORWARD
+    }
+}
+
+/// The flow-table entry a packet that is not a SYN belongs to. A SYN
+/// always starts a connection: it never looks in the flow table (a flow
+/// left there by an earlier connection on this tuple is replaced when the
+/// new one is promoted).
+#[inline(always)]
+fn existing<F: Balanced>(cfg: &Config, sc: &Scratch, p: &Packet<F>) -> Option<*mut FlowValue> {
+    if p.is_tcp() && p.has_flag(TCP_SYN) {
+        return None;
+    }
+    // A closed flow's entry stays a while; a new connection on the same
+    // client tuple (a client reusing its port at once) is half-open until
+    // promoted, and its packets go there, not to the old flow.
+    FLOWS.get_ptr_mut(&sc.nval.flow).filter(|f| {
+        // SAFETY: map value pointer, valid for this run.
+        let flags = unsafe { (**f).flags };
+        flags & (flow_flags::CLOSING | flow_flags::ADOPTED) == 0
+            || !p.is_tcp()
+            || halfopen::find(cfg, &sc.nval.flow).is_none()
+    })
+}
+
+/// Its backend is dead: the flow (entry `f`) is balanced afresh. A TCP
+/// peer then gets a RST from the new backend at once instead of waiting
+/// on a dead one; a UDP flow simply carries on there.
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+fn move_off_dead<F: Balanced>(
+    ctx: &XdpContext,
+    cfg: &Config,
+    service: u32,
+    sc: &mut Scratch,
+    p: &Packet<F>,
+    f: *mut FlowValue,
+    flow: &FlowValue,
+    backend: &Backend,
+    dsr: bool,
+) -> Result<FlowValue, u32> {
+    if !dsr {
+        sc.nkey = nat::flow_key(cfg, flow, backend, p.proto);
+        nat::forget(&sc.nkey);
+    }
+    nat::close(f, flow.backend);
+    bump(&BACKEND_STATS, flow.backend, |s| s.flows_moved += 1);
+    new_flow(ctx, cfg, service, sc, p, Start::carried_on(dsr))
+}
+
+/// A packet of an established flow (entry `f`): its last activity (UDP)
+/// and its timing.
+#[inline(always)]
+fn carry_on<F: Balanced>(
+    ctx: &XdpContext,
+    p: &Packet<F>,
+    f: *mut FlowValue,
+    flow: &FlowValue,
+    dsr: bool,
+) {
+    if !p.is_tcp() {
+        // A UDP flow's last activity, for its idle timeout.
+        // SAFETY: map value pointer, valid for this run.
+        unsafe { (*f).stamp_ns = bpf_ktime_get_coarse_ns() };
+    }
+    if dsr {
+        ackclock::request(f, p, flow.backend);
+    } else {
+        timing::request(f, p, flow.backend);
+        if flow.flags & flow_flags::BACKEND_TIME_WAIT != 0 && p.is_tcp() {
+            timewait::note_client(ctx, p, f);
+        }
     }
 }
 
@@ -403,202 +435,4 @@ fn promote(
     bump(&SERVICE_STATS, service, |s| s.promoted += 1);
     bump(&BACKEND_STATS, flow.backend, |s| s.flows_new += 1);
     Ok((flow, Some(entry)))
-}
-
-/// How a new flow starts.
-#[derive(Clone, Copy)]
-struct Start {
-    /// Time its first wait (the SYN-ACK, or the first answer).
-    timed: bool,
-    /// Keep it in the half-open slots until its handshake completes (a
-    /// TCP SYN), not in the flow tables.
-    half_open: bool,
-    /// Direct server return: no NAT tuple.
-    dsr: bool,
-}
-
-impl Start {
-    /// A TCP SYN: timed, half-open until the handshake completes.
-    fn syn(dsr: bool) -> Start {
-        Start {
-            timed: true,
-            half_open: true,
-            dsr,
-        }
-    }
-
-    /// A flow that was open before (moved off a dead backend, or taken
-    /// over from another balancer): straight into the flow tables, untimed.
-    fn carried_on(dsr: bool) -> Start {
-        Start {
-            timed: false,
-            half_open: false,
-            dsr,
-        }
-    }
-
-    /// The first datagram of a UDP flow: timed and half-open until the
-    /// client sends again, except in DSR, where no answer comes back.
-    fn datagram(dsr: bool) -> Start {
-        Start {
-            timed: !dsr,
-            half_open: !dsr,
-            dsr,
-        }
-    }
-}
-
-/// Picks a backend and a NAT tuple for a new flow (its key in
-/// `sc.nval.flow`) and records both directions, as `start` says. Errors
-/// carry the verdict for the packet.
-#[inline(always)]
-fn new_flow<F: Balanced>(
-    ctx: &XdpContext,
-    cfg: &Config,
-    service: u32,
-    sc: &mut Scratch,
-    p: &Packet<F>,
-    start: Start,
-) -> Result<FlowValue, u32> {
-    let Start {
-        timed: time,
-        half_open: half,
-        dsr,
-    } = start;
-    // Only a SYN needs the hash: other new flows go to the flow table.
-    let h = if half {
-        sc.nval.flow.hash(cfg.hash_seed)
-    } else {
-        0
-    };
-    // The slot and its short tag, which alone tells most SYNs that the
-    // slot is not theirs (the slot itself is usually a cache miss).
-    let slot = if half {
-        match (
-            halfopen::client_slot(cfg, h),
-            halfopen::short_tag_of(cfg, h),
-        ) {
-            (Some(s), Some(t)) => Some((s, t)),
-            _ => return Err(xdp_action::XDP_DROP),
-        }
-    } else {
-        None
-    };
-    // SAFETY: plain helper call.
-    let now = unsafe { bpf_ktime_get_ns() };
-    // The backend a retransmitted SYN must not go back to, and how many
-    // backends this connection has tried after its first.
-    let mut avoid = NO_BACKEND;
-    let mut retries = 0;
-    // SAFETY (short tag): map value pointer, valid for this run.
-    if let Some((s, _)) = slot
-        .filter(|(s, t)| unsafe { **t } == short_tag(h) && halfopen::holds(*s, h, &sc.nval.flow))
-    {
-        // SAFETY: map value pointer, valid for this run.
-        let (flow, tried) = unsafe { ((*s).flow, (*s).syn.backends_tried()) };
-        let Some(backend) = BACKENDS.get(flow.backend) else {
-            return Err(xdp_action::XDP_DROP);
-        };
-        sc.nkey = nat::flow_key(cfg, &flow, backend, p.proto);
-        // In DSR the SYN-ACK never crosses the balancer: a retransmitted
-        // SYN may follow one that is on its way (the client would then
-        // have a connection with one backend and send to another), so it
-        // always goes where the first went.
-        let silent = !dsr
-            && flow.flags & flow_flags::SYN_WAIT != 0
-            && cfg.syn_timeout_ns != 0
-            && now.wrapping_sub(flow.turn_ns) >= cfg.syn_timeout_ns
-            && tried < MAX_SYN_RETRIES;
-        if !silent {
-            // A retransmitted SYN: same backend, same tuple; its NAT slot
-            // is written again in case a colliding SYN took it meanwhile.
-            if !dsr {
-                sc.nval.backend = flow.backend;
-                sc.nval._pad = 0;
-                halfopen::write_nat(cfg, service, sc);
-            }
-            return Ok(flow);
-        }
-        // Its backend never answered: the client's retransmission goes to
-        // another one, and a late answer from the first finds no NAT slot.
-        if !dsr {
-            halfopen::forget_nat(cfg, &sc.nkey);
-        }
-        bump(&BACKEND_STATS, flow.backend, |st| st.retried_silent += 1);
-        avoid = flow.backend;
-        retries = tried + 1;
-    }
-    let mut backend_id = select::choose(service, avoid, now);
-    if backend_id == NO_BACKEND {
-        // Only the silent backend is left: a fresh tuple toward it.
-        backend_id = avoid;
-    }
-    let Some(backend) = BACKENDS.get(backend_id) else {
-        bump(&SERVICE_STATS, service, |s| s.drop_no_backend += 1);
-        return Err(xdp_action::XDP_DROP);
-    };
-    sc.nval.backend = backend_id;
-    sc.nval._pad = 0;
-    let proto = sc.nval.flow.proto;
-    let tcp_half = half && p.is_tcp() && !dsr;
-    let (nat_port_be, snat) = if dsr {
-        (0, 0)
-    } else {
-        // The SYN's options, for its half-open slot and its timestamp,
-        // which picks a tuple whose TIME_WAIT (if any) will accept it.
-        let syn_ts = if tcp_half {
-            tcp::keep_syn(ctx, p, core::ptr::addr_of_mut!(sc.syn), retries);
-            timewait::tsval(&sc.syn)
-        } else {
-            0
-        };
-        let Some(tuple) =
-            nat::allocate::<F>(cfg, backend_id, backend, proto, sc, half, now, syn_ts)
-        else {
-            // Rare (every tuple tried is held by a live flow): worth a record.
-            warn!(
-                ctx,
-                "no free NAT tuple toward backend {} after {} tries", backend_id, NAT_PORT_TRIES
-            );
-            bump(&SERVICE_STATS, service, |s| s.drop_nat_ports += 1);
-            return Err(xdp_action::XDP_DROP);
-        };
-        (tuple.port_be, tuple.snat)
-    };
-    let flow = FlowValue {
-        backend: backend_id,
-        service,
-        nat_port_be,
-        flags: if time { timing::first_flags(p) } else { 0 },
-        snat,
-        synack_seq: 0,
-        stamp_ns: now,
-        turn_ns: now,
-    };
-    if slot.is_some() {
-        // Written by `halfopen::commit` once the packet is rewritten.
-        sc.fwd = flow;
-        sc.pending_hash = h;
-        sc.pending = halfopen::PENDING_CLIENT
-            | if dsr { 0 } else { halfopen::PENDING_NAT }
-            | if tcp_half { halfopen::PENDING_SYN } else { 0 };
-        bump(&SERVICE_STATS, service, |s| s.half_open += 1);
-        if p.is_tcp() {
-            bump(&BACKEND_STATS, backend_id, |s| s.syns += 1);
-        }
-    } else {
-        if FLOWS.insert(&sc.nval.flow, &flow, 0).is_err() {
-            if !dsr {
-                nat::forget(&sc.nkey);
-            }
-            bump(&SERVICE_STATS, service, |s| s.drop_flow_table += 1);
-            return Err(xdp_action::XDP_DROP);
-        }
-        bump(&SERVICE_STATS, service, |s| s.flows_new += 1);
-        bump(&BACKEND_STATS, backend_id, |s| s.flows_new += 1);
-    }
-    if time {
-        timing::start_first(flow.flags, backend_id, now);
-    }
-    Ok(flow)
 }

@@ -9,7 +9,7 @@
 use crate::lb::scratch;
 use crate::{
     csum,
-    lb::forward::{out, route, unsettled},
+    lb::forward::{out, out_or_pass, route},
     lb::icmp,
     lb::maps::global,
     mem::put,
@@ -78,17 +78,7 @@ pub fn encap(ctx: &XdpContext, p: &Packet, cfg: &Config, id: u32, dst: [u8; 4]) 
         return xdp_action::XDP_DROP;
     }
     let outer_len = p.tot_len + IP_LEN as u16;
-    let vary = cfg.encap_vary;
-    let base = u32::from_ne_bytes([
-        cfg.encap_src[0],
-        cfg.encap_src[1],
-        cfg.encap_src[2],
-        cfg.encap_src[3],
-    ]);
-    let mut h = (u32::from_ne_bytes(*p.src()) ^ u32::from(u16::from_ne_bytes(p.sport)))
-        .wrapping_mul(0x9e37_79b1);
-    h ^= h >> 16;
-    let src = ((base & !vary) | (h & vary)).to_ne_bytes();
+    let src = outer_source(p, cfg);
     // SAFETY: the IP header was bounds-checked by `parse`.
     let (tos, ip_id, df) = unsafe { ((*p.ip).tos, (*p.ip).id, (*p.ip).frags[0] & 0x40) };
     // Where the frame came from, for an ICMP answer: `route` overwrites it.
@@ -155,14 +145,9 @@ pub fn encap(ctx: &XdpContext, p: &Packet, cfg: &Config, id: u32, dst: [u8; 4]) 
         global(|s| s.encap_fragmented += 1);
         return xdp_action::XDP_PASS;
     }
-    match next {
-        Ok((ifindex, _)) => out(ctx, ifindex),
-        // The kernel resolves the neighbour and forwards the outer packet.
-        Err(rc) => {
-            unsettled(rc);
-            xdp_action::XDP_PASS
-        }
-    }
+    // Without a next hop, the kernel resolves the neighbour and forwards
+    // the outer packet.
+    out_or_pass(ctx, next)
 }
 
 /// IPv6 next header of an IPv6 packet inside another.
@@ -179,23 +164,7 @@ pub fn encap6(ctx: &XdpContext, p: &Packet<V6>, cfg: &Config, id: u32, backend: 
         return xdp_action::XDP_DROP;
     }
     let payload = p.tot_len.to_be_bytes();
-    // SAFETY: `parse6` checked the IP header; word 3 of 4 of the source.
-    let (vcf, low) = unsafe {
-        (
-            (*p.ip).vcf,
-            u32::from_ne_bytes([
-                (*p.ip).src_addr[12],
-                (*p.ip).src_addr[13],
-                (*p.ip).src_addr[14],
-                (*p.ip).src_addr[15],
-            ]),
-        )
-    };
-    let mut h = (low ^ u32::from(u16::from_ne_bytes(p.sport))).wrapping_mul(0x9e37_79b1);
-    h ^= h >> 16;
-    let label = (h & 0x000f_ffff).to_be_bytes();
-    // Traffic class: the inner one (bits 4..12 of the first word).
-    let tc = (vcf[0] << 4) | (vcf[1] >> 4);
+    let (tc, label) = class_and_label(p);
     // Where the frame came from, for an ICMPv6 answer (`route`
     // overwrites it): kept in the scratch map, off the call chain's stack.
     let Some(sc) = scratch::get() else {
@@ -258,13 +227,50 @@ pub fn encap6(ctx: &XdpContext, p: &Packet<V6>, cfg: &Config, id: u32, backend: 
         put(outer.add(24).cast::<[u8; 16]>(), &backend.addr);
     }
     global(|s| s.encap += 1);
-    match next {
-        Ok((ifindex, _)) => out(ctx, ifindex),
-        Err(rc) => {
-            unsettled(rc);
-            xdp_action::XDP_PASS
-        }
-    }
+    out_or_pass(ctx, next)
+}
+
+/// The outer IPv4 source of a client's flow: the configured prefix, its
+/// per-flow bits (`encap_vary`) from the client's address and port, so a
+/// backend's NIC spreads the flows over its queues.
+#[inline(always)]
+fn outer_source(p: &Packet, cfg: &Config) -> [u8; 4] {
+    let vary = cfg.encap_vary;
+    let base = u32::from_ne_bytes([
+        cfg.encap_src[0],
+        cfg.encap_src[1],
+        cfg.encap_src[2],
+        cfg.encap_src[3],
+    ]);
+    let mut h = (u32::from_ne_bytes(*p.src()) ^ u32::from(u16::from_ne_bytes(p.sport)))
+        .wrapping_mul(0x9e37_79b1);
+    h ^= h >> 16;
+    ((base & !vary) | (h & vary)).to_ne_bytes()
+}
+
+/// The outer IPv6 header's traffic class (the inner one) and flow label
+/// (from the client's address and port).
+#[inline(always)]
+fn class_and_label(p: &Packet<V6>) -> (u8, [u8; 4]) {
+    // SAFETY: `parse6` checked the IP header; word 3 of 4 of the source.
+    let (vcf, low) = unsafe {
+        (
+            (*p.ip).vcf,
+            u32::from_ne_bytes([
+                (*p.ip).src_addr[12],
+                (*p.ip).src_addr[13],
+                (*p.ip).src_addr[14],
+                (*p.ip).src_addr[15],
+            ]),
+        )
+    };
+    let mut h = (low ^ u32::from(u16::from_ne_bytes(p.sport))).wrapping_mul(0x9e37_79b1);
+    h ^= h >> 16;
+    // Traffic class: bits 4..12 of the first word.
+    (
+        (vcf[0] << 4) | (vcf[1] >> 4),
+        (h & 0x000f_ffff).to_be_bytes(),
+    )
 }
 
 /// How a `dsr-ipip` packet is wrapped, per family.

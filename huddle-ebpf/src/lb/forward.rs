@@ -235,6 +235,19 @@ pub fn unsettled(rc: u32) {
     }
 }
 
+/// Out toward the next hop `route` found, or to the kernel (counted by
+/// why) when it found none: the kernel resolves the neighbour or routes.
+#[inline(always)]
+pub fn out_or_pass(ctx: &XdpContext, next: Result<(u32, u16), u32>) -> u32 {
+    match next {
+        Ok((ifindex, _)) => out(ctx, ifindex),
+        Err(rc) => {
+            unsettled(rc);
+            xdp_action::XDP_PASS
+        }
+    }
+}
+
 /// XDP_TX when the next hop is out of the interface the packet came in on,
 /// else a redirect.
 #[inline(always)]

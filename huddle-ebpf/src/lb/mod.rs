@@ -10,6 +10,7 @@ pub mod halfopen;
 pub mod icmp;
 pub mod latency;
 pub mod maps;
+pub mod new_flow;
 pub mod reply;
 pub mod scratch;
 pub mod select;

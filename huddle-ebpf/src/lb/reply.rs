@@ -37,25 +37,9 @@ pub fn reply<F: Balanced>(ctx: &XdpContext, p: &Packet<F>, cfg: &Config) -> u32 
         p.proto,
         F::FAMILY,
     );
-    // SAFETY: copied out at once.
-    let half = match unsafe { NAT.get(&sc.nkey) } {
-        Some(n) => {
-            // `put`, not an assignment: that compiled to a call of the
-            // object's memmove, a byte loop (two maps never overlap).
-            put(&mut sc.nval, n);
-            false
-        }
-        None => match halfopen::find_nat(cfg, &sc.nkey) {
-            Some(n) => {
-                // SAFETY: map value pointer, valid for this run.
-                put(&mut sc.nval, unsafe { &(*n).nat });
-                true
-            }
-            None => {
-                global(|s| s.pass_no_nat += 1);
-                return xdp_action::XDP_PASS;
-            }
-        },
+    let Some(half) = nat_entry(cfg, sc) else {
+        global(|s| s.pass_no_nat += 1);
+        return xdp_action::XDP_PASS;
     };
     let backend = sc.nval.backend;
     let bytes = u64::from(p.tot_len);
@@ -75,82 +59,121 @@ pub fn reply<F: Balanced>(ctx: &XdpContext, p: &Packet<F>, cfg: &Config) -> u32 
     let stale = half
         && p.tcp_flags & (TCP_SYN | TCP_RST | TCP_FIN | TCP_ACK) == TCP_ACK
         && p.payload_len == 0;
-    if closing || p.has_flag(TCP_SYN) || p.payload_len > 0 || stale {
-        // The flow, if it is still this backend's (it may have moved). A
-        // nullable pointer, not an Option of one: LLVM leaves the pointer
-        // of a `None` undefined and moves it around anyway, which the
-        // verifier refuses as reading an uninitialised register.
-        let slot: *mut HalfOpen = if half {
-            halfopen::find(cfg, &sc.nval.flow).unwrap_or(core::ptr::null_mut())
-        } else {
-            core::ptr::null_mut()
-        };
-        let entry: *mut FlowValue = if half {
-            if slot.is_null() {
-                core::ptr::null_mut()
-            } else {
-                // SAFETY: map value pointer, valid for this run.
-                unsafe { core::ptr::addr_of_mut!((*slot).flow) }
-            }
-        } else {
-            FLOWS
-                .get_ptr_mut(&sc.nval.flow)
-                .unwrap_or(core::ptr::null_mut())
-        };
-        // SAFETY: a non-null map value pointer, valid for this run.
-        let ours = !entry.is_null()
-            && unsafe {
-                (*entry).backend == backend && (*entry).nat_port_be == sc.nkey.nat_port_be
-            };
-        let flow = if ours { entry } else { core::ptr::null_mut() };
-        if ours && half && p.has_flag(TCP_SYN) && p.has_flag(TCP_ACK) {
-            // The client's ACK must acknowledge exactly this to promote it.
-            // SAFETY: as above.
-            unsafe {
-                (*flow).synack_seq = p.seq;
-                (*flow).flags |= flow_flags::SYNACK_SEEN;
-            }
-        }
-        if ours && !p.is_tcp() {
-            // SAFETY: as above.
-            unsafe {
-                if half {
-                    // The backend answered: the client's next datagram
-                    // promotes the flow.
-                    (*flow).flags |= flow_flags::SYNACK_SEEN;
-                } else {
-                    (*flow).stamp_ns = bpf_ktime_get_coarse_ns();
-                }
-            }
-        }
-        // The client's SYN still waits on this backend (no SYN-ACK came
-        // before): a refusal the balancer may retry itself.
-        // SAFETY: as above.
-        let awaiting = F::RETRY
-            && ours
-            && half
-            && unsafe {
-                (*flow).flags & (flow_flags::SYN_WAIT | flow_flags::SYNACK_SEEN)
-                    == flow_flags::SYN_WAIT
-            };
-        // A real refusal is a RST+ACK acknowledging the client's SYN
-        // exactly: anything else (an off-path guess at the tuple, a SYN
-        // with RST set) moves nothing and goes on as it is.
-        // SAFETY: as above.
-        let refused = awaiting
-            && p.tcp_flags & (TCP_RST | TCP_ACK | TCP_SYN) == TCP_RST | TCP_ACK
-            && p.ack == unsafe { (*slot).syn.isn }.wrapping_add(1);
-        let stale = awaiting && stale;
-        timing::reply(flow, p, backend);
-        if refused || stale {
-            sc.retry_tuple = u32::from(stale);
-            return RETRY;
-        }
-        if ours && closing && !half {
-            nat::close_by_backend(flow, backend, p.has_flag(TCP_FIN));
-        }
+    if (closing || p.has_flag(TCP_SYN) || p.payload_len > 0 || stale)
+        && on_flow(p, cfg, sc, backend, half, stale)
+    {
+        return RETRY;
     }
     to_client(ctx, p, cfg, sc)
+}
+
+/// Copies the NAT entry of `sc.nkey` into `sc.nval`: from the NAT table
+/// (`Some(false)`) or a half-open slot (`Some(true)`); `None` if neither
+/// holds it (not a reply of ours).
+#[inline(always)]
+fn nat_entry(cfg: &Config, sc: &mut Scratch) -> Option<bool> {
+    // SAFETY: copied out at once.
+    match unsafe { NAT.get(&sc.nkey) } {
+        Some(n) => {
+            // `put`, not an assignment: that compiled to a call of the
+            // object's memmove, a byte loop (two maps never overlap).
+            put(&mut sc.nval, n);
+            Some(false)
+        }
+        None => {
+            let n = halfopen::find_nat(cfg, &sc.nkey)?;
+            // SAFETY: map value pointer, valid for this run.
+            put(&mut sc.nval, unsafe { &(*n).nat });
+            Some(true)
+        }
+    }
+}
+
+/// A reply that tells something of its flow (a SYN-ACK, data, a FIN or a
+/// RST, a stale ACK): marks, times or closes the flow if it is still this
+/// backend's. True when the client's SYN should be retried instead
+/// (`sc.retry_tuple` says how).
+#[inline(always)]
+fn on_flow<F: Balanced>(
+    p: &Packet<F>,
+    cfg: &Config,
+    sc: &mut Scratch,
+    backend: u32,
+    half: bool,
+    stale: bool,
+) -> bool {
+    let closing = p.has_flag(TCP_FIN | TCP_RST);
+    // The flow, if it is still this backend's (it may have moved). A
+    // nullable pointer, not an Option of one: LLVM leaves the pointer
+    // of a `None` undefined and moves it around anyway, which the
+    // verifier refuses as reading an uninitialised register.
+    let slot: *mut HalfOpen = if half {
+        halfopen::find(cfg, &sc.nval.flow).unwrap_or(core::ptr::null_mut())
+    } else {
+        core::ptr::null_mut()
+    };
+    let entry: *mut FlowValue = if half {
+        if slot.is_null() {
+            core::ptr::null_mut()
+        } else {
+            // SAFETY: map value pointer, valid for this run.
+            unsafe { core::ptr::addr_of_mut!((*slot).flow) }
+        }
+    } else {
+        FLOWS
+            .get_ptr_mut(&sc.nval.flow)
+            .unwrap_or(core::ptr::null_mut())
+    };
+    // SAFETY: a non-null map value pointer, valid for this run.
+    let ours = !entry.is_null()
+        && unsafe { (*entry).backend == backend && (*entry).nat_port_be == sc.nkey.nat_port_be };
+    let flow = if ours { entry } else { core::ptr::null_mut() };
+    if ours && half && p.has_flag(TCP_SYN) && p.has_flag(TCP_ACK) {
+        // The client's ACK must acknowledge exactly this to promote it.
+        // SAFETY: as above.
+        unsafe {
+            (*flow).synack_seq = p.seq;
+            (*flow).flags |= flow_flags::SYNACK_SEEN;
+        }
+    }
+    if ours && !p.is_tcp() {
+        // SAFETY: as above.
+        unsafe {
+            if half {
+                // The backend answered: the client's next datagram
+                // promotes the flow.
+                (*flow).flags |= flow_flags::SYNACK_SEEN;
+            } else {
+                (*flow).stamp_ns = bpf_ktime_get_coarse_ns();
+            }
+        }
+    }
+    // The client's SYN still waits on this backend (no SYN-ACK came
+    // before): a refusal the balancer may retry itself.
+    // SAFETY: as above.
+    let awaiting = F::RETRY
+        && ours
+        && half
+        && unsafe {
+            (*flow).flags & (flow_flags::SYN_WAIT | flow_flags::SYNACK_SEEN) == flow_flags::SYN_WAIT
+        };
+    // A real refusal is a RST+ACK acknowledging the client's SYN
+    // exactly: anything else (an off-path guess at the tuple, a SYN
+    // with RST set) moves nothing and goes on as it is.
+    // SAFETY: as above.
+    let refused = awaiting
+        && p.tcp_flags & (TCP_RST | TCP_ACK | TCP_SYN) == TCP_RST | TCP_ACK
+        && p.ack == unsafe { (*slot).syn.isn }.wrapping_add(1);
+    let stale = awaiting && stale;
+    timing::reply(flow, p, backend);
+    if refused || stale {
+        sc.retry_tuple = u32::from(stale);
+        return true;
+    }
+    if ours && closing && !half {
+        nat::close_by_backend(flow, backend, p.has_flag(TCP_FIN));
+    }
+    false
 }
 
 /// A refused SYN that was not retried after all: its RST goes to the

@@ -95,6 +95,9 @@ fn measure(args: &BenchArgs) -> Result<()> {
     }
     beds.check_nothing_refused()?;
     report(args, new_calls, &cases, &chosen, results);
+    if let [Some(v4), Some(v6)] = beds.env.dp.verified_instructions() {
+        println!("\nVerified instructions: {v4} (huddle), {v6} (huddle6), of the verifier's 1,000,000 a program.");
+    }
     drop(cases);
     let Beds {
         env,

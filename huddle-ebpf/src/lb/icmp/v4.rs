@@ -8,7 +8,7 @@
 
 use crate::{
     csum::{apply, diff16, diff32, words},
-    lb::forward::{out, route, unsettled},
+    lb::forward::{out_or_pass, route},
     lb::halfopen,
     lb::maps::{global, CONFIG, NAT, SERVICES},
     mem::put,
@@ -21,7 +21,8 @@ use aya_ebpf::{
 };
 use huddle_common::headers::{ETH_LEN, ICMP_LEN, IP_LEN};
 use huddle_common::{
-    addr_v4, FlowKey, NatKey, ServiceKey, FAMILY_V4, PROTO_TCP, PROTO_UDP, SERVICE_KIND_SNAT,
+    addr_v4, Config, FlowKey, NatKey, ServiceKey, FAMILY_V4, PROTO_TCP, PROTO_UDP,
+    SERVICE_KIND_SNAT,
 };
 
 /// What an ICMP error quotes of the packet it is about: its IP header and
@@ -140,15 +141,9 @@ pub fn inbound(ctx: &XdpContext) -> u32 {
             proto,
             FAMILY_V4,
         );
-        let flow = match NAT.get(&nkey) {
-            Some(n) => n.flow,
-            None => match halfopen::find_nat(cfg, &nkey) {
-                Some(n) => (*n).nat.flow,
-                None => {
-                    global(|s| s.pass_no_nat += 1);
-                    return xdp_action::XDP_PASS;
-                }
-            },
+        let Some(flow) = flow_of(cfg, &nkey) else {
+            global(|s| s.pass_no_nat += 1);
+            return xdp_action::XDP_PASS;
         };
         let client = [
             flow.client[0],
@@ -157,33 +152,11 @@ pub fn inbound(ctx: &XdpContext) -> u32 {
             flow.client[3],
         ];
         let vip = [flow.vip[0], flow.vip[1], flow.vip[2], flow.vip[3]];
-        let n32 = u32::from_ne_bytes;
-        // The quoted packet as the client sent it: client -> VIP.
-        let addrs = diff32(n32(q_src), n32(client)) + diff32(n32(q_dst), n32(vip));
-        put(q.add(12) as *mut [u8; 4], &client);
-        put(q.add(16) as *mut [u8; 4], &vip);
-        let q_check = q.add(10).cast::<u16>();
-        let old_q_check = q_check.read_unaligned();
-        let new_q_check = apply(old_q_check, addrs);
-        q_check.write_unaligned(new_q_check);
-        let icmp_diff = addrs
-            + diff16(old_q_check, new_q_check)
-            + quoted_transport(ctx, l4, proto, &flow, addrs);
-        let icmp_check = icmp.add(2).cast::<u16>();
-        icmp_check.write_unaligned(apply(icmp_check.read_unaligned(), icmp_diff));
-        // The outer header: to the client; from the VIP if the backend
-        // itself complains (the client never heard of it), else from the
-        // router that did.
-        let o_src = *(ip.add(12) as *const [u8; 4]);
-        let from = if o_src == q_dst { vip } else { o_src };
-        let outer = diff32(n32(o_src), n32(from)) + diff32(n32(snat), n32(client));
-        put(ip.add(12) as *mut [u8; 4], &from);
-        put(ip.add(16) as *mut [u8; 4], &client);
-        let o_check = ip.add(10).cast::<u16>();
-        o_check.write_unaligned(apply(o_check.read_unaligned(), outer));
+        translate_quote(ctx, icmp, q, proto, &flow, (client, vip));
+        let from = translate_outer(ip, q_dst, (client, vip));
         let tot_len = u16::from_be_bytes(*(ip.add(2) as *const [u8; 2]));
         global(|s| s.icmp_translated += 1);
-        match route::<V4>(
+        let next = route::<V4>(
             ctx,
             data as *mut _,
             &from,
@@ -193,13 +166,81 @@ pub fn inbound(ctx: &XdpContext) -> u32 {
             None,
             cfg.hop_generation,
             false,
-        ) {
-            Ok((ifindex, _)) => out(ctx, ifindex),
-            Err(rc) => {
-                unsettled(rc);
-                xdp_action::XDP_PASS
-            }
-        }
+        );
+        out_or_pass(ctx, next)
+    }
+}
+
+/// The flow whose NAT entry (in the NAT table or a half-open slot) is
+/// `nkey`.
+#[inline(always)]
+fn flow_of(cfg: &Config, nkey: &NatKey) -> Option<FlowKey> {
+    // SAFETY: map value pointers, copied out at once.
+    match unsafe { NAT.get(nkey) } {
+        Some(n) => Some(n.flow),
+        None => halfopen::find_nat(cfg, nkey).map(|n| unsafe { (*n).nat.flow }),
+    }
+}
+
+/// Rewrites the quoted packet at `q` as the client sent it (client ->
+/// VIP), its checksums and the ICMP checksum with it.
+///
+/// # Safety
+/// `icmp`, `q` and the quoted IP header and 8 bytes of its L4 lie inside
+/// the packet.
+#[inline(always)]
+unsafe fn translate_quote(
+    ctx: &XdpContext,
+    icmp: *mut u8,
+    q: *mut u8,
+    proto: u8,
+    flow: &FlowKey,
+    (client, vip): ([u8; 4], [u8; 4]),
+) {
+    // SAFETY: the caller vouches for the bounds.
+    unsafe {
+        let n32 = u32::from_ne_bytes;
+        let q_src = *(q.add(12) as *const [u8; 4]);
+        let q_dst = *(q.add(16) as *const [u8; 4]);
+        let addrs = diff32(n32(q_src), n32(client)) + diff32(n32(q_dst), n32(vip));
+        put(q.add(12) as *mut [u8; 4], &client);
+        put(q.add(16) as *mut [u8; 4], &vip);
+        let q_check = q.add(10).cast::<u16>();
+        let old_q_check = q_check.read_unaligned();
+        let new_q_check = apply(old_q_check, addrs);
+        q_check.write_unaligned(new_q_check);
+        let icmp_diff = addrs
+            + diff16(old_q_check, new_q_check)
+            + quoted_transport(ctx, q.add(IP_LEN), proto, flow, addrs);
+        let icmp_check = icmp.add(2).cast::<u16>();
+        icmp_check.write_unaligned(apply(icmp_check.read_unaligned(), icmp_diff));
+    }
+}
+
+/// Rewrites the outer header to the client: from the VIP if the backend
+/// (`q_dst`) itself complains (the client never heard of it), else from
+/// the router that did. Returns the new source.
+///
+/// # Safety
+/// The 20-byte IP header at `ip` lies inside the packet.
+#[inline(always)]
+unsafe fn translate_outer(
+    ip: *mut u8,
+    q_dst: [u8; 4],
+    (client, vip): ([u8; 4], [u8; 4]),
+) -> [u8; 4] {
+    // SAFETY: the caller vouches for the bounds.
+    unsafe {
+        let n32 = u32::from_ne_bytes;
+        let o_src = *(ip.add(12) as *const [u8; 4]);
+        let snat = *(ip.add(16) as *const [u8; 4]);
+        let from = if o_src == q_dst { vip } else { o_src };
+        let outer = diff32(n32(o_src), n32(from)) + diff32(n32(snat), n32(client));
+        put(ip.add(12) as *mut [u8; 4], &from);
+        put(ip.add(16) as *mut [u8; 4], &client);
+        let o_check = ip.add(10).cast::<u16>();
+        o_check.write_unaligned(apply(o_check.read_unaligned(), outer));
+        from
     }
 }
 

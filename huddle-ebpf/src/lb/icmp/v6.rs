@@ -7,7 +7,7 @@
 use crate::lb::scratch;
 use crate::{
     csum::{apply, words},
-    lb::forward::{out, route, unsettled},
+    lb::forward::{out_or_pass, route},
     lb::halfopen,
     lb::icmp::v4::{bounce, quoted_transport},
     lb::maps::{global, CONFIG, NAT},
@@ -206,7 +206,7 @@ pub fn inbound(ctx: &XdpContext) -> u32 {
         icmp_check.write_unaligned(apply(icmp_check.read_unaligned(), icmp_diff));
         let len = u16::from_be_bytes(*ip.add(4).cast::<[u8; 2]>()) + IP6_LEN as u16;
         global(|s| s.icmp_translated += 1);
-        match route::<V6>(
+        let next = route::<V6>(
             ctx,
             data as *mut _,
             &*ip.add(8).cast::<[u8; 16]>(),
@@ -216,12 +216,7 @@ pub fn inbound(ctx: &XdpContext) -> u32 {
             None,
             cfg.hop_generation,
             false,
-        ) {
-            Ok((ifindex, _)) => out(ctx, ifindex),
-            Err(rc) => {
-                unsettled(rc);
-                xdp_action::XDP_PASS
-            }
-        }
+        );
+        out_or_pass(ctx, next)
     }
 }

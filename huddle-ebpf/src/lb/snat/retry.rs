@@ -147,23 +147,7 @@ pub fn resend<F: Family>(ctx: &XdpContext, cfg: &Config, slot: *mut HalfOpen) ->
     if opt_len > SYN_OPTS {
         return xdp_action::XDP_DROP;
     }
-    let want = (F::OPTS_AT + opt_len) as i32;
-    // SAFETY: plain helper calls (the verifier allows no arithmetic on the
-    // packet's end pointer, so the length comes from the kernel).
-    let have = unsafe { bpf_xdp_get_buff_len(ctx.ctx.cast()) } as i32;
-    // Room for the options at the head: XDP guarantees headroom, while a
-    // small RST's buffer (the backend stack's own) often has no tailroom
-    // (measured: growing the tail failed for most refusals on a veth).
-    // Every byte is written afresh below, so where the frame starts does
-    // not matter. A padded frame is trimmed at the tail.
-    let rc = if want > have {
-        unsafe { bpf_xdp_adjust_head(ctx.ctx.cast(), have - want) }
-    } else if want < have {
-        unsafe { bpf_xdp_adjust_tail(ctx.ctx.cast(), want - have) }
-    } else {
-        0
-    };
-    if rc != 0 {
+    if !resize(ctx, F::OPTS_AT + opt_len) {
         return xdp_action::XDP_DROP;
     }
     let (data, end) = (ctx.data(), ctx.data_end());
@@ -175,30 +159,7 @@ pub fn resend<F: Family>(ctx: &XdpContext, cfg: &Config, slot: *mut HalfOpen) ->
     let tcp = (data + ETH_LEN + F::IP_LEN) as *mut u8;
     let sport = s.flow.nat_port_be.to_ne_bytes();
     let dport = backend.port_be.to_ne_bytes();
-    let seq = s.syn.isn.to_be_bytes();
-    let window = s.syn.window_be.to_ne_bytes();
-    let tcph: [u8; TCP_LEN] = [
-        sport[0],
-        sport[1],
-        dport[0],
-        dport[1],
-        seq[0],
-        seq[1],
-        seq[2],
-        seq[3],
-        0,
-        0,
-        0,
-        0,
-        ((tcp_len / 4) as u8) << 4,
-        TCP_SYN,
-        window[0],
-        window[1],
-        0,
-        0,
-        0,
-        0,
-    ];
+    let tcph = syn_header(s, sport, dport, tcp_len);
     // SAFETY: the Ethernet, IP and TCP headers were checked to lie inside
     // the packet just above.
     unsafe {
@@ -256,4 +217,56 @@ pub fn resend<F: Family>(ctx: &XdpContext, cfg: &Config, slot: *mut HalfOpen) ->
         ack: 0,
     };
     send(ctx, &p, Some(id), cfg.hop_generation)
+}
+
+/// Makes the frame `want` bytes long. Room for the options at the head:
+/// XDP guarantees headroom, while a small RST's buffer (the backend
+/// stack's own) often has no tailroom (measured: growing the tail failed
+/// for most refusals on a veth). Every byte is written afresh after, so
+/// where the frame starts does not matter. A padded frame is trimmed at
+/// the tail.
+#[inline(always)]
+fn resize(ctx: &XdpContext, want: usize) -> bool {
+    let want = want as i32;
+    // SAFETY: plain helper calls (the verifier allows no arithmetic on the
+    // packet's end pointer, so the length comes from the kernel).
+    let have = unsafe { bpf_xdp_get_buff_len(ctx.ctx.cast()) } as i32;
+    let rc = if want > have {
+        unsafe { bpf_xdp_adjust_head(ctx.ctx.cast(), have - want) }
+    } else if want < have {
+        unsafe { bpf_xdp_adjust_tail(ctx.ctx.cast(), want - have) }
+    } else {
+        0
+    };
+    rc == 0
+}
+
+/// The TCP header of the client's SYN kept in `s`, from its NAT tuple
+/// (`sport`) to the backend (`dport`), its checksum still zero.
+#[inline(always)]
+fn syn_header(s: &HalfOpen, sport: [u8; 2], dport: [u8; 2], tcp_len: u16) -> [u8; TCP_LEN] {
+    let seq = s.syn.isn.to_be_bytes();
+    let window = s.syn.window_be.to_ne_bytes();
+    [
+        sport[0],
+        sport[1],
+        dport[0],
+        dport[1],
+        seq[0],
+        seq[1],
+        seq[2],
+        seq[3],
+        0,
+        0,
+        0,
+        0,
+        ((tcp_len / 4) as u8) << 4,
+        TCP_SYN,
+        window[0],
+        window[1],
+        0,
+        0,
+        0,
+        0,
+    ]
 }

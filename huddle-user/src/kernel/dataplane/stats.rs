@@ -8,7 +8,7 @@ use aya::{
 };
 use huddle_common::{
     maps, BackendStats, Counters, FlowKey, FlowValue, GlobalStats, Latency, Pulse, ServiceStats,
-    PROGRAM_NAME,
+    PROGRAM6_NAME, PROGRAM_NAME,
 };
 
 impl Dataplane {
@@ -90,6 +90,17 @@ impl Dataplane {
     #[must_use]
     pub fn hash_seed(&self) -> u64 {
         self.settings.kernel_config.hash_seed
+    }
+
+    /// Instructions the verifier went through for each program (IPv4,
+    /// IPv6): its budget is 1M a program, and a change that grows this is
+    /// one step nearer to a program that no longer loads.
+    #[must_use]
+    pub fn verified_instructions(&self) -> [Option<u32>; 2] {
+        [PROGRAM_NAME, PROGRAM6_NAME].map(|name| {
+            let prog: &Xdp = self.ebpf.program(name)?.try_into().ok()?;
+            prog.info().ok()?.verified_instruction_count()
+        })
     }
 
     /// The program's kernel id, for bpftool.
