@@ -5,7 +5,7 @@ use crate::*;
 /// Data plane settings, one element in `CONFIG`.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Config {
+pub struct KernelConfig {
     /// Source addresses of translated packets toward backends (the pool
     /// NAT tuples are drawn from): `snat_count` IPv4 ones, then
     /// `snat6_count` IPv6 ones.
@@ -58,9 +58,9 @@ pub struct Config {
     /// `service_half` finds the multiplier that placed that half.
     pub service_mul: [u64; 2],
 }
-shared!(Config, 16 * MAX_SNAT + 104);
+shared!(KernelConfig, 16 * MAX_SNAT + 104);
 
-impl Config {
+impl KernelConfig {
     /// Splits the inclusive range `min..=max` into one slice per CPU.
     /// Returns `(slice_ports, slices)`; a range smaller than the CPU count
     /// gets as many one-port slices as it has ports.

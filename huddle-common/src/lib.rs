@@ -195,12 +195,12 @@ mod tests {
 
     #[test]
     fn nat_slices_cover_the_range_without_overlap() {
-        assert_eq!(Config::slices_for(20000, 32767, 2), (6384, 2));
-        assert_eq!(Config::slices_for(20000, 20999, 3), (333, 3));
+        assert_eq!(KernelConfig::slices_for(20000, 32767, 2), (6384, 2));
+        assert_eq!(KernelConfig::slices_for(20000, 20999, 3), (333, 3));
         // Fewer ports than CPUs: one port each, as many slices as ports.
-        assert_eq!(Config::slices_for(100, 101, 8), (1, 2));
-        assert_eq!(Config::slices_for(1024, 65535, 0), (64512, 1));
-        let (ports, n) = Config::slices_for(1024, 65535, 4096);
+        assert_eq!(KernelConfig::slices_for(100, 101, 8), (1, 2));
+        assert_eq!(KernelConfig::slices_for(1024, 65535, 0), (64512, 1));
+        let (ports, n) = KernelConfig::slices_for(1024, 65535, 4096);
         assert!(u32::from(ports) * u32::from(n) <= 64512);
     }
 

@@ -7,7 +7,7 @@ pub const SERVICES: &str = "SERVICES";
 /// `HashMap<ServiceKey6, ServiceValue>`: the same for IPv6.
 pub const SERVICES6: &str = "SERVICES6";
 /// `Array<ServiceEntry>`: `SERVICES` as direct-mapped slots, two
-/// halves of `SERVICE_INDEX_SLOTS` (`Config::service_half` names the
+/// halves of `SERVICE_INDEX_SLOTS` (`KernelConfig::service_half` names the
 /// live one). Lives and dies with `CONFIG`, which says which half.
 pub const SERVICE_INDEX: &str = "SERVICE_INDEX";
 /// `ProgramArray` of one entry: the IPv6 program (`huddle6`), which
@@ -26,7 +26,7 @@ pub const RR_CURSOR: &str = "RR_CURSOR";
 pub const FLOWS: &str = "FLOWS";
 /// `LruHashMap<NatKey, NatValue>`: backend reply tuple -> client flow.
 pub const NAT: &str = "NAT";
-/// `Array<Config>` of one element.
+/// `Array<KernelConfig>` of one element.
 pub const CONFIG: &str = "CONFIG";
 /// `PerCpuArray<BackendStats>` indexed by backend id.
 pub const BACKEND_STATS: &str = "BACKEND_STATS";
@@ -56,10 +56,10 @@ pub const HALF_OPEN_TAGS: &str = "HALF_OPEN_TAGS";
 /// `Array<HalfOpenTags>`: the short tags of `HALF_OPEN_NAT`'s slots.
 pub const HALF_OPEN_NAT_TAGS: &str = "HALF_OPEN_NAT_TAGS";
 /// `PerCpuArray<NextHop>` indexed by backend id: the FIB's answer for
-/// it, reused while `Config::hop_generation` is unchanged.
+/// it, reused while `KernelConfig::hop_generation` is unchanged.
 pub const NEXT_HOP: &str = "NEXT_HOP";
 /// `PerCpuArray<ClientHop>`, `CLIENT_HOP_SLOTS` slots by address: the
-/// FIB's answer toward clients, reused while `Config::hop_generation`
+/// FIB's answer toward clients, reused while `KernelConfig::hop_generation`
 /// is unchanged. Never pinned (a cache; the control plane never reads
 /// it).
 pub const CLIENT_HOP: &str = "CLIENT_HOP";
@@ -83,7 +83,7 @@ pub const TW_HINTS_UNTIL: &str = "TW_HINTS_UNTIL";
 /// `Array<[u8; NAT_USED_LINE]>`: per backend id and NAT tuple, one
 /// byte, nonzero while `NAT` may hold an entry for the tuple, so a new
 /// flow asks `NAT` (a cold hash bucket) only then. Laid out as the walk
-/// goes (`Config::nat_used_per_backend`), so a SYN reads the line the
+/// goes (`KernelConfig::nat_used_per_backend`), so a SYN reads the line the
 /// one before it read. Never pinned: a load that adopts a running data
 /// plane's `NAT` sets every byte (`Dataplane::load`).
 pub const NAT_USED: &str = "NAT_USED";

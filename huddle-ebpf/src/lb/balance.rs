@@ -33,7 +33,7 @@ use aya_ebpf::{
 use huddle_common::{
     backend_flags, flow_flags, service_mode,
     verdict::{FORWARD, FORWARD_NEW, RETRY, TOO_BIG},
-    Backend, Config, FlowKey, FlowValue, HalfOpen,
+    Backend, FlowKey, FlowValue, HalfOpen, KernelConfig,
 };
 
 #[inline(always)]
@@ -99,7 +99,7 @@ pub fn balance<F: Balanced>(ctx: &XdpContext, p: &Packet<F>) -> u32 {
 fn request<F: Balanced, const DSR: bool>(
     ctx: &XdpContext,
     p: &Packet<F>,
-    cfg: &Config,
+    cfg: &KernelConfig,
     service: u32,
 ) -> u32 {
     let dsr = DSR;
@@ -169,7 +169,11 @@ fn request<F: Balanced, const DSR: bool>(
 /// left there by an earlier connection on this tuple is replaced when the
 /// new one is promoted).
 #[inline(always)]
-fn existing<F: Balanced>(cfg: &Config, sc: &Scratch, p: &Packet<F>) -> Option<*mut FlowValue> {
+fn existing<F: Balanced>(
+    cfg: &KernelConfig,
+    sc: &Scratch,
+    p: &Packet<F>,
+) -> Option<*mut FlowValue> {
     if p.is_tcp() && p.has_flag(TCP_SYN) {
         return None;
     }
@@ -192,7 +196,7 @@ fn existing<F: Balanced>(cfg: &Config, sc: &Scratch, p: &Packet<F>) -> Option<*m
 #[inline(always)]
 fn move_off_dead<F: Balanced>(
     ctx: &XdpContext,
-    cfg: &Config,
+    cfg: &KernelConfig,
     service: u32,
     sc: &mut Scratch,
     p: &Packet<F>,
@@ -239,7 +243,7 @@ fn carry_on<F: Balanced>(
 /// map (`fwd`) to its backend, in service mode `mode`. Its own BPF
 /// function for the same reason as `to_backend`.
 #[inline(never)]
-fn dsr_send<F: Balanced>(ctx: &XdpContext, p: &Packet<F>, cfg: &Config, mode: u32) -> u32 {
+fn dsr_send<F: Balanced>(ctx: &XdpContext, p: &Packet<F>, cfg: &KernelConfig, mode: u32) -> u32 {
     let Some(sc) = scratch::get() else {
         return xdp_action::XDP_PASS;
     };
@@ -260,7 +264,7 @@ fn dsr_send<F: Balanced>(ctx: &XdpContext, p: &Packet<F>, cfg: &Config, mode: u3
 /// and `request`'s are never on the stack together (an IPv6 packet's did
 /// not fit).
 #[inline(never)]
-fn to_backend<F: Balanced>(ctx: &XdpContext, p: &Packet<F>, cfg: &Config) -> u32 {
+fn to_backend<F: Balanced>(ctx: &XdpContext, p: &Packet<F>, cfg: &KernelConfig) -> u32 {
     let Some(sc) = scratch::get() else {
         return xdp_action::XDP_PASS;
     };
@@ -299,7 +303,7 @@ fn to_backend<F: Balanced>(ctx: &XdpContext, p: &Packet<F>, cfg: &Config) -> u32
 #[inline(always)]
 fn handshake<F: Balanced>(
     ctx: &XdpContext,
-    cfg: &Config,
+    cfg: &KernelConfig,
     service: u32,
     sc: &mut Scratch,
     p: &Packet<F>,
@@ -370,7 +374,7 @@ fn maglev(service: u32) -> bool {
 /// `sc.nval.flow`) into the flow tables and frees its half-open slots.
 #[inline(always)]
 fn promote(
-    cfg: &Config,
+    cfg: &KernelConfig,
     service: u32,
     sc: &mut Scratch,
     (slot, h): (*mut HalfOpen, u64),

@@ -22,7 +22,7 @@ use aya_ebpf::{
 use huddle_common::headers::{ETH_LEN, IP6_LEN, IP_LEN};
 use huddle_common::{
     verdict::{ROUTED, TOO_BIG},
-    Backend, Config,
+    Backend, KernelConfig,
 };
 
 /// IP protocol number of IPv4-in-IPv4.
@@ -35,7 +35,7 @@ const MAX_INNER: u16 = u16::MAX - IP_LEN as u16;
 pub fn l2<F: Family>(
     ctx: &XdpContext,
     p: &Packet<F>,
-    cfg: &Config,
+    cfg: &KernelConfig,
     id: u32,
     backend: &Backend,
 ) -> u32 {
@@ -72,7 +72,7 @@ pub fn l2<F: Family>(
 /// its per-flow bits from the client's address and port; DF, TOS and the
 /// IP id are the inner packet's, TTL 64.
 #[inline(always)]
-pub fn encap(ctx: &XdpContext, p: &Packet, cfg: &Config, id: u32, dst: [u8; 4]) -> u32 {
+pub fn encap(ctx: &XdpContext, p: &Packet, cfg: &KernelConfig, id: u32, dst: [u8; 4]) -> u32 {
     if p.tot_len > MAX_INNER {
         global(|s| s.drop_encap += 1);
         return xdp_action::XDP_DROP;
@@ -154,11 +154,17 @@ pub fn encap(ctx: &XdpContext, p: &Packet, cfg: &Config, id: u32, dst: [u8; 4]) 
 pub const PROTO_IPV6: u8 = 41;
 
 /// IPv6 in IPv6: the client's packet inside an outer header from
-/// `Config::encap6_src` to the backend, hop limit 64, the inner traffic
+/// `KernelConfig::encap6_src` to the backend, hop limit 64, the inner traffic
 /// class, a flow label from the client's address and port (so a backend's
 /// NIC spreads flows over its queues).
 #[inline(always)]
-pub fn encap6(ctx: &XdpContext, p: &Packet<V6>, cfg: &Config, id: u32, backend: &Backend) -> u32 {
+pub fn encap6(
+    ctx: &XdpContext,
+    p: &Packet<V6>,
+    cfg: &KernelConfig,
+    id: u32,
+    backend: &Backend,
+) -> u32 {
     if usize::from(p.tot_len) + IP6_LEN > usize::from(u16::MAX) {
         global(|s| s.drop_encap += 1);
         return xdp_action::XDP_DROP;
@@ -234,7 +240,7 @@ pub fn encap6(ctx: &XdpContext, p: &Packet<V6>, cfg: &Config, id: u32, backend: 
 /// per-flow bits (`encap_vary`) from the client's address and port, so a
 /// backend's NIC spreads the flows over its queues.
 #[inline(always)]
-fn outer_source(p: &Packet, cfg: &Config) -> [u8; 4] {
+fn outer_source(p: &Packet, cfg: &KernelConfig) -> [u8; 4] {
     let vary = cfg.encap_vary;
     let base = u32::from_ne_bytes([
         cfg.encap_src[0],
@@ -277,14 +283,26 @@ fn class_and_label(p: &Packet<V6>) -> (u8, [u8; 4]) {
 pub trait Encap: Family {
     /// Sends a client packet of a `dsr-ipip` flow to its backend inside
     /// an outer header of this family.
-    fn encap(ctx: &XdpContext, p: &Packet<Self>, cfg: &Config, id: u32, backend: &Backend) -> u32;
+    fn encap(
+        ctx: &XdpContext,
+        p: &Packet<Self>,
+        cfg: &KernelConfig,
+        id: u32,
+        backend: &Backend,
+    ) -> u32;
     /// Answers a packet `encap` found too big (`verdict::TOO_BIG`).
     fn too_big(ctx: &XdpContext) -> u32;
 }
 
 impl Encap for V4 {
     #[inline(always)]
-    fn encap(ctx: &XdpContext, p: &Packet<V4>, cfg: &Config, id: u32, backend: &Backend) -> u32 {
+    fn encap(
+        ctx: &XdpContext,
+        p: &Packet<V4>,
+        cfg: &KernelConfig,
+        id: u32,
+        backend: &Backend,
+    ) -> u32 {
         encap(ctx, p, cfg, id, *V4::narrow(&backend.addr))
     }
 
@@ -297,7 +315,13 @@ impl Encap for V4 {
 
 impl Encap for V6 {
     #[inline(always)]
-    fn encap(ctx: &XdpContext, p: &Packet<V6>, cfg: &Config, id: u32, backend: &Backend) -> u32 {
+    fn encap(
+        ctx: &XdpContext,
+        p: &Packet<V6>,
+        cfg: &KernelConfig,
+        id: u32,
+        backend: &Backend,
+    ) -> u32 {
         encap6(ctx, p, cfg, id, backend)
     }
 

@@ -2,7 +2,7 @@
 //! or a redirect; anything the FIB cannot settle goes to the kernel.
 //!
 //! The FIB's answer is cached per CPU until the control plane bumps
-//! `Config::hop_generation` (every second): toward a backend by its id,
+//! `KernelConfig::hop_generation` (every second): toward a backend by its id,
 //! toward a client in a small direct-mapped cache by address. A FIB lookup
 //! costs more than the rest of the established-flow path, a next hop
 //! rarely changes, and comparing a generation costs no clock read.

@@ -17,7 +17,7 @@ use crate::{
 };
 use aya_ebpf::maps::Array;
 use huddle_common::{
-    short_tag, slot_tag, Config, FlowKey, HalfOpen, HalfOpenNat, HalfOpenTags, NatKey,
+    short_tag, slot_tag, FlowKey, HalfOpen, HalfOpenNat, HalfOpenTags, KernelConfig, NatKey,
     HALF_OPEN_TAGS_PER_LINE,
 };
 
@@ -35,7 +35,7 @@ pub const PENDING_SYN: u32 = 4;
 /// them not written at all). Its own BPF function: called from both
 /// request paths without a copy in each.
 #[inline(never)]
-pub fn commit(cfg: &Config) {
+pub fn commit(cfg: &KernelConfig) {
     let Some(sc) = scratch::get() else {
         return;
     };
@@ -73,7 +73,7 @@ pub fn commit(cfg: &Config) {
 
 /// The slot of client tuple `key` (hash `h`), whoever holds it.
 #[inline(always)]
-pub fn client_slot(cfg: &Config, h: u64) -> Option<*mut HalfOpen> {
+pub fn client_slot(cfg: &KernelConfig, h: u64) -> Option<*mut HalfOpen> {
     HALF_OPEN.get_ptr_mut((h as u32) & cfg.half_open_mask)
 }
 
@@ -88,14 +88,14 @@ fn short_tag_at(tags: &Array<HalfOpenTags>, i: u32) -> Option<*mut u32> {
 
 /// The short tag of the client slot of hash `h` (see `client_slot`).
 #[inline(always)]
-pub fn short_tag_of(cfg: &Config, h: u64) -> Option<*mut u32> {
+pub fn short_tag_of(cfg: &KernelConfig, h: u64) -> Option<*mut u32> {
     short_tag_at(&HALF_OPEN_TAGS, (h as u32) & cfg.half_open_mask)
 }
 
 /// The NAT slot of tuple `key`, whoever holds it, its index, and the tag
 /// `key` carries there.
 #[inline(always)]
-fn nat_slot(cfg: &Config, key: &NatKey) -> Option<(*mut HalfOpenNat, u32, u64)> {
+fn nat_slot(cfg: &KernelConfig, key: &NatKey) -> Option<(*mut HalfOpenNat, u32, u64)> {
     let (i, tag) = key.half_open_slot(cfg.hash_seed, cfg.nat_port_min, cfg.half_open_mask);
     let i = i & cfg.half_open_mask;
     HALF_OPEN_NAT.get_ptr_mut(i).map(|s| (s, i, tag))
@@ -118,13 +118,13 @@ pub fn nat_holds(slot: *const HalfOpenNat, tag: u64, key: &NatKey) -> bool {
 
 /// The slot of the half-open flow `key`, if one holds it.
 #[inline(always)]
-pub fn find(cfg: &Config, key: &FlowKey) -> Option<*mut HalfOpen> {
+pub fn find(cfg: &KernelConfig, key: &FlowKey) -> Option<*mut HalfOpen> {
     find_hashed(cfg, key).map(|(s, _)| s)
 }
 
 /// As `find`, with the key's hash (for `empty`).
 #[inline(always)]
-pub fn find_hashed(cfg: &Config, key: &FlowKey) -> Option<(*mut HalfOpen, u64)> {
+pub fn find_hashed(cfg: &KernelConfig, key: &FlowKey) -> Option<(*mut HalfOpen, u64)> {
     let h = key.hash(cfg.hash_seed);
     client_slot(cfg, h)
         .filter(|s| holds(*s, h, key))
@@ -133,7 +133,7 @@ pub fn find_hashed(cfg: &Config, key: &FlowKey) -> Option<(*mut HalfOpen, u64)> 
 
 /// Empties client slot `slot` (of hash `h`): its flow was promoted.
 #[inline(always)]
-pub fn empty(cfg: &Config, slot: *mut HalfOpen, h: u64) {
+pub fn empty(cfg: &KernelConfig, slot: *mut HalfOpen, h: u64) {
     // SAFETY: map value pointers, valid for this run.
     unsafe {
         (*slot).tag = 0;
@@ -145,7 +145,7 @@ pub fn empty(cfg: &Config, slot: *mut HalfOpen, h: u64) {
 
 /// The NAT slot of a half-open flow, if it still holds it.
 #[inline(always)]
-pub fn find_nat(cfg: &Config, key: &NatKey) -> Option<*mut HalfOpenNat> {
+pub fn find_nat(cfg: &KernelConfig, key: &NatKey) -> Option<*mut HalfOpenNat> {
     nat_slot(cfg, key)
         .filter(|(s, _, tag)| nat_holds(*s, *tag, key))
         .map(|(s, _, _)| s)
@@ -157,7 +157,7 @@ pub fn find_nat(cfg: &Config, key: &NatKey) -> Option<*mut HalfOpenNat> {
 /// or, a whole table of ports apart, another tag, so a matching short
 /// tag is this tuple's (a retransmission).
 #[inline(always)]
-pub fn write_nat(cfg: &Config, service: u32, sc: &Scratch) {
+pub fn write_nat(cfg: &KernelConfig, service: u32, sc: &Scratch) {
     let Some((n, i, tag)) = nat_slot(cfg, &sc.nkey) else {
         return;
     };
@@ -179,7 +179,7 @@ pub fn write_nat(cfg: &Config, service: u32, sc: &Scratch) {
 /// Empties the NAT slot of half-open tuple `key` if it still holds it, so
 /// a late answer on that tuple finds nothing (the flow moved on).
 #[inline(always)]
-pub fn forget_nat(cfg: &Config, key: &NatKey) {
+pub fn forget_nat(cfg: &KernelConfig, key: &NatKey) {
     let Some((n, i, _)) = nat_slot(cfg, key).filter(|(n, _, tag)| nat_holds(*n, *tag, key)) else {
         return;
     };

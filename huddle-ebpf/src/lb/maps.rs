@@ -6,8 +6,8 @@ use aya_ebpf::{
     maps::{Array, HashMap, LruHashMap, PerCpuArray, ProgramArray},
 };
 use huddle_common::{
-    maglev_elements, Backend, BackendStats, ClientHop, Config, FlowKey, FlowValue, GlobalStats,
-    HalfOpen, HalfOpenNat, HalfOpenTags, Latency, NatCursor, NatKey, NatValue, NextHop, Pulse,
+    maglev_elements, Backend, BackendStats, ClientHop, FlowKey, FlowValue, GlobalStats, HalfOpen,
+    HalfOpenNat, HalfOpenTags, KernelConfig, Latency, NatCursor, NatKey, NatValue, NextHop, Pulse,
     Ring, ServiceEntry, ServiceKey, ServiceKey6, ServiceStats, ServiceValue, Tuning, TwHint,
     CLIENT_HOP_SLOTS, DEFAULT_FLOW_TABLE_SIZE, DEFAULT_HALF_OPEN_SIZE, DEFAULT_MAGLEV_SIZE,
     HALF_OPEN_TAGS_PER_LINE, MAGLEV_MAP_FLAGS, MAX_BACKENDS, MAX_SERVICES, MAX_SNAT, MAX_TW_HINTS,
@@ -20,7 +20,7 @@ use huddle_common::{
 pub static SERVICES: HashMap<ServiceKey, ServiceValue> = HashMap::with_max_entries(MAX_SERVICES, 0);
 
 /// `SERVICES` again, as two halves of direct-mapped slots (one live, the
-/// other rewritten by the control plane, `Config::service_half`): an
+/// other rewritten by the control plane, `KernelConfig::service_half`): an
 /// array lookup and one compare, about 6 ns a packet less than the hash,
 /// and a miss is as cheap (traffic that is not ours).
 #[map]
@@ -128,7 +128,7 @@ pub static NAT_USED: Array<[u8; NAT_USED_LINE]> = Array::with_max_entries(1, 0);
 
 /// Data plane settings (SNAT addresses, NAT port range and slices).
 #[map]
-pub static CONFIG: Array<Config> = Array::with_max_entries(1, 0);
+pub static CONFIG: Array<KernelConfig> = Array::with_max_entries(1, 0);
 
 #[map]
 pub static BACKEND_STATS: PerCpuArray<BackendStats> =

@@ -18,7 +18,7 @@ use crate::{
 use aya_ebpf::{bindings::xdp_action, helpers::bpf_ktime_get_ns, programs::XdpContext};
 use aya_log_ebpf::warn;
 use huddle_common::{
-    flow_flags, short_tag, verdict::NO_BACKEND, Config, FlowValue, HalfOpen, MAX_SYN_RETRIES,
+    flow_flags, short_tag, verdict::NO_BACKEND, FlowValue, HalfOpen, KernelConfig, MAX_SYN_RETRIES,
     NAT_PORT_TRIES,
 };
 
@@ -72,7 +72,7 @@ impl Start {
 #[inline(always)]
 pub fn new_flow<F: Balanced>(
     ctx: &XdpContext,
-    cfg: &Config,
+    cfg: &KernelConfig,
     service: u32,
     sc: &mut Scratch,
     p: &Packet<F>,
@@ -154,7 +154,7 @@ pub fn new_flow<F: Balanced>(
 /// A SYN's half-open slot and its short tag, which alone tells most SYNs
 /// that the slot is not theirs (the slot itself is usually a cache miss).
 #[inline(always)]
-fn slot_of(cfg: &Config, h: u64) -> Result<(*mut HalfOpen, *mut u32), u32> {
+fn slot_of(cfg: &KernelConfig, h: u64) -> Result<(*mut HalfOpen, *mut u32), u32> {
     match (
         halfopen::client_slot(cfg, h),
         halfopen::short_tag_of(cfg, h),
@@ -180,7 +180,7 @@ enum Earlier {
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
 fn earlier<F: Balanced>(
-    cfg: &Config,
+    cfg: &KernelConfig,
     service: u32,
     sc: &mut Scratch,
     p: &Packet<F>,

@@ -18,12 +18,12 @@ use crate::{
 use aya_ebpf::{
     bindings::xdp_action, helpers::generated::bpf_ktime_get_coarse_ns, programs::XdpContext,
 };
-use huddle_common::{flow_flags, verdict::RETRY, Config, FlowValue, HalfOpen, NatKey};
+use huddle_common::{flow_flags, verdict::RETRY, FlowValue, HalfOpen, KernelConfig, NatKey};
 
 /// Backend to client: translate a reply back, or leave the balancer host's
 /// own traffic alone.
 #[inline(never)]
-pub fn reply<F: Balanced>(ctx: &XdpContext, p: &Packet<F>, cfg: &Config) -> u32 {
+pub fn reply<F: Balanced>(ctx: &XdpContext, p: &Packet<F>, cfg: &KernelConfig) -> u32 {
     let Some(sc) = scratch::get() else {
         return xdp_action::XDP_PASS;
     };
@@ -71,7 +71,7 @@ pub fn reply<F: Balanced>(ctx: &XdpContext, p: &Packet<F>, cfg: &Config) -> u32 
 /// (`Some(false)`) or a half-open slot (`Some(true)`); `None` if neither
 /// holds it (not a reply of ours).
 #[inline(always)]
-fn nat_entry(cfg: &Config, sc: &mut Scratch) -> Option<bool> {
+fn nat_entry(cfg: &KernelConfig, sc: &mut Scratch) -> Option<bool> {
     // SAFETY: copied out at once.
     match unsafe { NAT.get(&sc.nkey) } {
         Some(n) => {
@@ -96,7 +96,7 @@ fn nat_entry(cfg: &Config, sc: &mut Scratch) -> Option<bool> {
 #[inline(always)]
 fn on_flow<F: Balanced>(
     p: &Packet<F>,
-    cfg: &Config,
+    cfg: &KernelConfig,
     sc: &mut Scratch,
     backend: u32,
     half: bool,
@@ -179,7 +179,7 @@ fn on_flow<F: Balanced>(
 /// A refused SYN that was not retried after all: its RST goes to the
 /// client like any reply.
 #[inline(never)]
-pub fn back<F: Balanced>(ctx: &XdpContext, p: &Packet<F>, cfg: &Config) -> u32 {
+pub fn back<F: Balanced>(ctx: &XdpContext, p: &Packet<F>, cfg: &KernelConfig) -> u32 {
     let Some(sc) = scratch::get() else {
         return xdp_action::XDP_PASS;
     };
@@ -190,7 +190,12 @@ pub fn back<F: Balanced>(ctx: &XdpContext, p: &Packet<F>, cfg: &Config) -> u32 {
 /// Translates a reply of the flow in `sc.nval` back to VIP -> client and
 /// sends it.
 #[inline(always)]
-fn to_client<F: Balanced>(ctx: &XdpContext, p: &Packet<F>, cfg: &Config, sc: &Scratch) -> u32 {
+fn to_client<F: Balanced>(
+    ctx: &XdpContext,
+    p: &Packet<F>,
+    cfg: &KernelConfig,
+    sc: &Scratch,
+) -> u32 {
     F::rewrite(
         p,
         &Tuple {

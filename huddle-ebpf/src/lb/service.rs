@@ -10,26 +10,26 @@ use crate::{
     },
 };
 use huddle_common::{
-    service_slot, Config, ServiceKey, ServiceKey6, ServiceValue, SERVICE_INDEX_BITS,
+    service_slot, KernelConfig, ServiceKey, ServiceKey6, ServiceValue, SERVICE_INDEX_BITS,
     SERVICE_KIND_SNAT, SERVICE_KIND_VIP,
 };
 
 /// The service lookup, per family.
 pub trait Lookup: Family {
     /// The service (VIP:port/proto) `p` is addressed to, if any.
-    fn vip(p: &Packet<Self>, cfg: &Config) -> Option<ServiceValue>;
+    fn vip(p: &Packet<Self>, cfg: &KernelConfig) -> Option<ServiceValue>;
     /// Whether `p` is addressed to one of the balancer's SNAT addresses.
-    fn to_snat(p: &Packet<Self>, cfg: &Config) -> bool;
-    /// This family's SNAT addresses in `Config::snat_addrs`: first index
+    fn to_snat(p: &Packet<Self>, cfg: &KernelConfig) -> bool;
+    /// This family's SNAT addresses in `KernelConfig::snat_addrs`: first index
     /// and count.
-    fn snat_range(cfg: &Config) -> (u32, u32);
+    fn snat_range(cfg: &KernelConfig) -> (u32, u32);
 }
 
 impl V4 {
     /// `SERVICES`' value for `key`, from the live half of `SERVICE_INDEX`
     /// (or from `SERVICES` itself while no half is live).
     #[inline(always)]
-    fn service(cfg: &Config, key: &ServiceKey) -> Option<ServiceValue> {
+    fn service(cfg: &KernelConfig, key: &ServiceKey) -> Option<ServiceValue> {
         let half = u32::from(cfg.service_half);
         if half == 0 {
             // SAFETY: copied out at once (values are replaced whole).
@@ -47,7 +47,7 @@ impl V4 {
 
 impl Lookup for V4 {
     #[inline(always)]
-    fn vip(p: &Packet<V4>, cfg: &Config) -> Option<ServiceValue> {
+    fn vip(p: &Packet<V4>, cfg: &KernelConfig) -> Option<ServiceValue> {
         let key = ServiceKey {
             addr: *p.dst(),
             port_be: u16::from_ne_bytes(p.dport),
@@ -58,7 +58,7 @@ impl Lookup for V4 {
     }
 
     #[inline(always)]
-    fn to_snat(p: &Packet<V4>, cfg: &Config) -> bool {
+    fn to_snat(p: &Packet<V4>, cfg: &KernelConfig) -> bool {
         let key = ServiceKey {
             addr: *p.dst(),
             port_be: 0,
@@ -69,7 +69,7 @@ impl Lookup for V4 {
     }
 
     #[inline(always)]
-    fn snat_range(cfg: &Config) -> (u32, u32) {
+    fn snat_range(cfg: &KernelConfig) -> (u32, u32) {
         (0, u32::from(cfg.snat_count))
     }
 }
@@ -97,7 +97,7 @@ impl V6 {
 
 impl Lookup for V6 {
     #[inline(always)]
-    fn vip(p: &Packet<V6>, _cfg: &Config) -> Option<ServiceValue> {
+    fn vip(p: &Packet<V6>, _cfg: &KernelConfig) -> Option<ServiceValue> {
         V6::lookup(
             p.dst(),
             u16::from_ne_bytes(p.dport),
@@ -107,12 +107,12 @@ impl Lookup for V6 {
     }
 
     #[inline(always)]
-    fn to_snat(p: &Packet<V6>, _cfg: &Config) -> bool {
+    fn to_snat(p: &Packet<V6>, _cfg: &KernelConfig) -> bool {
         V6::is_snat(p.dst())
     }
 
     #[inline(always)]
-    fn snat_range(cfg: &Config) -> (u32, u32) {
+    fn snat_range(cfg: &KernelConfig) -> (u32, u32) {
         (u32::from(cfg.snat_count), u32::from(cfg.snat6_count))
     }
 }

@@ -21,7 +21,7 @@ use aya_ebpf::{
 };
 use huddle_common::headers::{ETH_LEN, ICMP_LEN, IP_LEN};
 use huddle_common::{
-    addr_v4, Config, FlowKey, NatKey, ServiceKey, FAMILY_V4, PROTO_TCP, PROTO_UDP,
+    addr_v4, FlowKey, KernelConfig, NatKey, ServiceKey, FAMILY_V4, PROTO_TCP, PROTO_UDP,
     SERVICE_KIND_SNAT,
 };
 
@@ -174,7 +174,7 @@ pub fn inbound(ctx: &XdpContext) -> u32 {
 /// The flow whose NAT entry (in the NAT table or a half-open slot) is
 /// `nkey`.
 #[inline(always)]
-fn flow_of(cfg: &Config, nkey: &NatKey) -> Option<FlowKey> {
+fn flow_of(cfg: &KernelConfig, nkey: &NatKey) -> Option<FlowKey> {
     // SAFETY: map value pointers, copied out at once.
     match unsafe { NAT.get(nkey) } {
         Some(n) => Some(n.flow),

@@ -23,7 +23,7 @@ use aya_ebpf::{
     helpers::{bpf_get_smp_processor_id, bpf_ktime_get_ns},
 };
 use huddle_common::{
-    flow_flags, Addr, Backend, Config, FlowValue, NatCursor, NatKey, MAX_BACKENDS, MAX_SNAT,
+    flow_flags, Addr, Backend, FlowValue, KernelConfig, NatCursor, NatKey, MAX_BACKENDS, MAX_SNAT,
     NAT_LINGER_NS, NAT_PORT_TRIES, NAT_USED_BACKENDS, NAT_USED_LINE, TIME_WAIT_NS,
 };
 
@@ -37,7 +37,7 @@ pub struct Tuple {
 /// two: the mask is what the verifier needs to see, a comparison LLVM may
 /// turn into a select it cannot follow).
 #[inline(always)]
-pub fn snat_addr(cfg: &Config, i: u8) -> &Addr {
+pub fn snat_addr(cfg: &KernelConfig, i: u8) -> &Addr {
     &cfg.snat_addrs[usize::from(i) & (MAX_SNAT - 1)]
 }
 
@@ -54,7 +54,7 @@ const CLEAR: u32 = 2;
 /// branches stay out of its callers' verifier states (inlined in the
 /// request path, it took the program past the 1M-instruction limit).
 #[inline(never)]
-fn used(cfg: &Config, id: u32, snat: u32, port_off: u32, op: u32) -> u32 {
+fn used(cfg: &KernelConfig, id: u32, snat: u32, port_off: u32, op: u32) -> u32 {
     let per = cfg.nat_used_per_backend;
     // The top ids, handed out first, from the start of the map.
     let top = (MAX_BACKENDS - 1).wrapping_sub(id);
@@ -85,7 +85,7 @@ fn used(cfg: &Config, id: u32, snat: u32, port_off: u32, op: u32) -> u32 {
 /// `used` for backend `id`'s tuple of SNAT address index `snat` and port
 /// `port_be`.
 #[inline(always)]
-fn used_port(cfg: &Config, id: u32, snat: u8, port_be: u16, op: u32) -> u32 {
+fn used_port(cfg: &KernelConfig, id: u32, snat: u8, port_be: u16, op: u32) -> u32 {
     let off = u32::from(u16::from_be(port_be).wrapping_sub(cfg.nat_port_min));
     used(cfg, id, u32::from(snat), off, op)
 }
@@ -94,7 +94,7 @@ fn used_port(cfg: &Config, id: u32, snat: u8, port_be: u16, op: u32) -> u32 {
 /// SNAT address index `snat` and port `port_be` (before the insert: a
 /// walk that reads the byte as clear must find no entry).
 #[inline(always)]
-pub fn mark_used(cfg: &Config, id: u32, snat: u8, port_be: u16) {
+pub fn mark_used(cfg: &KernelConfig, id: u32, snat: u8, port_be: u16) {
     used_port(cfg, id, snat, port_be, MARK);
 }
 
@@ -109,7 +109,7 @@ pub fn mark_used(cfg: &Config, id: u32, snat: u8, port_be: u16) {
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
 pub fn allocate<F: Lookup>(
-    cfg: &Config,
+    cfg: &KernelConfig,
     id: u32,
     backend: &Backend,
     proto: u8,
@@ -199,7 +199,7 @@ pub fn allocate<F: Lookup>(
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
 fn taken(
-    cfg: &Config,
+    cfg: &KernelConfig,
     id: u32,
     half: bool,
     nkey: &NatKey,
@@ -329,7 +329,7 @@ fn reclaim(key: &NatKey, syn_ts: u32, now: u64) -> Reclaim {
 
 /// The NAT key of an existing flow toward backend `addr`:`port_be`.
 #[inline(always)]
-pub fn flow_key(cfg: &Config, flow: &FlowValue, backend: &Backend, proto: u8) -> NatKey {
+pub fn flow_key(cfg: &KernelConfig, flow: &FlowValue, backend: &Backend, proto: u8) -> NatKey {
     NatKey::new(
         *snat_addr(cfg, flow.snat),
         backend.addr,

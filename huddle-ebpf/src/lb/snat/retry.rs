@@ -38,7 +38,7 @@ use aya_ebpf::{
 };
 use huddle_common::headers::{ETH_LEN, TCP_LEN};
 use huddle_common::{
-    flow_flags, Config, HalfOpen, MAX_SYN_RETRIES, MAX_TUPLE_RETRIES, PROTO_TCP, SYN_OPTS,
+    flow_flags, HalfOpen, KernelConfig, MAX_SYN_RETRIES, MAX_TUPLE_RETRIES, PROTO_TCP, SYN_OPTS,
 };
 
 /// Step one of a retry, after the backend refused the SYN of the half-open
@@ -52,7 +52,7 @@ use huddle_common::{
 /// packet pointers stay valid (a BPF function that changes packet data
 /// invalidates them all in its caller, on every path).
 #[inline(never)]
-pub fn plan<F: Lookup>(cfg: &Config) -> *mut HalfOpen {
+pub fn plan<F: Lookup>(cfg: &KernelConfig) -> *mut HalfOpen {
     let none = core::ptr::null_mut();
     let Some(sc) = scratch::get() else {
         return none;
@@ -136,7 +136,7 @@ fn tuple_only(sc: &Scratch) -> bool {
 /// send it. Dropped only if the packet cannot be resized (the client's own
 /// retransmission then reaches the new backend).
 #[inline(never)]
-pub fn resend<F: Family>(ctx: &XdpContext, cfg: &Config, slot: *mut HalfOpen) -> u32 {
+pub fn resend<F: Family>(ctx: &XdpContext, cfg: &KernelConfig, slot: *mut HalfOpen) -> u32 {
     // SAFETY: a map value pointer from `plan`, valid for this run.
     let s = unsafe { &mut *slot };
     let id = s.flow.backend;

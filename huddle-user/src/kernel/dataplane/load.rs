@@ -11,7 +11,7 @@ use aya::{
 };
 use huddle_common::maglev_elements;
 use huddle_common::{
-    addr_v4, maps, Config as KernelConfig, FAMILY_V4, MAX_SNAT, PROGRAM6_NAME, PROGRAM_NAME,
+    addr_v4, maps, KernelConfig, FAMILY_V4, MAX_SNAT, PROGRAM6_NAME, PROGRAM_NAME,
 };
 use std::{net::Ipv4Addr, path::Path};
 use tracing::{info, warn};

@@ -25,8 +25,8 @@ use aya::{
     Ebpf,
 };
 use huddle_common::{
-    maps, Backend, BackendStats, Config as KernelConfig, GlobalStats, Latency, NatCursor, NatKey,
-    Pulse, Ring, ServiceEntry, ServiceKey, ServiceKey6, ServiceStats, ServiceValue, Tuning,
+    maps, Backend, BackendStats, GlobalStats, KernelConfig, Latency, NatCursor, NatKey, Pulse,
+    Ring, ServiceEntry, ServiceKey, ServiceKey6, ServiceStats, ServiceValue, Tuning,
 };
 use keys::*;
 use std::{
