@@ -140,7 +140,7 @@ pub async fn run(args: AgentArgs) -> Result<()> {
 /// timing requests to `args.vips`.
 fn start_decap(iface: &str, args: &AgentArgs) -> Result<Decap> {
     crate::sys::host::check_privileges()?;
-    let ifindex = crate::sys::host::ifindex(iface)?;
+    let ifindex = crate::sys::addresses::ifindex(iface)?;
     let mut d = Decap::load()?;
     d.set_local(&local_ips()?)?;
     let mode = d.attach(ifindex, args.xdp_mode)?;
@@ -228,10 +228,10 @@ pub fn render_ttfb(per_vip: &[(IpAddr, AgentTtfb)]) -> String {
 
 /// This host's addresses, both families.
 fn local_ips() -> Result<Vec<std::net::IpAddr>> {
-    let v4 = crate::sys::host::ipv4_addrs()?
+    let v4 = crate::sys::addresses::ipv4_addrs()?
         .into_iter()
         .map(|(_, a)| a.into());
-    let v6 = crate::sys::host::ipv6_addrs()?
+    let v6 = crate::sys::addresses::ipv6_addrs()?
         .into_iter()
         .map(|(_, a)| a.into());
     Ok(v4.chain(v6).collect())
@@ -240,7 +240,7 @@ fn local_ips() -> Result<Vec<std::net::IpAddr>> {
 /// The interface of the main table's default route, if any.
 fn default_route_iface() -> Option<String> {
     let table = std::fs::read_to_string("/proc/net/route").ok()?;
-    crate::sys::host::route_of(&table, Ipv4Addr::new(192, 0, 2, 1)).map(|(i, _)| i)
+    crate::sys::addresses::route_of(&table, Ipv4Addr::new(192, 0, 2, 1)).map(|(i, _)| i)
 }
 
 fn sysctl(path: &str) -> Option<u32> {
@@ -258,7 +258,7 @@ fn sysctl(path: &str) -> Option<u32> {
 #[must_use]
 pub fn setup_problems(iface: Option<&str>, decap: bool, vips: &[IpAddr]) -> Vec<String> {
     let mut out = Vec::new();
-    let local = crate::sys::host::ip_addrs().unwrap_or_default();
+    let local = crate::sys::addresses::ip_addrs().unwrap_or_default();
     for vip in vips {
         if !local.iter().any(|(_, a)| a == vip) {
             let len = if vip.is_ipv4() { 32 } else { 128 };

@@ -59,7 +59,7 @@ pub(super) fn pps(
         cfg,
         neighbours,
     )?;
-    let peer = crate::sys::host::ifindex("hb1")?;
+    let peer = crate::sys::addresses::ifindex("hb1")?;
     // Establish the flows the frames belong to.
     for k in 0..PPS_FLOWS {
         handshake(&env, (client, PPS_BASE_PORT + k))?;

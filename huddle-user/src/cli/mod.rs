@@ -201,8 +201,8 @@ fn running_balancers(dir: &Path, stopping: bool) -> Vec<(String, PathBuf)> {
     socks
         .into_iter()
         .filter(|(i, _)| {
-            let pins = crate::sys::host::default_pin_dir(i);
-            let pins = crate::sys::host::host_pin_dir(&pins).unwrap_or(pins);
+            let pins = crate::sys::pins::default_pin_dir(i);
+            let pins = crate::sys::pins::host_pin_dir(&pins).unwrap_or(pins);
             pins.join(huddle_common::maps::FLOWS).exists()
         })
         .collect()
@@ -454,7 +454,7 @@ fn stop(target: &Target, pin_dir: Option<PathBuf>, state_file: Option<PathBuf>) 
     let (socket, iface) = target.resolve(true)?;
     let pins = match (pin_dir, &iface) {
         (Some(p), _) => p,
-        (None, Some(i)) => crate::sys::host::default_pin_dir(i),
+        (None, Some(i)) => crate::sys::pins::default_pin_dir(i),
         (None, None) => bail!("say which pin folder: --iface IFACE or --pin-dir PATH"),
     };
     let state_file = state_file.unwrap_or_else(|| socket.with_extension("state"));

@@ -142,7 +142,7 @@ pub struct Config {
     pub half_open_table_size: u32,
     pub maglev_table_size: u32,
     pub control_socket: PathBuf,
-    /// `None`: the default for the interface (see `host::default_pin_dir`).
+    /// `None`: the default for the interface (see `crate::sys::pins::default_pin_dir`).
     pub pin_dir: Option<PathBuf>,
     pub state_file: PathBuf,
     pub detach_on_exit: bool,

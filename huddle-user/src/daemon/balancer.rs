@@ -5,7 +5,7 @@
 use crate::huddle::state::Saved;
 use crate::{
     config::Config, huddle::readings::ServiceHuddle, kernel::dataplane::Dataplane,
-    status::RotationEvent, sys::host,
+    status::RotationEvent,
 };
 use anyhow::{bail, Context, Result};
 use std::{
@@ -207,7 +207,7 @@ impl Balancer {
             self.publish(si)?;
         }
         self.save_state();
-        host::warm_neighbours(&self.backend_addrs());
+        crate::sys::addresses::warm_neighbours(&self.backend_addrs());
         let n: usize = self.cfg.services.iter().map(|s| s.backends.len()).sum();
         let msg = format!(
             "reloaded: {} service(s), {n} backend(s)",

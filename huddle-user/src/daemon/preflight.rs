@@ -23,7 +23,7 @@ pub(super) struct HostFacts {
 /// Privileges, the interface, the SNAT addresses and the NAT ports.
 pub(super) fn host(cfg: &Config) -> Result<HostFacts> {
     host::check_privileges()?;
-    let ifindex = host::ifindex(&cfg.interface)?;
+    let ifindex = crate::sys::addresses::ifindex(&cfg.interface)?;
     let snat = snat_v4(cfg)?;
     let ipip4 = cfg
         .services
@@ -60,7 +60,7 @@ fn snat_family(cfg: &Config, v6: bool) -> bool {
 /// The IPv4 source NAT addresses: configured ones must be this host's.
 fn snat_v4(cfg: &Config) -> Result<Vec<Ipv4Addr>> {
     Ok(if cfg.snat_ips.is_empty() {
-        match host::interface_ipv4(&cfg.interface)? {
+        match crate::sys::addresses::interface_ipv4(&cfg.interface)? {
             Some(ip) => vec![ip],
             None if !snat_family(cfg, false) => Vec::new(),
             None => bail!(
@@ -69,7 +69,7 @@ fn snat_v4(cfg: &Config) -> Result<Vec<Ipv4Addr>> {
             ),
         }
     } else {
-        let local = host::ipv4_addrs()?;
+        let local = crate::sys::addresses::ipv4_addrs()?;
         for ip in &cfg.snat_ips {
             if !local.iter().any(|(_, a)| a == ip) {
                 bail!(
@@ -85,7 +85,7 @@ fn snat_v4(cfg: &Config) -> Result<Vec<Ipv4Addr>> {
 /// The IPv6 source NAT addresses, likewise.
 fn snat_v6(cfg: &Config) -> Result<Vec<Ipv6Addr>> {
     Ok(if cfg.snat_ips6.is_empty() {
-        match host::interface_ipv6(&cfg.interface)? {
+        match crate::sys::addresses::interface_ipv6(&cfg.interface)? {
             _ if !snat_family(cfg, true) => Vec::new(),
             Some(ip) => vec![ip],
             None => bail!(
@@ -94,7 +94,7 @@ fn snat_v6(cfg: &Config) -> Result<Vec<Ipv6Addr>> {
             ),
         }
     } else {
-        let local = host::ipv6_addrs()?;
+        let local = crate::sys::addresses::ipv6_addrs()?;
         for ip in &cfg.snat_ips6 {
             if !local.iter().any(|(_, a)| a == ip) {
                 bail!(
@@ -109,7 +109,7 @@ fn snat_v6(cfg: &Config) -> Result<Vec<Ipv6Addr>> {
 
 /// NAT ports outside the kernel's ephemeral range, and no VIP inside them.
 fn nat_ports(cfg: &Config, snat: &[Ipv4Addr]) -> Result<()> {
-    let ephemeral = host::ephemeral_ports()?;
+    let ephemeral = crate::sys::sysctls::ephemeral_ports()?;
     if cfg.nat_ports.overlaps(&ephemeral) {
         bail!(
             "nat_ports {} overlap the kernel's ephemeral ports {ephemeral} (net.ipv4.ip_local_port_range); \
@@ -136,7 +136,7 @@ fn nat_ports(cfg: &Config, snat: &[Ipv4Addr]) -> Result<()> {
 fn check_reachable(cfg: &Config) -> Result<()> {
     for (i, s) in cfg.services.iter().enumerate() {
         for (j, b) in s.backends.iter().enumerate() {
-            let sock = host::udp_for(b.ip()).context("opening a UDP socket")?;
+            let sock = crate::sys::addresses::udp_for(b.ip()).context("opening a UDP socket")?;
             if let Err(e) = sock.connect(b) {
                 bail!(
                     "service[{i}].backends[{j}]: backend {b} is unreachable from this host ({e})"
@@ -163,10 +163,10 @@ fn check_dsr(cfg: &Config) -> Result<()> {
         for (j, b) in s.backends.iter().enumerate() {
             let ip = b.ip();
             let route = match ip {
-                IpAddr::V4(v4) => host::route_of(&table, v4).map(|(i, gw)| (i, gw.map(IpAddr::V4))),
-                IpAddr::V6(v6) => {
-                    host::route6_of(&table6, v6).map(|(i, gw)| (i, gw.map(IpAddr::V6)))
-                }
+                IpAddr::V4(v4) => crate::sys::addresses::route_of(&table, v4)
+                    .map(|(i, gw)| (i, gw.map(IpAddr::V4))),
+                IpAddr::V6(v6) => crate::sys::addresses::route6_of(&table6, v6)
+                    .map(|(i, gw)| (i, gw.map(IpAddr::V6))),
             };
             match route {
                 Some((iface, None)) if iface == cfg.interface => {}

@@ -11,7 +11,7 @@ use super::{
     start::{self, Pinned},
     tasks::{self, Handles},
 };
-use crate::{config::Config, kernel::dataplane, sys::host};
+use crate::{config::Config, kernel::dataplane};
 use anyhow::{Context, Result};
 use std::sync::{Arc, Mutex};
 use tokio::{
@@ -73,12 +73,12 @@ async fn wait(shared: &Arc<Mutex<Balancer>>, stop: &Notify) -> Result<()> {
             () = stop.notified() => { info!("stop requested"); break; }
             _ = hup.recv() => {
                 info!("SIGHUP: reloading the configuration");
-                host::sd_notify("RELOADING=1");
+                crate::sys::systemd::sd_notify("RELOADING=1");
                 match lock(shared).reload() {
                     Ok(m) => info!(event = "reload", "{m}"),
                     Err(e) => warn!(event = "reload_refused", error = %format!("{e:#}"), "{e:#}"),
                 }
-                host::sd_notify("READY=1");
+                crate::sys::systemd::sd_notify("READY=1");
             }
         }
     }
@@ -86,7 +86,7 @@ async fn wait(shared: &Arc<Mutex<Balancer>>, stop: &Notify) -> Result<()> {
 }
 
 async fn stop_tasks(tasks: Vec<JoinHandle<()>>) {
-    host::sd_notify("STOPPING=1");
+    crate::sys::systemd::sd_notify("STOPPING=1");
     for t in &tasks {
         t.abort();
     }

@@ -7,7 +7,7 @@ use crate::{
     config::Config,
     huddle::state::{self, Saved},
     kernel::dataplane::{self, Dataplane},
-    sys::host::{self, PinPlace, Sysctls},
+    sys::{pins::PinPlace, sysctls::Sysctls},
 };
 use anyhow::{Context, Result};
 use std::path::PathBuf;
@@ -33,8 +33,8 @@ pub(super) fn start(
     let pins = cfg
         .pin_dir
         .clone()
-        .unwrap_or_else(|| host::default_pin_dir(&cfg.interface));
-    let place = host::pin_place(&pins)?;
+        .unwrap_or_else(|| crate::sys::pins::default_pin_dir(&cfg.interface));
+    let place = crate::sys::pins::pin_place(&pins)?;
     if let Some(n) = place.note.as_ref().filter(|_| place.survives) {
         info!("{n}");
     }
@@ -74,7 +74,7 @@ pub(super) fn start(
         cfg.control_socket.display(),
         shown.display()
     );
-    host::sd_notify(&format!(
+    crate::sys::systemd::sd_notify(&format!(
         "READY=1\nSTATUS=attached to {} in {} mode",
         cfg.interface,
         mode.as_str()
@@ -114,7 +114,7 @@ fn attach(
         .iter()
         .any(|s| s.mode == crate::config::Mode::DsrIpip && s.vip.is_ipv6());
     if ipip6 {
-        let src = host::interface_ipv6(&cfg.interface)?.with_context(|| {
+        let src = crate::sys::addresses::interface_ipv6(&cfg.interface)?.with_context(|| {
             format!(
                 "interface {} has no global IPv6 address for the outer source of dsr-ipip IPv6 packets",
                 cfg.interface
@@ -122,7 +122,7 @@ fn attach(
         })?;
         dp.set_encap6(src)?;
     }
-    let sysctls = host::Sysctls::apply(
+    let sysctls = crate::sys::sysctls::Sysctls::apply(
         &cfg.interface,
         saved
             .as_ref()
@@ -131,7 +131,7 @@ fn attach(
         cfg.services.iter().any(|s| s.vip.is_ipv6()),
     )?;
     let mut balancer = Balancer::new(dp, cfg.clone(), saved);
-    host::warm_neighbours(&balancer.backend_addrs());
+    crate::sys::addresses::warm_neighbours(&balancer.backend_addrs());
     let mode = balancer.dp.attach(facts.ifindex, cfg.xdp_mode)?;
     Ok((balancer, sysctls, mode))
 }

@@ -5,7 +5,6 @@ use crate::huddle::state::{self};
 use crate::{
     kernel::dataplane::{self},
     status::control::Request,
-    sys::host,
 };
 use anyhow::{bail, Result};
 use std::{path::Path, time::Duration};
@@ -29,12 +28,14 @@ pub fn stop(socket: &Path, pins: &Path, state_file: &Path) -> Result<String> {
         return Ok(reply.message.unwrap_or_default());
     }
     let saved = state::load(state_file);
-    let n = dataplane::unpin(&host::host_pin_dir(pins).unwrap_or_else(|| pins.to_path_buf()))?;
+    let n = dataplane::unpin(
+        &crate::sys::pins::host_pin_dir(pins).unwrap_or_else(|| pins.to_path_buf()),
+    )?;
     let mut restored = false;
     if let Some(s) = &saved {
         // The sysctls are per namespace: restore only in the daemon's own.
         if s.netns == state::netns_inode() {
-            host::Sysctls::restore_saved(&s.sysctls);
+            crate::sys::sysctls::Sysctls::restore_saved(&s.sysctls);
             restored = true;
         } else {
             warn!(

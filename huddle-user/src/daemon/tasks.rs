@@ -40,7 +40,7 @@ pub(super) async fn saver(shared: Arc<Mutex<Balancer>>) {
         if let Ok(g) = b.dp.global_stats() {
             if g.drop_no_neigh != unresolved {
                 unresolved = g.drop_no_neigh;
-                host::warm_neighbours(&b.backend_addrs());
+                crate::sys::addresses::warm_neighbours(&b.backend_addrs());
             }
         }
     }
@@ -234,7 +234,7 @@ pub(super) fn spawn(
             let mut tick = tokio::time::interval(NEIGHBOUR_REFRESH);
             loop {
                 tick.tick().await;
-                host::warm_neighbours(&backends);
+                crate::sys::addresses::warm_neighbours(&backends);
             }
         }),
         tokio::spawn(ticker(shared.clone(), snapshots.clone(), cfg.huddle.tick)),

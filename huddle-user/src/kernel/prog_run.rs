@@ -131,7 +131,7 @@ impl ProgRun {
         }
         ns.enter()?;
         ENTERED.with(|e| e.replace(ns.name.clone()));
-        let ifindex = crate::sys::host::ifindex(IFACE)?;
+        let ifindex = crate::sys::addresses::ifindex(IFACE)?;
         let snat = if cfg.snat_ips.is_empty() {
             vec![BALANCER_IP]
         } else {

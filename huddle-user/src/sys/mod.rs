@@ -2,7 +2,11 @@
 //! network namespaces, systemd, and what kind of link the program attaches
 //! to.
 
+pub mod addresses;
 pub mod files;
 pub mod host;
 pub mod link;
 pub mod netns;
+pub mod pins;
+pub mod sysctls;
+pub mod systemd;
