@@ -13,7 +13,7 @@
 #![allow(clippy::needless_borrows_for_generic_args)]
 
 use aya_ebpf::{
-    bindings::{xdp_action, BPF_NOEXIST, TC_ACT_OK},
+    bindings::{xdp_action, BPF_EXIST, BPF_NOEXIST, TC_ACT_OK},
     helpers::{bpf_ktime_get_ns, generated::bpf_xdp_adjust_head},
     macros::{classifier, map, xdp},
     maps::{HashMap, LruHashMap, PerCpuArray},
@@ -49,6 +49,8 @@ static AGENT_TURNS: LruHashMap<TurnKey, u64> = LruHashMap::with_max_entries(MAX_
 static AGENT_TTFB: PerCpuArray<AgentTtfb> = PerCpuArray::with_max_entries(MAX_VIPS, 0);
 
 const PROTO_TCP: u8 = 6;
+/// TCP flag: the last segment of a write.
+const TCP_PSH: u8 = 0x08;
 
 #[inline(always)]
 fn count(f: impl FnOnce(&mut DecapStats)) {
@@ -68,7 +70,8 @@ pub fn decap(ctx: XdpContext) -> u32 {
 }
 
 /// A TCP segment with request data to a VIP (the frame as the stack will
-/// see it): the connection's pending request starts now, unless one is.
+/// see it): the connection's pending request starts now, or, if one is
+/// pending and the segment ends a client write (PSH), its wait restarts.
 #[inline(always)]
 fn arrived(ctx: &XdpContext) {
     let (data, end) = (ctx.data(), ctx.data_end());
@@ -88,7 +91,7 @@ fn arrived(ctx: &XdpContext) {
                 &*((data + ETH_LEN + IP6_LEN) as *const [u8; 20]),
             )
         };
-        request_key6(ip, tcp, false)
+        (request_key6(ip, tcp, false), tcp[13] & TCP_PSH != 0)
     } else {
         if data + ETH_LEN + IP_LEN + 20 > end {
             return;
@@ -100,9 +103,12 @@ fn arrived(ctx: &XdpContext) {
                 &*((data + ETH_LEN + IP_LEN) as *const [u8; 20]),
             )
         };
-        request_key(ethertype, ip, tcp, false)
+        (
+            request_key(ethertype, ip, tcp, false),
+            tcp[13] & TCP_PSH != 0,
+        )
     };
-    let Some(key) = key else {
+    let (Some(key), psh) = key else {
         return;
     };
     // SAFETY: plain helper call.
@@ -112,6 +118,11 @@ fn arrived(ctx: &XdpContext) {
         .is_ok()
     {
         count(|s| s.turns += 1);
+    } else if psh {
+        // The end of a client write in a pending request: its wait
+        // restarts, so the backend is timed from the request's last
+        // write, not the client's upload (as the balancer does).
+        let _ = AGENT_TURNS.insert(&key, now, u64::from(BPF_EXIST));
     }
 }
 

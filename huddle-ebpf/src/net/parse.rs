@@ -18,6 +18,8 @@ use network_types::{
 pub const TCP_FIN: u8 = 0x01;
 pub const TCP_SYN: u8 = 0x02;
 pub const TCP_RST: u8 = 0x04;
+/// Set by the sender on the last segment of a write.
+pub const TCP_PSH: u8 = 0x08;
 pub const TCP_ACK: u8 = 0x10;
 
 const ETH_P_IP: u16 = u16::from_be_bytes(headers::ETH_P_IP);

@@ -173,6 +173,19 @@ fn the_ack_clock_times_handshakes_and_requests_from_the_clients_segments() {
     .unwrap();
     let st = stats(&env, 0, b);
     assert_eq!((st.turns, st.answered), (1, 0));
+    // More of the request 40 ms later (a dribbling client): the same turn,
+    // its wait restarted, so the sample below is not the client's 40 ms.
+    std::thread::sleep(std::time::Duration::from_millis(40));
+    env.run(
+        &client(42000, L2)
+            .flags(ACK | PSH)
+            .seq_ack(119, 7001)
+            .payload(b"X: 1\r\n\r\n")
+            .build(),
+    )
+    .unwrap();
+    let st = stats(&env, 0, b);
+    assert_eq!((st.turns, st.answered), (1, 0));
     // A duplicate ACK of old bytes answers nothing.
     env.run(&client(42000, L2).flags(ACK).seq_ack(119, 7001).build())
         .unwrap();
@@ -182,7 +195,11 @@ fn the_ack_clock_times_handshakes_and_requests_from_the_clients_segments() {
         .unwrap();
     let st = stats(&env, 0, b);
     assert_eq!(st.answered, 1, "the answer is timed");
-    assert!(st.ttfb_ns > 0);
+    assert!(
+        st.ttfb_ns > 0 && st.ttfb_ns < 40_000_000,
+        "timed from the request's last segment: {} ns",
+        st.ttfb_ns
+    );
     let pulse = {
         let i = (0..3).position(|i| backend(i) == b).unwrap();
         env.dp.pulse(env.dp.services[0].backend_ids[i]).unwrap()

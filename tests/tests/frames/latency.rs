@@ -1,4 +1,5 @@
-//! Latency: one sample per request turn, to its backend.
+//! Latency: one sample per request turn, to its backend, timed from the
+//! request's last segment.
 
 use super::fixture::*;
 
@@ -29,7 +30,7 @@ fn each_request_turn_gives_one_latency_sample_to_its_backend() {
                 .flags(ACK | PSH)
                 .payload(b"GET / HTTP/1.1\r\n\r\n"),
         );
-        // More request segments do not restart the turn.
+        // More request segments restart the wait, not the turn.
         forward(
             &env,
             client_frame(40100)
@@ -97,4 +98,48 @@ fn each_request_turn_gives_one_latency_sample_to_its_backend() {
     let after = env.dp.backend_stats(id2).unwrap();
     assert_eq!(after.refused, before.refused + 1);
     assert_eq!(after.syn_acks, before.syn_acks);
+}
+
+/// A request sent in pieces over 60 ms (an upload, a dribbling client)
+/// and answered 3 ms after its last piece: the backend is timed from the
+/// last piece, so the sample is the backend's 3 ms, not the client's 63.
+#[test]
+fn a_request_sent_slowly_is_timed_from_its_last_segment() {
+    let env = env("pr-upload");
+    let ring = [backend(0), backend(1), backend(2)];
+    let (b, nat_port) = establish(&env, 40200, &ring);
+    let id = backend_id(&env, b);
+    let from_backend =
+        || Frame::tcp((b, 8080), (BALANCER_IP, nat_port)).macs(mac_of(b), BALANCER_MAC);
+    let piece = |seq: u32| {
+        client_frame(40200)
+            .flags(ACK | PSH)
+            .seq_ack(seq, 7001)
+            .payload(&[b'x'; 100])
+    };
+    for (i, seq) in (1001u32..).step_by(100).take(4).enumerate() {
+        if i > 0 {
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
+        forward(&env, piece(seq));
+    }
+    std::thread::sleep(std::time::Duration::from_millis(3));
+    forward(
+        &env,
+        from_backend()
+            .flags(ACK | PSH)
+            .seq_ack(7001, 1401)
+            .payload(b"HTTP/1.1 200 OK\r\n"),
+    );
+    let st = env.dp.backend_stats(id).unwrap();
+    assert_eq!(
+        (st.turns, st.answered),
+        (1, 1),
+        "one turn, one sample: {st:?}"
+    );
+    assert!(
+        (3_000_000..40_000_000).contains(&st.ttfb_ns),
+        "timed from the last piece: {} ns (the whole upload took 60 ms)",
+        st.ttfb_ns
+    );
 }

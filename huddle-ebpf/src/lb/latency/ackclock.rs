@@ -14,7 +14,7 @@ use crate::{
     lb::latency::timing,
     lb::maps::{bump, BACKEND_STATS},
     net::family::Family,
-    net::parse::{Packet, TCP_ACK, TCP_RST},
+    net::parse::{Packet, TCP_ACK, TCP_PSH, TCP_RST},
 };
 use aya_ebpf::helpers::bpf_ktime_get_ns;
 use huddle_common::{flow_flags, FlowValue};
@@ -51,7 +51,10 @@ pub fn request<F: Family>(f: *mut FlowValue, p: &Packet<F>, backend: u32) {
         let answered = flags & flow_flags::TURN_WAIT != 0
             && p.has_flag(TCP_ACK)
             && (p.ack.wrapping_sub((*f).synack_seq) as i32) > 0;
-        if !answered && (!data || flags & flow_flags::TURN_WAIT != 0) {
+        // More of a pending request: only a segment that ends a client
+        // write (PSH) restarts its wait (see `timing::request`).
+        let more = data && flags & flow_flags::TURN_WAIT != 0;
+        if !answered && (!data || (more && !p.has_flag(TCP_PSH))) {
             return;
         }
         let now = bpf_ktime_get_ns();
@@ -62,10 +65,15 @@ pub fn request<F: Family>(f: *mut FlowValue, p: &Packet<F>, backend: u32) {
             timing::ttfb_sample(backend, now.wrapping_sub((*f).turn_ns));
         }
         if data {
+            // More of an unanswered request restarts its wait (the
+            // backend is timed from the request's last write); its ACK
+            // mark stays that of the turn's first segment.
             (*f).turn_ns = now;
-            (*f).synack_seq = p.ack;
-            (*f).flags = flags | flow_flags::TURN_WAIT;
-            timing::start_turn(backend, now);
+            if flags & flow_flags::TURN_WAIT == 0 {
+                (*f).synack_seq = p.ack;
+                (*f).flags = flags | flow_flags::TURN_WAIT;
+                timing::start_turn(backend, now);
+            }
         }
     }
 }
