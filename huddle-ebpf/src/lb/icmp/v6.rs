@@ -21,7 +21,7 @@ use aya_ebpf::{
     programs::XdpContext,
 };
 use huddle_common::headers::{ETH_LEN, ICMP_LEN, IP6_LEN};
-use huddle_common::{NatKey, FAMILY_V6, PROTO_TCP, PROTO_UDP};
+use huddle_common::{FlowKey, KernelConfig, NatKey, FAMILY_V6, PROTO_TCP, PROTO_UDP};
 
 pub const PROTO_ICMP6: u8 = 58;
 const DEST_UNREACH: u8 = 1;
@@ -129,6 +129,19 @@ pub fn is_icmp6(ctx: &XdpContext) -> bool {
         && unsafe { *((data + ETH_LEN + 6) as *const u8) } == PROTO_ICMP6
 }
 
+/// The flow whose NAT entry (in the NAT table or a half-open slot) is
+/// `nkey`, in place: IPv6 flows are too big to copy onto this stack.
+#[inline(always)]
+fn flow_of(cfg: &KernelConfig, nkey: &NatKey) -> Option<*const FlowKey> {
+    match NAT.get_ptr(nkey) {
+        // SAFETY: map value pointers, valid for this run.
+        Some(n) => Some(unsafe { core::ptr::addr_of!((*n).flow) }),
+        None => {
+            halfopen::find_nat(cfg, nkey).map(|n| unsafe { core::ptr::addr_of!((*n).nat.flow) })
+        }
+    }
+}
+
 /// An ICMPv6 packet to this host: an error about a source-NATed flow goes
 /// to its client, translated; anything else to the kernel.
 #[inline(never)]
@@ -176,15 +189,9 @@ pub fn inbound(ctx: &XdpContext) -> u32 {
             proto,
             FAMILY_V6,
         );
-        let flow = match NAT.get_ptr(&sc.nkey) {
-            Some(n) => core::ptr::addr_of!((*n).flow),
-            None => match halfopen::find_nat(cfg, &sc.nkey) {
-                Some(n) => core::ptr::addr_of!((*n).nat.flow),
-                None => {
-                    global(|s| s.pass_no_nat += 1);
-                    return xdp_action::XDP_PASS;
-                }
-            },
+        let Some(flow) = flow_of(cfg, &sc.nkey) else {
+            global(|s| s.pass_no_nat += 1);
+            return xdp_action::XDP_PASS;
         };
         let (client, vip) = (&(*flow).client, &(*flow).vip);
         // The quoted packet as the client sent it: client -> VIP.
