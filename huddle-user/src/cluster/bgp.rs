@@ -201,10 +201,9 @@ fn sessions(lines: &[String]) -> (usize, Vec<String>) {
     for line in lines {
         // "1002-name proto table state since info", or the same after a
         // leading space (a continuation line).
-        let body = if line.len() > 5 && line.as_bytes()[4] == b'-' {
-            &line[5..]
-        } else {
-            line.as_str()
+        let body = match line.as_bytes().get(4) {
+            Some(b'-') => line.get(5..).unwrap_or(""),
+            _ => line.as_str(),
         };
         let f: Vec<&str> = body.split_whitespace().collect();
         if f.len() < 4 || f[1] != "BGP" {
@@ -213,11 +212,8 @@ fn sessions(lines: &[String]) -> (usize, Vec<String>) {
         if body.contains("Established") {
             up += 1;
         } else {
-            down.push(
-                format!("{}: {} {}", f[0], f[3], f[5..].join(" "))
-                    .trim_end()
-                    .to_string(),
-            );
+            let info = f.get(5..).unwrap_or_default().join(" ");
+            down.push(format!("{}: {} {info}", f[0], f[3]).trim_end().to_string());
         }
     }
     (up, down)
@@ -229,12 +225,28 @@ fn announce(cfg: &Bgp, vips: &BTreeSet<IpAddr>) -> Result<()> {
     if let Some(dir) = file.parent() {
         std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
     }
-    let tmp = file.with_extension("tmp");
-    std::fs::write(&tmp, routes_text(vips))
-        .with_context(|| format!("writing {}", tmp.display()))?;
-    std::fs::rename(&tmp, file).with_context(|| format!("writing {}", file.display()))?;
+    crate::sys::files::write_atomic(file, routes_text(vips).as_bytes(), 0o644)?;
     bird(&cfg.control_socket, "configure")?;
     Ok(())
+}
+
+/// Longest line read from bird's socket, and most lines in one answer: a
+/// socket that answers without end is refused, not read into memory.
+const MAX_BIRD_LINE: u64 = 4096;
+const MAX_BIRD_LINES: usize = 10_000;
+
+/// One line from bird's socket, at most `MAX_BIRD_LINE` bytes, without its
+/// line end; bytes that are not UTF-8 are replaced, never trusted.
+fn bird_line<R: BufRead>(r: &mut R) -> Result<String> {
+    let mut buf = Vec::new();
+    let n = <&mut R as std::io::Read>::take(r, MAX_BIRD_LINE).read_until(b'\n', &mut buf)?;
+    if n == 0 {
+        bail!("bird closed the connection in the middle of an answer");
+    }
+    if buf.last() != Some(&b'\n') && n as u64 == MAX_BIRD_LINE {
+        bail!("a line of bird's answer runs past {MAX_BIRD_LINE} bytes");
+    }
+    Ok(String::from_utf8_lossy(&buf).trim_end().to_string())
 }
 
 /// Sends `command` to bird's control socket and returns its answer's
@@ -245,9 +257,7 @@ pub fn bird(socket: &Path, command: &str) -> Result<Vec<String>> {
     s.set_read_timeout(Some(BIRD_TIMEOUT))?;
     s.set_write_timeout(Some(BIRD_TIMEOUT))?;
     let mut r = BufReader::new(s.try_clone()?);
-    let mut greeting = String::new();
-    r.read_line(&mut greeting)
-        .context("reading bird's greeting")?;
+    let greeting = bird_line(&mut r).context("reading bird's greeting")?;
     if !greeting.starts_with("0001 ") {
         bail!(
             "{} does not answer as bird does: {greeting:?}",
@@ -259,13 +269,15 @@ pub fn bird(socket: &Path, command: &str) -> Result<Vec<String>> {
     // Every line: a 4-digit code, then '-' (more follows) or ' ' (last);
     // a line starting with a space continues the one before.
     loop {
-        let mut line = String::new();
-        if r.read_line(&mut line).context("reading bird's answer")? == 0 {
-            bail!("bird closed the connection in the middle of an answer");
+        let line = bird_line(&mut r).context("reading bird's answer")?;
+        if lines.len() >= MAX_BIRD_LINES {
+            bail!("bird's answer to {command:?} runs past {MAX_BIRD_LINES} lines");
         }
-        let line = line.trim_end().to_string();
-        let coded = line.len() >= 4 && line[..4].bytes().all(|b| b.is_ascii_digit());
-        let last = coded && (line.len() == 4 || line.as_bytes()[4] == b' ');
+        let coded = line
+            .as_bytes()
+            .get(..4)
+            .is_some_and(|c| c.iter().all(u8::is_ascii_digit));
+        let last = coded && matches!(line.as_bytes().get(4), None | Some(b' '));
         if last && !line.starts_with('0') && !line.starts_with('1') {
             bail!("bird refused {command:?}: {}", line.get(5..).unwrap_or(""));
         }
@@ -355,6 +367,34 @@ mod tests {
             bird(&dir.join("none.ctl"), "configure").unwrap_err()
         );
         assert!(e.contains("bird's control socket"), "{e}");
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn short_multibyte_and_endless_answers_neither_panic_nor_grow() {
+        // Four fields, not established: once a slice past the end.
+        let lines: Vec<String> = [" r3 BGP --- start", "é1 BGP x y", "\u{1F427}-é"]
+            .iter()
+            .map(ToString::to_string)
+            .collect();
+        let (up, down) = sessions(&lines);
+        assert_eq!(
+            (up, down),
+            (0, vec!["r3: start".to_string(), "é1: y".to_string()])
+        );
+        let dir = std::env::temp_dir().join(format!("huddle-bird-odd-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        // A multibyte character across the code's four bytes, then a last
+        // line: read, not a panic.
+        let odd = fake_bird(&dir, "0\u{e9}02-x\n0003 done\n");
+        assert_eq!(bird(&odd, "configure").unwrap().len(), 2);
+        std::fs::remove_file(&odd).unwrap();
+        // One line without end: refused at the bound.
+        let endless: &'static str = Box::leak("1".repeat(1 << 20).into_boxed_str());
+        let big = fake_bird(&dir, endless);
+        let e = format!("{:#}", bird(&big, "configure").unwrap_err());
+        assert!(e.contains("runs past 4096 bytes"), "{e}");
         let _ = std::fs::remove_dir_all(&dir);
     }
 }

@@ -136,7 +136,31 @@ pub(super) fn bind_control(path: &Path) -> Result<UnixListener> {
     if let Some(dir) = path.parent() {
         std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
     }
-    UnixListener::bind(path).with_context(|| format!("binding control socket {}", path.display()))
+    let listener = UnixListener::bind(path)
+        .with_context(|| format!("binding control socket {}", path.display()))?;
+    // Root's only, whatever the umask: connecting takes write permission.
+    // (`client` checks the peer's uid too, for a socket made wider.)
+    std::fs::set_permissions(path, std::os::unix::fs::PermissionsExt::from_mode(0o600))
+        .with_context(|| format!("making {} root's only", path.display()))?;
+    Ok(listener)
+}
+
+/// Whether the peer on `stream` may use the control socket: root, or the
+/// user the daemon runs as. A socket made wider by hand, or a folder
+/// others can write, lets anyone connect; they are answered with a refusal.
+fn peer_allowed(stream: &UnixStream) -> Result<()> {
+    let cred = stream
+        .peer_cred()
+        .context("reading the peer's credentials")?;
+    // SAFETY: plain libc call.
+    let me = unsafe { libc::geteuid() };
+    if cred.uid() != 0 && cred.uid() != me {
+        bail!(
+            "refused: the control socket answers root and uid {me} only, not uid {}",
+            cred.uid()
+        );
+    }
+    Ok(())
 }
 
 /// Removes the control socket when dropped.
@@ -167,8 +191,18 @@ pub(super) async fn serve(
 }
 
 async fn client(stream: UnixStream, shared: Arc<Mutex<Balancer>>, snapshots: Arc<Snapshots>) {
+    let refused = peer_allowed(&stream).err();
     let (read, mut write) = stream.into_split();
     let mut lines = BufReader::new(read.take(MAX_REQUEST as u64)).lines();
+    if let Some(e) = refused {
+        warn!("control socket: {e:#}");
+        // Its request is read (within a second) and answered with the
+        // refusal, so the client hears why instead of a broken pipe.
+        let _ = tokio::time::timeout(Duration::from_secs(1), lines.next_line()).await;
+        let line = serde_json::to_string(&Reply::error(&e)).unwrap_or_default() + "\n";
+        let _ = write.write_all(line.as_bytes()).await;
+        return;
+    }
     while let Ok(Some(line)) = lines.next_line().await {
         let reply = match serde_json::from_str::<Request>(&line) {
             Ok(Request::Status) => match snapshots.fresh().await {

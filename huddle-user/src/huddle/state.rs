@@ -76,7 +76,7 @@ pub fn load(path: &Path) -> Option<Saved> {
 
 /// Writes a state file atomically (a crash mid-write leaves the old one).
 pub fn save(path: &Path, s: &Saved) -> Result<()> {
-    crate::sys::files::write_atomic(path, &serde_json::to_vec(s)?)
+    crate::sys::files::write_atomic(path, &serde_json::to_vec(s)?, 0o600)
 }
 
 /// Inode of the calling thread's network namespace (0 if unknown).

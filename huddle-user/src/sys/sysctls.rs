@@ -37,7 +37,7 @@ impl Sysctls {
     /// interface then ignores router advertisements, as any router does).
     pub fn apply(iface: &str, earlier: Vec<(PathBuf, String)>, ipv6: bool) -> Result<Sysctls> {
         let mut s = Sysctls {
-            saved: earlier,
+            saved: earlier.into_iter().filter(|(p, v)| ours(p, v)).collect(),
             restore: true,
         };
         let mut keys = vec![
@@ -69,9 +69,19 @@ impl Sysctls {
         self.restore = false;
     }
 
-    /// Restores saved values (for `huddle stop` without a daemon).
+    /// Restores saved values (for `huddle stop` without a daemon). Only
+    /// the sysctls `apply` changes, with the values they can hold: the list
+    /// comes from the state file, which must not make root write anything
+    /// else anywhere.
     pub fn restore_saved(saved: &[(PathBuf, String)]) {
         for (path, old) in saved.iter().rev() {
+            if !ours(path, old) {
+                warn!(
+                    "not restoring {} = {old:?}: not a sysctl huddle run changes",
+                    path.display()
+                );
+                continue;
+            }
             if let Err(e) = fs::write(path, old) {
                 warn!("could not restore {}: {e}", path.display());
             }
@@ -84,5 +94,57 @@ impl Drop for Sysctls {
         if self.restore {
             Sysctls::restore_saved(&self.saved);
         }
+    }
+}
+
+/// Whether `path` = `value` is one of the sysctls `Sysctls::apply` sets,
+/// on an interface name the kernel could have (no `/`, not `.` or `..`,
+/// at most 15 bytes), holding a 0 or 1 as those do.
+fn ours(path: &std::path::Path, value: &str) -> bool {
+    let Some(rest) = path.to_str().and_then(|p| p.strip_prefix("/proc/sys/net/")) else {
+        return false;
+    };
+    let parts: Vec<&str> = rest.split('/').collect();
+    let [family, "conf", iface, key] = parts[..] else {
+        return false;
+    };
+    let known = matches!(
+        (family, key),
+        ("ipv4", "forwarding" | "accept_local" | "send_redirects") | ("ipv6", "forwarding")
+    );
+    known
+        && !iface.is_empty()
+        && iface.len() <= 15
+        && iface != "."
+        && iface != ".."
+        && matches!(value.trim(), "0" | "1")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::path::Path;
+
+    #[test]
+    fn only_the_sysctls_run_sets_are_restored() {
+        let ok = |p: &str, v: &str| ours(Path::new(p), v);
+        assert!(ok("/proc/sys/net/ipv4/conf/eth0/forwarding", "0"));
+        assert!(ok("/proc/sys/net/ipv4/conf/eth0/send_redirects", "1"));
+        assert!(ok("/proc/sys/net/ipv6/conf/veth-a.12/forwarding", "0"));
+        assert!(!ok("/proc/sys/net/ipv6/conf/eth0/accept_local", "0"));
+        assert!(!ok(
+            "/proc/sys/net/ipv4/conf/../../../kernel/core_pattern/x",
+            "0"
+        ));
+        assert!(!ok("/proc/sys/net/ipv4/conf/../forwarding", "0"));
+        assert!(!ok("/proc/sys/kernel/core_pattern", "|/tmp/x"));
+        assert!(!ok("/etc/passwd", "0"));
+        assert!(!ok("/proc/sys/net/ipv4/conf/eth0/forwarding", "|/tmp/x"));
+        // And a state file naming anything else writes nothing there.
+        let victim = std::env::temp_dir().join(format!("huddle-sysctl-{}", std::process::id()));
+        std::fs::write(&victim, "precious").unwrap();
+        Sysctls::restore_saved(&[(victim.clone(), "0".into())]);
+        assert_eq!(std::fs::read_to_string(&victim).unwrap(), "precious");
+        std::fs::remove_file(&victim).unwrap();
     }
 }

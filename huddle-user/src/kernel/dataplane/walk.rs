@@ -62,5 +62,5 @@ pub fn load_nat_walk(path: &Path) -> Option<NatWalk> {
 
 /// Writes a NAT walk file atomically.
 pub fn save_nat_walk(path: &Path, w: &NatWalk) -> Result<()> {
-    crate::sys::files::write_atomic(path, &serde_json::to_vec(w)?)
+    crate::sys::files::write_atomic(path, &serde_json::to_vec(w)?, 0o600)
 }
