@@ -172,15 +172,46 @@ impl Drop for SocketFile {
     }
 }
 
+/// Control clients served at once (`huddle top` holds one) in all and per
+/// process, how long one may take to send its first request, and how long
+/// it may wait between requests after that.
+const MAX_CLIENTS: usize = 64;
+const MAX_PER_PROCESS: usize = 8;
+const FIRST: Duration = Duration::from_secs(5);
+const IDLE: Duration = Duration::from_secs(30);
+
 pub(super) async fn serve(
     listener: UnixListener,
     shared: Arc<Mutex<Balancer>>,
     snapshots: Arc<Snapshots>,
 ) {
+    let open = Arc::new(Mutex::new(std::collections::HashMap::<i32, usize>::new()));
     loop {
         match listener.accept().await {
             Ok((stream, _)) => {
-                tokio::spawn(client(stream, shared.clone(), snapshots.clone()));
+                // Past a cap, closed at once; a client that holds its place
+                // idle loses it (`FIRST`, `IDLE`).
+                let pid = stream.peer_cred().ok().and_then(|c| c.pid()).unwrap_or(0);
+                {
+                    let mut o = lock(&open);
+                    let all: usize = o.values().sum();
+                    let mine = o.entry(pid).or_default();
+                    if all >= MAX_CLIENTS || *mine >= MAX_PER_PROCESS {
+                        continue;
+                    }
+                    *mine += 1;
+                }
+                let (shared, snapshots, open) = (shared.clone(), snapshots.clone(), open.clone());
+                tokio::spawn(async move {
+                    client(stream, shared, snapshots).await;
+                    let mut o = lock(&open);
+                    if let Some(n) = o.get_mut(&pid) {
+                        *n -= 1;
+                        if *n == 0 {
+                            o.remove(&pid);
+                        }
+                    }
+                });
             }
             Err(e) => {
                 warn!("control socket accept failed: {e}");
@@ -203,7 +234,9 @@ async fn client(stream: UnixStream, shared: Arc<Mutex<Balancer>>, snapshots: Arc
         let _ = write.write_all(line.as_bytes()).await;
         return;
     }
-    while let Ok(Some(line)) = lines.next_line().await {
+    let mut wait = FIRST;
+    while let Ok(Ok(Some(line))) = tokio::time::timeout(wait, lines.next_line()).await {
+        wait = IDLE;
         let reply = match serde_json::from_str::<Request>(&line) {
             Ok(Request::Status) => match snapshots.fresh().await {
                 Ok(s) => Reply::status(s.status.clone()),

@@ -115,25 +115,129 @@ pub async fn resolve(url: &Url) -> Result<SocketAddr> {
 /// An answer of the server: status, content type, body.
 pub type Answer = (u16, &'static str, String);
 
-/// Serves GET requests on `listener` until the task is dropped; `route`
-/// maps a path to an answer. A connection gets 10 s in all.
+/// How much the server gives its clients: connections at once in all and
+/// per source address, and how long a connection may take to send its
+/// request head and to be done.
+#[derive(Clone, Copy, Debug)]
+pub struct Limits {
+    pub total: usize,
+    pub per_source: usize,
+    pub head: Duration,
+    pub whole: Duration,
+}
+
+/// What `serve` allows: enough for Prometheus, a cluster's members and an
+/// operator, not for a flood of idle connections to hold the daemon's
+/// descriptors (probes then fail with EMFILE and every backend would look
+/// unhealthy).
+pub const LIMITS: Limits = Limits {
+    total: 256,
+    per_source: 16,
+    head: Duration::from_secs(2),
+    whole: Duration::from_secs(10),
+};
+
+/// Connections open per source, held while a connection is served.
+#[derive(Default)]
+struct Open {
+    total: usize,
+    by_source: std::collections::HashMap<std::net::IpAddr, usize>,
+}
+
+/// One admitted connection; gives its place back when dropped.
+struct Admitted {
+    open: Arc<std::sync::Mutex<Open>>,
+    source: std::net::IpAddr,
+}
+
+impl Drop for Admitted {
+    fn drop(&mut self) {
+        let mut o = self
+            .open
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        o.total -= 1;
+        if let Some(n) = o.by_source.get_mut(&self.source) {
+            *n -= 1;
+            if *n == 0 {
+                o.by_source.remove(&self.source);
+            }
+        }
+    }
+}
+
+/// Admits a connection from `source` within `limits`, or says which limit
+/// it met.
+fn admit(
+    open: &Arc<std::sync::Mutex<Open>>,
+    source: std::net::IpAddr,
+    limits: Limits,
+) -> Result<Admitted, &'static str> {
+    let mut o = open
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    if o.total >= limits.total {
+        return Err("connections in all");
+    }
+    let n = o.by_source.entry(source).or_default();
+    if *n >= limits.per_source {
+        return Err("connections from one address");
+    }
+    *n += 1;
+    o.total += 1;
+    Ok(Admitted {
+        open: open.clone(),
+        source,
+    })
+}
+
+/// Serves GET requests on `listener` until the task is dropped, within
+/// `LIMITS`; `route` maps a path to an answer.
 pub async fn serve<F, Fut>(listener: TcpListener, route: F)
 where
     F: Fn(String) -> Fut + Send + Sync + 'static,
     Fut: Future<Output = Answer> + Send,
 {
+    serve_within(listener, LIMITS, route).await;
+}
+
+/// `serve` within `limits`. A connection past a limit is closed at once
+/// (said once a minute at most); one that sends no request head within
+/// `limits.head` is closed.
+pub async fn serve_within<F, Fut>(listener: TcpListener, limits: Limits, route: F)
+where
+    F: Fn(String) -> Fut + Send + Sync + 'static,
+    Fut: Future<Output = Answer> + Send,
+{
     let route = Arc::new(route);
+    let open = Arc::new(std::sync::Mutex::new(Open::default()));
+    let mut said: Option<Instant> = None;
     loop {
-        let (stream, _) = match listener.accept().await {
+        let (stream, peer) = match listener.accept().await {
             Ok(c) => c,
             Err(e) => {
-                warn!("metrics listener: accept failed: {e}");
+                warn!("HTTP listener: accept failed: {e}");
                 tokio::time::sleep(Duration::from_millis(100)).await;
+                continue;
+            }
+        };
+        let admitted = match admit(&open, peer.ip(), limits) {
+            Ok(a) => a,
+            Err(what) => {
+                if said.is_none_or(|t| t.elapsed() >= Duration::from_secs(60)) {
+                    said = Some(Instant::now());
+                    warn!(
+                        "HTTP listener: closing connections from {} and others past the limit of {} {what}",
+                        peer.ip(),
+                        if what.ends_with("all") { limits.total } else { limits.per_source }
+                    );
+                }
                 continue;
             }
         };
         let route = route.clone();
         tokio::spawn(async move {
+            let _admitted = admitted;
             let service = hyper::service::service_fn(move |req: Request<Incoming>| {
                 let route = route.clone();
                 async move {
@@ -155,8 +259,10 @@ where
             });
             let conn = hyper::server::conn::http1::Builder::new()
                 .keep_alive(false)
+                .timer(hyper_util::rt::TokioTimer::new())
+                .header_read_timeout(limits.head)
                 .serve_connection(TokioIo::new(stream), service);
-            let _ = tokio::time::timeout(Duration::from_secs(10), conn).await;
+            let _ = tokio::time::timeout(limits.whole, conn).await;
         });
     }
 }
@@ -198,5 +304,61 @@ mod tests {
         ] {
             assert!(Url::parse(bad).is_err(), "{bad}");
         }
+    }
+
+    #[test]
+    fn idle_connections_past_a_limit_are_closed_and_the_rest_time_out() {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        rt.block_on(async {
+            let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+            let addr = listener.local_addr().unwrap();
+            let limits = Limits {
+                total: 4,
+                per_source: 2,
+                head: Duration::from_millis(300),
+                whole: Duration::from_secs(2),
+            };
+            tokio::spawn(serve_within(listener, limits, |_| async {
+                (200, "text/plain", "ok\n".to_string())
+            }));
+            // Closed: read gives 0 bytes (or a reset) within `within`.
+            async fn closed(s: &mut TcpStream, within: Duration) -> bool {
+                let mut b = [0u8; 16];
+                matches!(
+                    tokio::time::timeout(within, s.read(&mut b)).await,
+                    Ok(Ok(0) | Err(_))
+                )
+            }
+            let mut idle = Vec::new();
+            for _ in 0..2 {
+                idle.push(TcpStream::connect(addr).await.unwrap());
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            let mut third = TcpStream::connect(addr).await.unwrap();
+            assert!(
+                closed(&mut third, Duration::from_millis(200)).await,
+                "a third connection from one address is closed at once"
+            );
+            for s in &mut idle {
+                assert!(!closed(s, Duration::from_millis(100)).await, "still open");
+            }
+            for s in &mut idle {
+                assert!(
+                    closed(s, Duration::from_secs(1)).await,
+                    "an idle connection is closed once its head is late"
+                );
+            }
+            let mut s = TcpStream::connect(addr).await.unwrap();
+            s.write_all(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+                .await
+                .unwrap();
+            let mut answer = String::new();
+            s.read_to_string(&mut answer).await.unwrap();
+            assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+        });
     }
 }

@@ -17,6 +17,9 @@ pub struct ProbeResult {
     pub latency_ms: f64,
     /// Why it failed, if it did.
     pub error: Option<String>,
+    /// It failed for want of something on this host (descriptors, buffers,
+    /// memory), which says nothing of the backend.
+    pub local: bool,
 }
 
 /// Largest probe answer read.
@@ -49,12 +52,29 @@ pub async fn probe(addr: SocketAddr, p: &Probe) -> ProbeResult {
         Ok(d) => ProbeResult {
             latency_ms: d.as_secs_f64() * 1e3,
             error: None,
+            local: false,
         },
         Err(e) => ProbeResult {
             latency_ms: start.elapsed().as_secs_f64() * 1e3,
+            local: is_local(&e),
             error: Some(format!("{e:#}")),
         },
     }
+}
+
+/// Whether `e` is this host's fault: out of descriptors (EMFILE, ENFILE),
+/// buffers (ENOBUFS) or memory (ENOMEM).
+fn is_local(e: &anyhow::Error) -> bool {
+    e.chain().any(|c| {
+        c.downcast_ref::<std::io::Error>()
+            .and_then(std::io::Error::raw_os_error)
+            .is_some_and(|n| {
+                matches!(
+                    n,
+                    libc::EMFILE | libc::ENFILE | libc::ENOBUFS | libc::ENOMEM
+                )
+            })
+    })
 }
 
 /// Probes every address concurrently; results in the same order.
@@ -68,6 +88,7 @@ pub async fn probe_all(addrs: &[SocketAddr], p: &Probe) -> Vec<ProbeResult> {
         ProbeResult {
             latency_ms: 0.0,
             error: Some("probe task failed".into()),
+            local: true,
         };
         addrs.len()
     ];
@@ -77,4 +98,23 @@ pub async fn probe_all(addrs: &[SocketAddr], p: &Probe) -> Vec<ProbeResult> {
         }
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use anyhow::Context;
+
+    #[test]
+    fn running_out_of_descriptors_is_this_hosts_fault() {
+        let emfile = Err::<(), _>(std::io::Error::from_raw_os_error(libc::EMFILE))
+            .context("connecting to 10.0.0.11:8080")
+            .unwrap_err();
+        assert!(is_local(&emfile));
+        let refused = Err::<(), _>(std::io::Error::from_raw_os_error(libc::ECONNREFUSED))
+            .context("connecting to 10.0.0.11:8080")
+            .unwrap_err();
+        assert!(!is_local(&refused));
+        assert!(!is_local(&anyhow::anyhow!("HTTP status 500")));
+    }
 }

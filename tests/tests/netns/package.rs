@@ -80,6 +80,8 @@ fn the_debian_package_holds_what_an_operator_needs() {
         "ExecReload=",
         "Restart=on-failure",
         "--iface %i",
+        "LimitNOFILE=",
+        "RuntimeDirectoryMode=0700",
     ] {
         assert!(unit.contains(want), "{want} missing from the unit:\n{unit}");
     }

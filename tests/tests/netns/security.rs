@@ -1,8 +1,13 @@
 //! Trust boundaries on the host: who may use a running balancer's control
 //! socket.
 
-use std::{os::unix::fs::PermissionsExt, path::Path, process::Command};
-use testbed::{backend_ip, require_root, Testbed, HTTP_PORT, VIP};
+use std::{
+    os::unix::fs::PermissionsExt,
+    path::Path,
+    process::Command,
+    time::{Duration, Instant},
+};
+use testbed::{backend_ip, http_get, in_ns, output, require_root, Testbed, HTTP_PORT, VIP};
 
 const HUDDLE: &str = env!("CARGO_BIN_EXE_hc-huddle");
 const BACKEND: &str = env!("CARGO_BIN_EXE_hc-backend");
@@ -67,4 +72,99 @@ fn a_control_socket_client_of_another_uid_is_refused() {
     assert!(bed
         .huddle_log()
         .contains("refused: the control socket answers root"));
+}
+
+/// 2,000 idle connections to the HTTP listener and 2,000 to the control
+/// socket, held 20 s, while a client keeps requesting through the VIP: the
+/// listeners close what is past their caps, probes keep their descriptors,
+/// no backend turns unhealthy or moves, and status still answers at once.
+#[test]
+fn thousands_of_idle_connections_to_its_listeners_change_nothing() {
+    require_root();
+    let mut bed = Testbed::new("idle", 2).expect("build testbed");
+    bed.start_backends(Path::new(BACKEND))
+        .expect("start backends");
+    let b0 = format!("{}:{HTTP_PORT}", backend_ip(0));
+    let b1 = format!("{}:{HTTP_PORT}", backend_ip(1));
+    let vip = format!("{VIP}:80");
+    bed.start_huddle(
+        Path::new(HUDDLE),
+        &["--vip", &vip, "--backend", &b0, "--backend", &b1],
+    )
+    .expect("start huddle");
+    // The descriptors a daemon started from a shell or by systemd gets
+    // (soft limit 1,024), not this harness's 20,000: at 1,024 the old
+    // listeners ran out, and probes failed with EMFILE.
+    let daemon = bed
+        .huddle
+        .as_ref()
+        .expect("the daemon's process")
+        .child
+        .id()
+        .to_string();
+    let (ok, _, err) = output(
+        Path::new("prlimit"),
+        &["--pid", &daemon, "--nofile=1024:1024"],
+    )
+    .unwrap();
+    assert!(ok, "prlimit: {err}");
+    let socket = bed.socket();
+    let path = socket.display().to_string();
+    let held = in_ns(&bed.lb, move || {
+        let mut held: Vec<Box<dyn Send>> = Vec::new();
+        let mut opened = (0, 0);
+        for _ in 0..2000 {
+            if let Ok(s) = std::net::TcpStream::connect("127.0.0.1:9477") {
+                held.push(Box::new(s));
+                opened.0 += 1;
+            }
+            if let Ok(s) = std::os::unix::net::UnixStream::connect(&socket) {
+                held.push(Box::new(s));
+                opened.1 += 1;
+            }
+        }
+        (held, opened)
+    });
+    let (held, opened) = held;
+    println!(
+        "opened {} HTTP and {} control connections",
+        opened.0, opened.1
+    );
+    let until = Instant::now() + Duration::from_secs(20);
+    let (mut requests, mut failed, mut slowest) = (0, 0, Duration::ZERO);
+    while Instant::now() < until {
+        let to = std::net::SocketAddr::from((VIP, 80));
+        match in_ns(&bed.client, move || http_get(to, Duration::from_secs(2))) {
+            Ok(_) => requests += 1,
+            Err(_) => failed += 1,
+        }
+        // From a process of its own, as an operator's `huddle status`.
+        let t = Instant::now();
+        let (ok, out, err) = output(
+            Path::new(HUDDLE),
+            &["status", "--json", "--control-socket", &path],
+        )
+        .unwrap();
+        slowest = slowest.max(t.elapsed());
+        assert!(ok, "status during the flood: {err}");
+        let st: huddle_user::status::Status = serde_json::from_str(&out).unwrap();
+        for b in &st.services[0].backends {
+            assert!(
+                b.unhealthy.is_none(),
+                "{} unhealthy: {:?}",
+                b.addr,
+                b.unhealthy
+            );
+            assert_eq!(b.place, "inner", "{} moved", b.addr);
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    drop(held);
+    println!("{requests} requests through the VIP, {failed} failed; slowest status {slowest:?}");
+    assert_eq!(failed, 0);
+    assert!(requests > 20, "{requests} requests in 20 s");
+    assert!(
+        bed.huddle_log().contains("past the limit"),
+        "the HTTP listener said it closed connections past its limit"
+    );
 }

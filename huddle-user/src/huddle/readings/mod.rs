@@ -202,6 +202,11 @@ impl Tracker {
 
     /// Records a probe result.
     pub fn probed(&mut self, r: ProbeResult) {
+        if r.local {
+            // This host's fault (out of descriptors, say): no evidence
+            // either way about the backend.
+            return;
+        }
         if r.error.is_some() {
             self.fails += 1;
             self.passes = 0;
