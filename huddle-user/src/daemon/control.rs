@@ -7,7 +7,10 @@ use super::{
     cluster::log_bgp,
     snapshot::Snapshots,
 };
-use crate::status::control::{Reply, Request, MAX_REQUEST};
+use crate::{
+    net::admission::Admissions,
+    status::control::{Reply, Request, MAX_REQUEST},
+};
 use anyhow::{bail, Context, Result};
 use std::{
     os::unix::net::UnixStream as StdUnixStream,
@@ -185,32 +188,20 @@ pub(super) async fn serve(
     shared: Arc<Mutex<Balancer>>,
     snapshots: Arc<Snapshots>,
 ) {
-    let open = Arc::new(Mutex::new(std::collections::HashMap::<i32, usize>::new()));
+    let places = Admissions::new(MAX_CLIENTS, MAX_PER_PROCESS);
     loop {
         match listener.accept().await {
             Ok((stream, _)) => {
                 // Past a cap, closed at once; a client that holds its place
                 // idle loses it (`FIRST`, `IDLE`).
                 let pid = stream.peer_cred().ok().and_then(|c| c.pid()).unwrap_or(0);
-                {
-                    let mut o = lock(&open);
-                    let all: usize = o.values().sum();
-                    let mine = o.entry(pid).or_default();
-                    if all >= MAX_CLIENTS || *mine >= MAX_PER_PROCESS {
-                        continue;
-                    }
-                    *mine += 1;
-                }
-                let (shared, snapshots, open) = (shared.clone(), snapshots.clone(), open.clone());
+                let Ok(place) = places.admit(pid) else {
+                    continue;
+                };
+                let (shared, snapshots) = (shared.clone(), snapshots.clone());
                 tokio::spawn(async move {
                     client(stream, shared, snapshots).await;
-                    let mut o = lock(&open);
-                    if let Some(n) = o.get_mut(&pid) {
-                        *n -= 1;
-                        if *n == 0 {
-                            o.remove(&pid);
-                        }
-                    }
+                    drop(place);
                 });
             }
             Err(e) => {

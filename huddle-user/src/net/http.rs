@@ -3,7 +3,10 @@
 //! memory), and a one-route-per-path server for `/metrics` and the agent.
 //! Only the URL form we accept is ours.
 
-use crate::config::url::Url;
+use crate::{
+    config::url::Url,
+    net::admission::{self, Admissions},
+};
 use anyhow::{Context, Result};
 use bytes::Bytes;
 use http_body_util::{BodyExt, Empty, Full, Limited};
@@ -137,60 +140,6 @@ pub const LIMITS: Limits = Limits {
     whole: Duration::from_secs(10),
 };
 
-/// Connections open per source, held while a connection is served.
-#[derive(Default)]
-struct Open {
-    total: usize,
-    by_source: std::collections::HashMap<std::net::IpAddr, usize>,
-}
-
-/// One admitted connection; gives its place back when dropped.
-struct Admitted {
-    open: Arc<std::sync::Mutex<Open>>,
-    source: std::net::IpAddr,
-}
-
-impl Drop for Admitted {
-    fn drop(&mut self) {
-        let mut o = self
-            .open
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
-        o.total -= 1;
-        if let Some(n) = o.by_source.get_mut(&self.source) {
-            *n -= 1;
-            if *n == 0 {
-                o.by_source.remove(&self.source);
-            }
-        }
-    }
-}
-
-/// Admits a connection from `source` within `limits`, or says which limit
-/// it met.
-fn admit(
-    open: &Arc<std::sync::Mutex<Open>>,
-    source: std::net::IpAddr,
-    limits: Limits,
-) -> Result<Admitted, &'static str> {
-    let mut o = open
-        .lock()
-        .unwrap_or_else(std::sync::PoisonError::into_inner);
-    if o.total >= limits.total {
-        return Err("connections in all");
-    }
-    let n = o.by_source.entry(source).or_default();
-    if *n >= limits.per_source {
-        return Err("connections from one address");
-    }
-    *n += 1;
-    o.total += 1;
-    Ok(Admitted {
-        open: open.clone(),
-        source,
-    })
-}
-
 /// Serves GET requests on `listener` until the task is dropped, within
 /// `LIMITS`; `route` maps a path to an answer.
 pub async fn serve<F, Fut>(listener: TcpListener, route: F)
@@ -210,7 +159,7 @@ where
     Fut: Future<Output = Answer> + Send,
 {
     let route = Arc::new(route);
-    let open = Arc::new(std::sync::Mutex::new(Open::default()));
+    let places = Admissions::new(limits.total, limits.per_source);
     let mut said: Option<Instant> = None;
     loop {
         let (stream, peer) = match listener.accept().await {
@@ -221,15 +170,20 @@ where
                 continue;
             }
         };
-        let admitted = match admit(&open, peer.ip(), limits) {
+        let admitted = match places.admit(peer.ip()) {
             Ok(a) => a,
-            Err(what) => {
+            Err(full) => {
                 if said.is_none_or(|t| t.elapsed() >= Duration::from_secs(60)) {
                     said = Some(Instant::now());
+                    let (n, what) = match full {
+                        admission::Full::Total => (limits.total, "connections in all"),
+                        admission::Full::PerKey => {
+                            (limits.per_source, "connections from one address")
+                        }
+                    };
                     warn!(
-                        "HTTP listener: closing connections from {} and others past the limit of {} {what}",
-                        peer.ip(),
-                        if what.ends_with("all") { limits.total } else { limits.per_source }
+                        "HTTP listener: closing connections from {} and others past the limit of {n} {what}",
+                        peer.ip()
                     );
                 }
                 continue;

@@ -24,20 +24,21 @@ fn as_nobody(args: &[&str]) -> (bool, String) {
     (out.status.success(), text)
 }
 
-#[test]
-fn a_control_socket_client_of_another_uid_is_refused() {
+/// A balancer with the service VIP:80 over two backends.
+fn bed(tag: &str) -> Testbed {
     require_root();
-    let mut bed = Testbed::new("uid", 2).expect("build testbed");
+    let mut bed = Testbed::new(tag, 2).expect("build testbed");
     bed.start_backends(Path::new(BACKEND))
         .expect("start backends");
+    bed.start_huddle_service(Path::new(HUDDLE), &[])
+        .expect("start huddle");
+    bed
+}
+
+#[test]
+fn a_control_socket_client_of_another_uid_is_refused() {
+    let bed = bed("uid");
     let b0 = format!("{}:{HTTP_PORT}", backend_ip(0));
-    let b1 = format!("{}:{HTTP_PORT}", backend_ip(1));
-    let vip = format!("{VIP}:80");
-    bed.start_huddle(
-        Path::new(HUDDLE),
-        &["--vip", &vip, "--backend", &b0, "--backend", &b1],
-    )
-    .expect("start huddle");
     let socket = bed.socket();
     let path = socket.display().to_string();
     let mode = std::fs::metadata(&socket).unwrap().permissions().mode() & 0o777;
@@ -80,18 +81,7 @@ fn a_control_socket_client_of_another_uid_is_refused() {
 /// no backend turns unhealthy or moves, and status still answers at once.
 #[test]
 fn thousands_of_idle_connections_to_its_listeners_change_nothing() {
-    require_root();
-    let mut bed = Testbed::new("idle", 2).expect("build testbed");
-    bed.start_backends(Path::new(BACKEND))
-        .expect("start backends");
-    let b0 = format!("{}:{HTTP_PORT}", backend_ip(0));
-    let b1 = format!("{}:{HTTP_PORT}", backend_ip(1));
-    let vip = format!("{VIP}:80");
-    bed.start_huddle(
-        Path::new(HUDDLE),
-        &["--vip", &vip, "--backend", &b0, "--backend", &b1],
-    )
-    .expect("start huddle");
+    let bed = bed("idle");
     // The descriptors a daemon started from a shell or by systemd gets
     // (soft limit 1,024), not this harness's 20,000: at 1,024 the old
     // listeners ran out, and probes failed with EMFILE.
