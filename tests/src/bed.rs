@@ -80,6 +80,9 @@ pub struct Testbed {
     /// Let the balancer use its default control socket (one test at a
     /// time: the folder is the host's).
     pub default_socket: bool,
+    /// Let the balancer pick its pin folder (one per namespace, under the
+    /// host's /sys/fs/bpf/huddle) instead of this testbed's own.
+    pub default_pins: bool,
     // Dropped last: the bridge the others hang off.
     pub switch: Netns,
 }
@@ -115,6 +118,7 @@ impl Testbed {
             dir,
             ip_netns_exec: false,
             default_socket: false,
+            default_pins: false,
             switch,
         };
         bed.attach("pl", &bed.lb, (LB_IP, LB_IP6), tuned)?;
@@ -143,6 +147,28 @@ impl Testbed {
             bed.backends.push(ns);
         }
         Ok(bed)
+    }
+
+    /// Deletes the balancer's namespace and makes another of the same name,
+    /// plugged in as before (plain veth): what a user does who tears a
+    /// namespace down and builds it again. The kernel may give the new one
+    /// the old one's inode number; never its cookie.
+    pub fn renew_lb(&mut self) -> Result<()> {
+        let name = self.lb.name.clone();
+        let _ = Command::new("ip").args(["netns", "del", &name]).output();
+        // The kernel tears a deleted namespace down in the background: the
+        // old pair's end on the bridge goes with it. Made after that, the
+        // new namespace is likely to get the old one's inode number.
+        wait_until(Duration::from_secs(10), || {
+            self.switch.ip(&["link", "show", "pl"]).is_err()
+        })
+        .context("the old namespace's veth outlived it")?;
+        std::thread::sleep(Duration::from_millis(200));
+        let fresh = Netns::create(&name)?;
+        // The old guard would delete the new namespace of the same name:
+        // its own is already gone.
+        std::mem::forget(std::mem::replace(&mut self.lb, fresh));
+        self.attach("pl", &self.lb, (LB_IP, LB_IP6), false)
     }
 
     fn peer_xdp(&self) -> Result<()> {
@@ -378,8 +404,10 @@ impl Testbed {
             args.push("--control-socket".into());
             args.push(sock.display().to_string());
         }
-        args.push("--pin-dir".into());
-        args.push(self.pins.display().to_string());
+        if !self.default_pins {
+            args.push("--pin-dir".into());
+            args.push(self.pins.display().to_string());
+        }
         args.extend(extra.iter().map(ToString::to_string));
         self.huddle_args = args;
         self.huddle_bin = bin.to_path_buf();
@@ -428,6 +456,10 @@ impl Testbed {
 
     fn launch_huddle(&mut self) -> Result<()> {
         let sock = self.socket();
+        if self.default_pins {
+            // Where this namespace's balancer pins, for the clean-up.
+            self.pins = in_ns(&self.lb, || huddle_user::sys::pins::default_pin_dir("eth0"));
+        }
         let args: Vec<&str> = self.huddle_args.iter().map(String::as_str).collect();
         let log = self.dir.join("huddle.log");
         // Append, so a restart keeps the earlier runs' log.

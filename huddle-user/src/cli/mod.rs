@@ -110,6 +110,14 @@ enum Cmd {
         #[arg(long = "vip")]
         vips: Vec<std::net::IpAddr>,
     },
+    /// List the data planes pinned in the host's bpffs under the default
+    /// folder, each with the interface its XDP link is attached to.
+    Pins {
+        /// Remove those pinned for network namespaces that are gone (their
+        /// link has lost its interface).
+        #[arg(long)]
+        prune: bool,
+    },
     /// Time the XDP program per packet under BPF_PROG_TEST_RUN, next to
     /// baseline programs in the same run.
     Bench(crate::bench::BenchArgs),
@@ -389,6 +397,7 @@ fn dispatch(cmd: Cmd) -> Result<()> {
         }
         Cmd::Check { config } => check(&config),
         Cmd::Bench(args) => crate::bench::run(&args),
+        Cmd::Pins { prune } => pins(prune),
         Cmd::Completions { shell } => {
             let mut cmd = <Cli as clap::CommandFactory>::command();
             clap_complete::generate(shell, &mut cmd, "huddle", &mut std::io::stdout());
@@ -462,6 +471,31 @@ fn stop(target: &Target, pin_dir: Option<PathBuf>, state_file: Option<PathBuf>) 
         "{}",
         crate::daemon::stop::stop(&socket, &pins, &state_file)?
     );
+    Ok(())
+}
+
+/// `huddle pins`: what is pinned under the default root, and (with
+/// `prune`) the pins of namespaces that are gone removed.
+fn pins(prune: bool) -> Result<()> {
+    use crate::kernel::dataplane::stale;
+    let root = PathBuf::from(crate::sys::pins::PIN_ROOT);
+    let root = crate::sys::pins::host_pin_dir(&root).unwrap_or(root);
+    // As the operator knows the folders, not through another mount space.
+    let root_shown = PathBuf::from(crate::sys::pins::PIN_ROOT);
+    let shown = |d: &Path| root_shown.join(d.file_name().unwrap_or_default());
+    for (dir, link) in stale::list(&root) {
+        let what = match link {
+            Ok(l) if l.ifindex == 0 => "interface gone (stale)".to_string(),
+            Ok(l) => format!("attached to ifindex {} (program {})", l.ifindex, l.prog_id),
+            Err(e) => format!("no readable link: {e:#}"),
+        };
+        println!("{}  {what}", shown(&dir).display());
+    }
+    if prune {
+        for d in stale::remove(&root) {
+            println!("removed {}", shown(&d).display());
+        }
+    }
     Ok(())
 }
 

@@ -38,9 +38,12 @@ pub(super) fn start(
     if let Some(n) = place.note.as_ref().filter(|_| place.survives) {
         info!("{n}");
     }
+    if cfg.pin_dir.is_none() {
+        tidy_default_pins(&place.dir, &cfg.interface);
+    }
     let shown = pins.clone();
     let pins = place.dir.clone();
-    let saved = state::load(&cfg.state_file);
+    let saved = state::load_ours(&cfg.state_file);
     // A start that fails must leave nothing behind: pins it created go.
     let existed = pins.join(huddle_common::maps::FLOWS).exists();
     let (balancer, sysctls, mode) = match attach(cfg, facts, &pins, saved.as_ref()) {
@@ -96,6 +99,29 @@ pub(super) fn start(
             shown,
         },
     ))
+}
+
+/// Under the default pin root: takes over this namespace's data plane if an
+/// earlier build pinned it by inode number, and removes those of
+/// namespaces that are gone, saying so.
+fn tidy_default_pins(dir: &std::path::Path, iface: &str) {
+    if dataplane::stale::claim_legacy(dir, iface) {
+        info!(
+            "moved this namespace's data plane to its cookie-named pin folder {}",
+            dir.display()
+        );
+    }
+    for gone in dir
+        .parent()
+        .map(dataplane::stale::remove)
+        .unwrap_or_default()
+    {
+        info!(
+            "removed {}/{}: pinned for a network namespace whose interface is gone",
+            crate::sys::pins::PIN_ROOT,
+            gone.file_name().unwrap_or_default().to_string_lossy()
+        );
+    }
 }
 
 /// The data plane loaded, programmed and attached, and the sysctls set.

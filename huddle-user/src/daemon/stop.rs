@@ -34,7 +34,7 @@ pub fn stop(socket: &Path, pins: &Path, state_file: &Path) -> Result<String> {
     let mut restored = false;
     if let Some(s) = &saved {
         // The sysctls are per namespace: restore only in the daemon's own.
-        if s.netns == state::netns_inode() {
+        if s.from_here() {
             crate::sys::sysctls::Sysctls::restore_saved(&s.sysctls);
             restored = true;
         } else {

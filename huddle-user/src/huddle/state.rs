@@ -17,6 +17,10 @@ pub struct Saved {
     pub interface: String,
     /// Inode of the network namespace the sysctls belong to.
     pub netns: u64,
+    /// Cookie of that namespace: unlike the inode, never reused, so a
+    /// file left by a namespace that is gone is known for what it is.
+    #[serde(default)]
+    pub netns_cookie: Option<u64>,
     pub sysctls: Vec<(PathBuf, String)>,
     pub services: Vec<SavedService>,
 }
@@ -46,10 +50,39 @@ impl Saved {
         Saved {
             version: VERSION,
             interface: interface.to_string(),
-            netns: netns_inode(),
+            netns: crate::sys::namespace::inode(),
+            netns_cookie: crate::sys::namespace::cookie(),
             ..Saved::default()
         }
     }
+
+    /// Whether this file was written in the calling thread's network
+    /// namespace (by cookie; by inode for files that carry none).
+    #[must_use]
+    pub fn from_here(&self) -> bool {
+        match (self.netns_cookie, crate::sys::namespace::cookie()) {
+            (Some(theirs), Some(ours)) => theirs == ours,
+            _ => self.netns == crate::sys::namespace::inode(),
+        }
+    }
+}
+
+/// The state file at `path` if this namespace wrote it. One left by
+/// another namespace (the same interface name in a namespace since
+/// deleted, whose inode number ours may have taken) is ignored, with a
+/// line saying so: nothing of a dead namespace is carried on.
+#[must_use]
+pub fn load_ours(path: &Path) -> Option<Saved> {
+    let s = load(path)?;
+    if s.from_here() {
+        return Some(s);
+    }
+    tracing::info!(
+        "state file {} was written in another network namespace (cookie {}): ignored, starting cold",
+        path.display(),
+        s.netns_cookie.map_or("unknown".into(), |c| c.to_string())
+    );
+    None
 }
 
 /// Reads a state file; a missing one is `None`, an unreadable one is
@@ -77,12 +110,4 @@ pub fn load(path: &Path) -> Option<Saved> {
 /// Writes a state file atomically (a crash mid-write leaves the old one).
 pub fn save(path: &Path, s: &Saved) -> Result<()> {
     crate::sys::files::write_atomic(path, &serde_json::to_vec(s)?, 0o600)
-}
-
-/// Inode of the calling thread's network namespace (0 if unknown).
-#[must_use]
-pub fn netns_inode() -> u64 {
-    std::fs::metadata("/proc/thread-self/ns/net")
-        .map(|m| std::os::unix::fs::MetadataExt::ino(&m))
-        .unwrap_or(0)
 }

@@ -6,6 +6,7 @@ pub mod addresses;
 pub mod files;
 pub mod host;
 pub mod link;
+pub mod namespace;
 pub mod netns;
 pub mod pins;
 pub mod sysctls;

@@ -8,32 +8,28 @@ use std::{
     path::{Path, PathBuf},
 };
 
+/// Root of the default pin folders.
+pub const PIN_ROOT: &str = "/sys/fs/bpf/huddle";
+
+/// Prefix of the default pin folders of network namespaces other than the
+/// host's: `netns-<identity>-<iface>`.
+pub const NETNS_PREFIX: &str = "netns-";
+
 /// Where the data plane of `iface` is pinned unless configured: one folder
 /// per interface, and per network namespace outside the host's own (bpffs
-/// is shared by all namespaces, interface names are not).
+/// is shared by all namespaces, interface names are not). A namespace is
+/// named by its cookie, so one that reuses a deleted namespace's inode
+/// number never finds the dead one's pins.
 #[must_use]
 pub fn default_pin_dir(iface: &str) -> PathBuf {
-    let ino = |p: &str| {
-        fs::metadata(p)
-            .ok()
-            .map(|m| std::os::unix::fs::MetadataExt::ino(&m))
-    };
-    let root = PathBuf::from("/sys/fs/bpf/huddle");
-    let Some(me) = ino("/proc/self/ns/net") else {
-        return root.join(iface);
-    };
-    // Where PID 1's namespace cannot be read (a sandbox), a namespace made
-    // with `ip netns add` is still known by its file under /run/netns.
-    let named = || {
-        fs::read_dir("/run/netns").ok().is_some_and(|d| {
-            d.filter_map(Result::ok)
-                .any(|e| ino(&e.path().to_string_lossy()) == Some(me))
-        })
-    };
-    match ino("/proc/1/ns/net") {
-        Some(init) if init != me => root.join(format!("netns-{me}-{iface}")),
-        None if named() => root.join(format!("netns-{me}-{iface}")),
-        _ => root.join(iface),
+    let root = PathBuf::from(PIN_ROOT);
+    if crate::sys::namespace::is_host() {
+        root.join(iface)
+    } else {
+        root.join(format!(
+            "{NETNS_PREFIX}{}-{iface}",
+            crate::sys::namespace::identity()
+        ))
     }
 }
 

@@ -1,5 +1,6 @@
 //! Trust boundaries on the host: who may use a running balancer's control
-//! socket.
+//! socket, what its listeners hold, and what a namespace made again under
+//! a dead one's name inherits (nothing).
 
 use std::{
     os::unix::fs::PermissionsExt,
@@ -7,7 +8,10 @@ use std::{
     process::Command,
     time::{Duration, Instant},
 };
-use testbed::{backend_ip, http_get, in_ns, output, require_root, Testbed, HTTP_PORT, VIP};
+use testbed::{
+    backend_ip, backends_total, http_get, in_ns, output, require_root, wait_until, whoami, Testbed,
+    HTTP_PORT, VIP,
+};
 
 const HUDDLE: &str = env!("CARGO_BIN_EXE_hc-huddle");
 const BACKEND: &str = env!("CARGO_BIN_EXE_hc-backend");
@@ -157,4 +161,82 @@ fn thousands_of_idle_connections_to_its_listeners_change_nothing() {
         bed.huddle_log().contains("past the limit"),
         "the HTTP listener said it closed connections past its limit"
     );
+}
+
+/// `huddle run` under `ip netns exec` with its default pin folder, ended
+/// by SIGTERM (which leaves the data plane pinned for a restart); then the
+/// namespace is deleted and another made with the same name and interface,
+/// and the same command started in it. The kernel may give the new
+/// namespace the old one's inode number (the old pin folders were named by
+/// it) but never its cookie: nothing of the first is adopted (flows,
+/// counters, temperatures, drains), and its pins are gone.
+#[test]
+fn a_namespace_made_again_adopts_nothing_of_the_deleted_one() {
+    require_root();
+    let mut bed = Testbed::plain("renew", 2).expect("testbed");
+    bed.ip_netns_exec = true;
+    bed.default_pins = true;
+    bed.start_backends(Path::new(BACKEND)).expect("backends");
+    bed.start_huddle_service(Path::new(HUDDLE), &[])
+        .expect("huddle");
+    let vip = std::net::SocketAddr::from((VIP, 80));
+    let (_, _, failures) = whoami(&bed.client, vip, 20);
+    assert!(failures.is_empty(), "{failures:?}");
+    let b0 = format!("{}:{HTTP_PORT}", backend_ip(0));
+    let r = bed
+        .control(huddle_user::status::control::Request::Drain {
+            backend: b0.clone(),
+            vip: None,
+        })
+        .expect("drain");
+    assert!(r.ok, "{:?}", r.error);
+    // The state file is written every second.
+    std::thread::sleep(Duration::from_millis(1500));
+    let first = bed.pins.clone();
+    let ino = |name: &str| {
+        std::os::unix::fs::MetadataExt::ino(
+            &std::fs::metadata(format!("/run/netns/{name}")).expect("namespace file"),
+        )
+    };
+    let first_ino = ino(&bed.lb.name);
+    bed.kill_huddle(libc::SIGTERM);
+    assert!(
+        first.join("link").exists(),
+        "SIGTERM keeps the data plane pinned for a restart"
+    );
+    bed.renew_lb().expect("the namespace made again");
+    // The kernel tears a deleted namespace's devices down in the
+    // background; the pinned link loses its device when it does.
+    let detached = wait_until(Duration::from_secs(10), || {
+        huddle_user::kernel::dataplane::stale::pinned_xdp(&first.join("link"))
+            .is_ok_and(|l| l.ifindex == 0)
+    });
+    assert!(detached.is_ok(), "the old link kept its device");
+    let second_ino = ino(&bed.lb.name);
+    bed.restart_huddle()
+        .unwrap_or_else(|e| panic!("second start: {e:#}"));
+    let st = bed.status().expect("status");
+    let log = bed.huddle_log();
+    println!(
+        "namespace inode {first_ino} then {second_ino}; pins {} then {}; mode {}",
+        first.display(),
+        bed.pins.display(),
+        st.xdp_mode
+    );
+    assert_ne!(bed.pins, first, "the same pin folder");
+    assert!(!first.exists(), "the dead namespace's pins are left\n{log}");
+    assert_ne!(st.xdp_mode, "adopted", "{log}");
+    assert_eq!(backends_total(&st, "flows_new"), 0, "flow counters carried");
+    for b in &st.services[0].backends {
+        assert!(!b.drained, "{} is still drained", b.addr);
+        assert_eq!(b.place, "inner", "{}", b.addr);
+    }
+    assert!(
+        log.contains("written in another network namespace"),
+        "{log}"
+    );
+    assert!(log.contains("whose interface is gone"), "{log}");
+    let (seen, _, failures) = whoami(&bed.client, vip, 20);
+    assert!(failures.is_empty(), "{failures:?}");
+    assert_eq!(seen.len(), 2, "both backends answer: {seen:?}");
 }

@@ -8,6 +8,7 @@ pub mod load;
 pub mod nat;
 pub mod rings;
 pub mod services;
+pub mod stale;
 pub mod stats;
 pub mod sweep;
 #[cfg(test)]
