@@ -58,9 +58,11 @@ pub struct FlowValue {
     /// Index of the flow's SNAT address in `Config::snat_addrs`.
     pub snat: u8,
     /// Sequence number of the backend's SYN-ACK (half-open flows); in DSR
-    /// the client's ACK number during a turn (`ackclock`); for a closed
-    /// source-NAT flow with `BACKEND_TIME_WAIT`, the client's latest TCP
-    /// timestamp value (0: none seen).
+    /// the client's ACK number during a turn (`ackclock`); for an open
+    /// source-NAT flow, the client's sequence number as `seqwin` records
+    /// it (written by the client direction only); for a closed one with
+    /// `BACKEND_TIME_WAIT`, the client's latest TCP timestamp value (0:
+    /// none seen).
     pub synack_seq: u32,
     /// `bpf_ktime_get_ns()` when the flow was created, then when it started
     /// closing; for an established UDP flow, its last datagram either way

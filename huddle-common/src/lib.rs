@@ -44,6 +44,7 @@ mod limits;
 mod maglev;
 pub mod maps;
 mod nat;
+pub mod seqwin;
 mod service;
 pub mod stats;
 pub mod verdict;

@@ -41,7 +41,9 @@ shared!(NatKey, 40);
 pub struct NatValue {
     pub flow: FlowKey,
     pub backend: u32,
-    pub _pad: u32,
+    /// The backend's sequence number as `seqwin` records it (TCP; 0: none
+    /// yet), written by the reply direction only.
+    pub backend_seq: u32,
 }
 shared!(NatValue, 48);
 

@@ -109,6 +109,11 @@ counters!(
         /// New flows that passed over this backend at pick time because it
         /// owed an answer for longer than its service's `Tuning` allows.
         skipped_owing,
+        /// RSTs and FINs of open source-NAT flows to or from this backend
+        /// outside their sender's sequence window (`seqwin`): passed on
+        /// for the endpoint to judge, the flow kept open. Spoofed closes,
+        /// or a peer's stale ones.
+        closes_unproven,
     }
 );
 

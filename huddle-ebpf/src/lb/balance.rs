@@ -33,7 +33,7 @@ use aya_ebpf::{
 use huddle_common::{
     backend_flags, flow_flags, service_mode,
     verdict::{FORWARD, FORWARD_NEW, RETRY, TOO_BIG},
-    Backend, FlowKey, FlowValue, HalfOpen, KernelConfig,
+    Backend, FlowKey, FlowValue, HalfOpen, KernelConfig, PROTO_TCP,
 };
 
 #[inline(always)]
@@ -148,7 +148,11 @@ fn request<F: Balanced, const DSR: bool>(
     if p.has_flag(TCP_FIN | TCP_RST) {
         // Only a flow created by this packet needs a lookup.
         if let Some(f) = entry.or_else(|| FLOWS.get_ptr_mut(&sc.nval.flow)) {
-            nat::close(f, flow.backend);
+            if dsr || nat::close_in_window(f, p.seq) {
+                nat::close(f, flow.backend);
+            } else {
+                bump(&BACKEND_STATS, flow.backend, |s| s.closes_unproven += 1);
+            }
         }
     }
     let bytes = u64::from(p.tot_len);
@@ -233,6 +237,9 @@ fn carry_on<F: Balanced>(
         ackclock::request(f, p, flow.backend);
     } else {
         timing::request(f, p, flow.backend);
+        if p.is_tcp() && flow.flags & flow_flags::CLOSING == 0 {
+            nat::note_client_seq(f, flow.synack_seq, p.seq);
+        }
         if flow.flags & flow_flags::BACKEND_TIME_WAIT != 0 && p.is_tcp() {
             timewait::note_client(ctx, p, f);
         }
@@ -340,7 +347,7 @@ fn handshake<F: Balanced>(
         answered
     };
     if promote_now {
-        return promote(cfg, service, sc, (slot, h), &half, p.proto, dsr);
+        return promote(cfg, service, sc, (slot, h), &half, (p.proto, p.seq), dsr);
     }
     // Early packets: same backend, no promotion.
     Ok((half, None))
@@ -379,7 +386,7 @@ fn promote(
     sc: &mut Scratch,
     (slot, h): (*mut HalfOpen, u64),
     half: &FlowValue,
-    proto: u8,
+    (proto, client_seq): (u8, u32),
     dsr: bool,
 ) -> Result<(FlowValue, Option<*mut FlowValue>), u32> {
     let Some(backend) = BACKENDS.get(half.backend) else {
@@ -393,7 +400,14 @@ fn promote(
     } else {
         sc.nkey = nat::flow_key(cfg, half, backend, proto);
         sc.nval.backend = half.backend;
-        sc.nval._pad = 0;
+        // Each side's place in its sequence space, for `seqwin`: the
+        // backend's after its SYN-ACK, the client's from this ACK.
+        sc.nval.backend_seq = if proto == PROTO_TCP {
+            half.synack_seq.wrapping_add(1)
+        } else {
+            0
+        };
+        flow.synack_seq = if proto == PROTO_TCP { client_seq } else { 0 };
         nat::mark_used(cfg, half.backend, half.snat, half.nat_port_be);
         if NAT.insert(&sc.nkey, &sc.nval, 0).is_err() {
             bump(&SERVICE_STATS, service, |s| s.drop_flow_table += 1);

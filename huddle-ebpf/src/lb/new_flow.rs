@@ -103,7 +103,7 @@ pub fn new_flow<F: Balanced>(
         return Err(xdp_action::XDP_DROP);
     };
     sc.nval.backend = backend_id;
-    sc.nval._pad = 0;
+    sc.nval.backend_seq = 0;
     let proto = sc.nval.flow.proto;
     let tcp_half = half && p.is_tcp() && !dsr;
     let (nat_port_be, snat) = if dsr {
@@ -215,7 +215,7 @@ fn earlier<F: Balanced>(
         // a colliding SYN took it meanwhile.
         if !dsr {
             sc.nval.backend = flow.backend;
-            sc.nval._pad = 0;
+            sc.nval.backend_seq = 0;
             halfopen::write_nat(cfg, service, sc);
         }
         return Ok(Earlier::Same(flow));

@@ -18,7 +18,9 @@ use crate::{
 use aya_ebpf::{
     bindings::xdp_action, helpers::generated::bpf_ktime_get_coarse_ns, programs::XdpContext,
 };
-use huddle_common::{flow_flags, verdict::RETRY, FlowValue, HalfOpen, KernelConfig, NatKey};
+use huddle_common::{
+    flow_flags, seqwin, verdict::RETRY, FlowValue, HalfOpen, KernelConfig, NatKey, NatValue,
+};
 
 /// Backend to client: translate a reply back, or leave the balancer host's
 /// own traffic alone.
@@ -37,10 +39,17 @@ pub fn reply<F: Balanced>(ctx: &XdpContext, p: &Packet<F>, cfg: &KernelConfig) -
         p.proto,
         F::FAMILY,
     );
-    let Some(half) = nat_entry(cfg, sc) else {
+    let Some((half, entry)) = nat_entry(cfg, sc) else {
         global(|s| s.pass_no_nat += 1);
         return xdp_action::XDP_PASS;
     };
+    if !entry.is_null() && p.is_tcp() {
+        if let Some(n) = seqwin::advanced(sc.nval.backend_seq, p.seq) {
+            // SAFETY: a non-null map value pointer, valid for this run;
+            // only this direction writes the field.
+            unsafe { (*entry).backend_seq = n };
+        }
+    }
     let backend = sc.nval.backend;
     let bytes = u64::from(p.tot_len);
     let rst = p.has_flag(TCP_RST);
@@ -68,23 +77,24 @@ pub fn reply<F: Balanced>(ctx: &XdpContext, p: &Packet<F>, cfg: &KernelConfig) -
 }
 
 /// Copies the NAT entry of `sc.nkey` into `sc.nval`: from the NAT table
-/// (`Some(false)`) or a half-open slot (`Some(true)`); `None` if neither
-/// holds it (not a reply of ours).
+/// (`Some((false, its entry))`) or a half-open slot (`Some((true,
+/// null))`); `None` if neither holds it (not a reply of ours). A nullable
+/// pointer for the reason `on_flow` gives.
 #[inline(always)]
-fn nat_entry(cfg: &KernelConfig, sc: &mut Scratch) -> Option<bool> {
-    // SAFETY: copied out at once.
-    match unsafe { NAT.get(&sc.nkey) } {
+fn nat_entry(cfg: &KernelConfig, sc: &mut Scratch) -> Option<(bool, *mut NatValue)> {
+    match NAT.get_ptr_mut(&sc.nkey) {
         Some(n) => {
             // `put`, not an assignment: that compiled to a call of the
             // object's memmove, a byte loop (two maps never overlap).
-            put(&mut sc.nval, n);
-            Some(false)
+            // SAFETY: map value pointer, valid for this run.
+            put(&mut sc.nval, unsafe { &*n });
+            Some((false, n))
         }
         None => {
             let n = halfopen::find_nat(cfg, &sc.nkey)?;
             // SAFETY: map value pointer, valid for this run.
             put(&mut sc.nval, unsafe { &(*n).nat });
-            Some(true)
+            Some((true, core::ptr::null_mut()))
         }
     }
 }
@@ -171,7 +181,13 @@ fn on_flow<F: Balanced>(
         return true;
     }
     if ours && closing && !half {
-        nat::close_by_backend(flow, backend, p.has_flag(TCP_FIN));
+        // In the backend's window, or a spoofed close (the NAT ports are a
+        // known range) could end any flow of this backend.
+        if seqwin::within(sc.nval.backend_seq, p.seq) {
+            nat::close_by_backend(flow, backend, p.has_flag(TCP_FIN));
+        } else {
+            bump(&BACKEND_STATS, backend, |s| s.closes_unproven += 1);
+        }
     }
     false
 }

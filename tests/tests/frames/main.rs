@@ -4,6 +4,7 @@
 
 mod fixture;
 
+mod closes;
 mod dsr;
 mod forward;
 mod fuzz;

@@ -88,7 +88,7 @@ pub fn plan<F: Lookup>(cfg: &KernelConfig) -> *mut HalfOpen {
     // The refusing backend's NAT slot must catch nothing more.
     halfopen::forget_nat(cfg, &sc.nkey);
     sc.nval.backend = id;
-    sc.nval._pad = 0;
+    sc.nval.backend_seq = 0;
     // Both kinds of retry reach the tuple walk alike (the backend id read
     // back from memory, the kind not kept in a register across it), so the
     // verifier checks the walk once, not once per kind. Measured: 946,878
