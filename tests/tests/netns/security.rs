@@ -240,3 +240,66 @@ fn a_namespace_made_again_adopts_nothing_of_the_deleted_one() {
     assert!(failures.is_empty(), "{failures:?}");
     assert_eq!(seen.len(), 2, "both backends answer: {seen:?}");
 }
+
+/// Files the daemon writes as root (the state file, its NAT walk beside
+/// it, bird's routes) where someone planted symlinks to files they want
+/// overwritten: the links are replaced, never followed.
+#[test]
+fn a_symlink_planted_at_the_state_or_routes_path_is_not_followed() {
+    require_root();
+    let mut bed = Testbed::new("symlink", 2).expect("build testbed");
+    bed.start_backends(Path::new(BACKEND))
+        .expect("start backends");
+    let state = bed.socket().with_extension("state");
+    let walk = state.with_extension("nat");
+    let routes = bed.dir.join("routes.conf");
+    let mut victims = Vec::new();
+    for (i, path) in [&state, &walk, &routes].into_iter().enumerate() {
+        let victim = bed.dir.join(format!("victim-{i}"));
+        std::fs::write(&victim, "precious\n").unwrap();
+        std::os::unix::fs::symlink(&victim, path).unwrap();
+        victims.push((path.clone(), victim));
+    }
+    // bird is not running: the routes are written, then bird is asked.
+    let config = bed.dir.join("huddle.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "[bgp]\ncontrol_socket = \"{}\"\nroutes_file = \"{}\"\n",
+            bed.dir.join("no-bird.ctl").display(),
+            routes.display()
+        ),
+    )
+    .unwrap();
+    let config = config.display().to_string();
+    bed.start_huddle_service(Path::new(HUDDLE), &["--config", &config])
+        .expect("start huddle");
+    // The state file is written every second.
+    std::thread::sleep(Duration::from_millis(2500));
+    for (path, victim) in &victims {
+        assert_eq!(
+            std::fs::read_to_string(victim).unwrap(),
+            "precious\n",
+            "{} was written through its link",
+            victim.display()
+        );
+        if let Ok(m) = std::fs::symlink_metadata(path) {
+            assert!(
+                !m.file_type().is_symlink(),
+                "{} is still the planted link",
+                path.display()
+            );
+        }
+    }
+    let written = victims
+        .iter()
+        .filter(|(p, _)| std::fs::symlink_metadata(p).is_ok_and(|m| m.is_file()))
+        .count();
+    println!("{written} of 3 paths replaced by the daemon's own files");
+    assert_eq!(written, 3, "{}", bed.huddle_log());
+    // And once more on the way out (the state is saved at exit).
+    bed.kill_huddle(libc::SIGTERM);
+    for (_, victim) in &victims {
+        assert_eq!(std::fs::read_to_string(victim).unwrap(), "precious\n");
+    }
+}
