@@ -12,6 +12,16 @@ pub const LOCAL: &str = "DECAP_LOCAL";
 pub const STATS: &str = "DECAP_STATS";
 /// Addresses `LOCAL` holds at most.
 pub const MAX_LOCAL: u32 = 256;
+/// `LpmTrie<[u8; 4], u32>` and `LpmTrie<[u8; 16], u32>`: the outer
+/// sources (the balancers) whose packets are unwrapped; the rest dropped.
+pub const ALLOW4: &str = "DECAP_ALLOW4";
+pub const ALLOW6: &str = "DECAP_ALLOW6";
+/// Prefixes each of them holds at most.
+pub const MAX_ALLOW: u32 = 64;
+/// `HashMap<Addr, u32>`: the inner destinations a wrapped packet may have
+/// (the VIPs this backend serves, else its own addresses); the rest
+/// dropped.
+pub const INNER: &str = "DECAP_INNER";
 /// The TC program on egress that sees each request's first answer
 /// byte leave.
 pub const TTFB_PROGRAM: &str = "ttfb_out";

@@ -213,6 +213,12 @@ counters!(
         /// IP-in-IP packets with outer options, fragmented, or with an
         /// inner packet that is not a whole IPv4 header: left alone.
         pass_malformed,
+        /// Dropped: IP-in-IP from an outer source outside `--allow` (not a
+        /// balancer: anyone could wrap a packet with a trusted inner
+        /// source, CVE-2020-10136), or to an inner destination that is not
+        /// one of this backend's VIPs.
+        drop_foreign_source,
+        drop_not_vip,
         /// Requests to a VIP whose arrival was recorded, and answers timed
         /// (first response byte leaving on egress).
         turns,

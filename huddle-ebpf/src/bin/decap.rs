@@ -1,8 +1,9 @@
 //! The backend agent's programs (`huddle agent --decap`). On ingress (XDP)
 //! it unwraps the balancer's IP-in-IP packets and hands the inner packet,
 //! the client's own, to the stack, with no tunnel device or kernel module
-//! (only packets to one of this host's addresses; everything else passes
-//! untouched), and notes when a request to a DSR VIP arrives; on egress
+//! (only packets to one of this host's addresses, from a balancer's outer
+//! source and to a VIP inside; other IP-in-IP to this host is dropped,
+//! everything else passes untouched), and notes when a request to a DSR VIP arrives; on egress
 //! (TC) it sees the answer's first byte leave: the backend's exact time
 //! to first byte, per VIP (IPv4 or IPv6), which the balancer cannot see
 //! in DSR.
@@ -13,16 +14,16 @@
 #![allow(clippy::needless_borrows_for_generic_args)]
 
 use aya_ebpf::{
-    bindings::{xdp_action, BPF_EXIST, BPF_NOEXIST, TC_ACT_OK},
+    bindings::{xdp_action, BPF_EXIST, BPF_F_NO_PREALLOC, BPF_NOEXIST, TC_ACT_OK},
     helpers::{bpf_ktime_get_ns, generated::bpf_xdp_adjust_head},
     macros::{classifier, map, xdp},
-    maps::{HashMap, LruHashMap, PerCpuArray},
+    maps::{lpm_trie::Key, HashMap, LpmTrie, LruHashMap, PerCpuArray},
     programs::{TcContext, XdpContext},
 };
 use huddle_common::headers::{ETH_LEN, ETH_P_IP, ETH_P_IPV6, IP6_LEN, IP_LEN};
 use huddle_common::{
     addr_v4,
-    decap::{MAX_LOCAL, MAX_TURNS, MAX_VIPS},
+    decap::{MAX_ALLOW, MAX_LOCAL, MAX_TURNS, MAX_VIPS},
     latency_bucket, Addr, AgentTtfb, DecapStats, TurnKey, LATENCY_BUCKETS,
 };
 
@@ -32,6 +33,18 @@ const PROTO_IPV6: u8 = 41;
 /// This host's addresses (written by the agent).
 #[map]
 static DECAP_LOCAL: HashMap<Addr, u32> = HashMap::with_max_entries(MAX_LOCAL, 0);
+
+/// Outer sources whose packets are unwrapped (written by the agent).
+#[map]
+static DECAP_ALLOW4: LpmTrie<[u8; 4], u32> =
+    LpmTrie::with_max_entries(MAX_ALLOW, BPF_F_NO_PREALLOC);
+#[map]
+static DECAP_ALLOW6: LpmTrie<[u8; 16], u32> =
+    LpmTrie::with_max_entries(MAX_ALLOW, BPF_F_NO_PREALLOC);
+
+/// Inner destinations a wrapped packet may have (written by the agent).
+#[map]
+static DECAP_INNER: HashMap<Addr, u32> = HashMap::with_max_entries(MAX_LOCAL, 0);
 
 #[map]
 static DECAP_STATS: PerCpuArray<DecapStats> = PerCpuArray::with_max_entries(1, 0);
@@ -253,27 +266,64 @@ fn answered(ctx: &TcContext) {
 #[inline(always)]
 fn unwrap6(ctx: &XdpContext) -> u32 {
     let (data, end) = (ctx.data(), ctx.data_end());
-    // Ethernet, the outer IPv6 header and the inner one's first byte.
-    if data + ETH_LEN + IP6_LEN + 1 > end {
+    // Ethernet and both IPv6 headers.
+    if data + ETH_LEN + IP6_LEN + IP6_LEN > end {
         return xdp_action::XDP_PASS;
     }
     // SAFETY: bounds-checked just above.
-    let (outer, inner_v) = unsafe {
+    let (outer, inner) = unsafe {
         (
-            *((data + ETH_LEN) as *const [u8; IP6_LEN]),
-            *((data + ETH_LEN + IP6_LEN) as *const u8),
+            &*((data + ETH_LEN) as *const [u8; IP6_LEN]),
+            &*((data + ETH_LEN + IP6_LEN) as *const [u8; IP6_LEN]),
         )
     };
     if outer[6] != PROTO_IPV6 {
         return xdp_action::XDP_PASS;
     }
-    if outer[0] >> 4 != 6 || inner_v >> 4 != 6 {
+    if outer[0] >> 4 != 6 || inner[0] >> 4 != 6 {
         count(|s| s.pass_malformed += 1);
         return xdp_action::XDP_PASS;
     }
     let mut dst = [0u8; 16];
     dst.copy_from_slice(&outer[24..40]);
-    strip::<IP6_LEN>(ctx, dst)
+    let mut src = [0u8; 16];
+    src.copy_from_slice(&outer[8..24]);
+    let mut to = [0u8; 16];
+    to.copy_from_slice(&inner[24..40]);
+    if !local(&dst) {
+        return xdp_action::XDP_PASS;
+    }
+    if DECAP_ALLOW6.get(&Key::new(128, src)).is_none() {
+        count(|s| s.drop_foreign_source += 1);
+        return xdp_action::XDP_DROP;
+    }
+    if !vip(&to) {
+        return xdp_action::XDP_DROP;
+    }
+    strip::<IP6_LEN>(ctx)
+}
+
+/// Whether `dst` is this host's: only then is the packet ours to unwrap.
+#[inline(always)]
+fn local(dst: &Addr) -> bool {
+    // SAFETY: only tested for presence.
+    let mine = unsafe { DECAP_LOCAL.get(dst) }.is_some();
+    if !mine {
+        count(|s| s.pass_not_local += 1);
+    }
+    mine
+}
+
+/// Whether the inner packet goes to a VIP this backend serves (counted
+/// when not).
+#[inline(always)]
+fn vip(to: &Addr) -> bool {
+    // SAFETY: only tested for presence.
+    let ok = unsafe { DECAP_INNER.get(to) }.is_some();
+    if !ok {
+        count(|s| s.drop_not_vip += 1);
+    }
+    ok
 }
 
 /// Unwraps an IP-in-IP packet to this host; the verdict.
@@ -291,13 +341,14 @@ fn unwrap(ctx: &XdpContext) -> u32 {
         return xdp_action::XDP_PASS;
     }
     // SAFETY: the 54 bytes read below were bounds-checked just above.
-    let (ethertype, outer, inner_vihl) = unsafe {
+    let (ethertype, outer, inner) = unsafe {
         (
             *((data + 12) as *const [u8; 2]),
             *((data + ETH_LEN) as *const [u8; IP_LEN]),
-            *((data + ETH_LEN + IP_LEN) as *const u8),
+            *((data + ETH_LEN + IP_LEN) as *const [u8; IP_LEN]),
         )
     };
+    let inner_vihl = inner[0];
     if ethertype != ETH_P_IP || outer[9] != PROTO_IPIP {
         return xdp_action::XDP_PASS;
     }
@@ -308,19 +359,25 @@ fn unwrap(ctx: &XdpContext) -> u32 {
         count(|s| s.pass_malformed += 1);
         return xdp_action::XDP_PASS;
     }
-    strip::<IP_LEN>(ctx, addr_v4([outer[16], outer[17], outer[18], outer[19]]))
-}
-
-/// Removes the `OUTER` bytes of outer header of a packet to `dst`, if that
-/// is this host's address: the Ethernet header moves up over it (the two
-/// do not overlap, `OUTER` being 20 or 40), then the frame starts there.
-#[inline(always)]
-fn strip<const OUTER: usize>(ctx: &XdpContext, dst: Addr) -> u32 {
-    // SAFETY: only tested for presence.
-    if unsafe { DECAP_LOCAL.get(dst) }.is_none() {
-        count(|s| s.pass_not_local += 1);
+    if !local(&addr_v4([outer[16], outer[17], outer[18], outer[19]])) {
         return xdp_action::XDP_PASS;
     }
+    let src = [outer[12], outer[13], outer[14], outer[15]];
+    if DECAP_ALLOW4.get(&Key::new(32, src)).is_none() {
+        count(|s| s.drop_foreign_source += 1);
+        return xdp_action::XDP_DROP;
+    }
+    if !vip(&addr_v4([inner[16], inner[17], inner[18], inner[19]])) {
+        return xdp_action::XDP_DROP;
+    }
+    strip::<IP_LEN>(ctx)
+}
+
+/// Removes the `OUTER` bytes of outer header: the Ethernet header moves up
+/// over it (the two do not overlap, `OUTER` being 20 or 40), then the
+/// frame starts there.
+#[inline(always)]
+fn strip<const OUTER: usize>(ctx: &XdpContext) -> u32 {
     let (data, end) = (ctx.data(), ctx.data_end());
     if data + OUTER + ETH_LEN > end {
         return xdp_action::XDP_PASS;

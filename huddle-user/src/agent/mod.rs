@@ -87,6 +87,9 @@ pub struct AgentArgs {
     pub xdp_mode: XdpMode,
     /// VIPs this backend serves by DSR, checked against its set-up.
     pub vips: Vec<IpAddr>,
+    /// Outer sources whose IP-in-IP is unwrapped; empty: the decap
+    /// interface's subnets.
+    pub allow: Vec<crate::config::IpPrefix>,
 }
 
 /// Serves `/metrics` on `args.listen` until killed; with `--decap`, keeps
@@ -110,7 +113,7 @@ pub async fn run(args: AgentArgs) -> Result<()> {
             let mut tick = tokio::time::interval(std::time::Duration::from_secs(2));
             loop {
                 tick.tick().await;
-                if let Err(e) = local_ips().and_then(|a| lock(&d).set_local(&a)) {
+                if let Err(e) = local_ips().and_then(|a| lock(&d).set_addresses(&a)) {
                     warn!("decap: updating this host's addresses: {e:#}");
                 }
             }
@@ -142,9 +145,36 @@ fn start_decap(iface: &str, args: &AgentArgs) -> Result<Decap> {
     crate::sys::host::check_privileges()?;
     let ifindex = crate::sys::addresses::ifindex(iface)?;
     let mut d = Decap::load()?;
-    d.set_local(&local_ips()?)?;
+    let allow = if args.allow.is_empty() {
+        subnets(iface)?
+    } else {
+        args.allow.clone()
+    };
+    d.set_allow(&allow)?;
+    d.vips_only = !args.vips.is_empty();
+    if d.vips_only {
+        d.set_inner(&args.vips)?;
+    }
+    d.set_addresses(&local_ips()?)?;
     let mode = d.attach(ifindex, args.xdp_mode)?;
-    info!("huddle agent: unwrapping IP-in-IP to this host on {iface} ({mode} mode)");
+    info!(
+        "huddle agent: unwrapping IP-in-IP to this host on {iface} ({mode} mode) from {} ({}) to {}; any other IP-in-IP to this host is dropped",
+        allow
+            .iter()
+            .map(ToString::to_string)
+            .collect::<Vec<_>>()
+            .join(", "),
+        if args.allow.is_empty() {
+            "the interface's subnets: --allow names the balancers otherwise"
+        } else {
+            "--allow"
+        },
+        if d.vips_only {
+            "the --vip addresses"
+        } else {
+            "this host's addresses"
+        }
+    );
     if !args.vips.is_empty() {
         d.time_vips(iface, &args.vips)?;
         info!(
@@ -235,6 +265,20 @@ fn local_ips() -> Result<Vec<std::net::IpAddr>> {
         .into_iter()
         .map(|(_, a)| a.into());
     Ok(v4.chain(v6).collect())
+}
+
+/// The subnets `iface` is on, as prefixes: the default outer sources to
+/// unwrap (a balancer on the backend's own segment).
+fn subnets(iface: &str) -> Result<Vec<crate::config::IpPrefix>> {
+    let nets: Vec<_> = crate::sys::addresses::interface_prefixes(iface)?
+        .into_iter()
+        .filter(|(a, _)| !matches!(a, IpAddr::V6(v6) if v6.segments()[0] & 0xffc0 == 0xfe80))
+        .map(|(addr, len)| crate::config::IpPrefix { addr, len })
+        .collect();
+    if nets.is_empty() {
+        anyhow::bail!("--decap {iface}: the interface has no address, so no subnet to take IP-in-IP from; give the balancers' addresses with --allow");
+    }
+    Ok(nets)
 }
 
 /// The interface of the main table's default route, if any.

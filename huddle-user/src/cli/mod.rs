@@ -109,6 +109,12 @@ enum Cmd {
         /// (IPv4 or IPv6); repeat for each.
         #[arg(long = "vip")]
         vips: Vec<std::net::IpAddr>,
+        /// With --decap: the outer sources (the balancers, or their
+        /// `encap_prefix`) whose packets are unwrapped, as ADDR/LEN;
+        /// repeat for each. Default: the subnets of the --decap
+        /// interface. IP-in-IP from anywhere else is dropped.
+        #[arg(long = "allow", value_name = "PREFIX")]
+        allow: Vec<crate::config::IpPrefix>,
     },
     /// List the data planes pinned in the host's bpffs under the default
     /// folder, each with the interface its XDP link is attached to.
@@ -414,6 +420,7 @@ fn dispatch(cmd: Cmd) -> Result<()> {
             decap,
             xdp_mode,
             vips,
+            allow,
         } => {
             let rt = tokio::runtime::Builder::new_current_thread()
                 .enable_all()
@@ -423,6 +430,7 @@ fn dispatch(cmd: Cmd) -> Result<()> {
                 decap,
                 xdp_mode,
                 vips,
+                allow,
             }))
         }
     }

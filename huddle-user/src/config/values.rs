@@ -184,6 +184,45 @@ impl<'de> Deserialize<'de> for Prefix {
     }
 }
 
+/// An IPv4 or IPv6 prefix, `"10.0.0.0/24"`, `"fd00::/64"`; a bare address
+/// is the host alone.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct IpPrefix {
+    pub addr: std::net::IpAddr,
+    pub len: u8,
+}
+
+impl fmt::Display for IpPrefix {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}/{}", self.addr, self.len)
+    }
+}
+
+impl FromStr for IpPrefix {
+    type Err = anyhow::Error;
+    fn from_str(s: &str) -> Result<Self> {
+        let (a, l) = match s.split_once('/') {
+            Some((a, l)) => (a, Some(l)),
+            None => (s, None),
+        };
+        let addr: std::net::IpAddr = a
+            .trim()
+            .parse()
+            .with_context(|| format!("{s:?} is not an IP prefix (ADDR/LEN)"))?;
+        let max = if addr.is_ipv4() { 32 } else { 128 };
+        let len = match l {
+            None => max,
+            Some(l) => l
+                .trim()
+                .parse()
+                .ok()
+                .filter(|l| *l <= max)
+                .with_context(|| format!("{s:?}: prefix length must be 0..={max}"))?,
+        };
+        Ok(IpPrefix { addr, len })
+    }
+}
+
 /// How the program is attached.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize, clap::ValueEnum)]
 #[serde(rename_all = "lowercase")]

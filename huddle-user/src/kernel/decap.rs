@@ -4,10 +4,16 @@
 //! TC on egress: first answer byte) for as long as the agent runs.
 
 use crate::kernel::dataplane::keys::ip_bytes;
-use crate::{config::XdpMode, kernel::object};
+use crate::{
+    config::{IpPrefix, XdpMode},
+    kernel::object,
+};
 use anyhow::{Context, Result};
 use aya::{
-    maps::{HashMap, MapData, PerCpuArray},
+    maps::{
+        lpm_trie::{Key, LpmTrie},
+        HashMap, MapData, PerCpuArray,
+    },
     programs::{tc, xdp::XdpLinkId, SchedClassifier, TcAttachType, Xdp},
     Ebpf,
 };
@@ -15,14 +21,33 @@ use huddle_common::{decap, Addr, AgentTtfb, Counters, DecapStats};
 use std::{collections::HashSet, net::IpAddr};
 use tracing::warn;
 
+/// Makes the address set `map` hold exactly `addrs`.
+fn sync(map: &mut HashMap<MapData, Addr, u32>, addrs: &[IpAddr]) -> Result<()> {
+    let want: HashSet<Addr> = addrs.iter().map(|a| ip_bytes(*a)).collect();
+    let have: Vec<Addr> = map.keys().filter_map(Result::ok).collect();
+    for k in have.iter().filter(|k| !want.contains(*k)) {
+        map.remove(k)?;
+    }
+    for k in want.iter().filter(|k| !have.contains(k)) {
+        map.insert(k, 1, 0)?;
+    }
+    Ok(())
+}
+
 pub struct Decap {
     ebpf: Ebpf,
     local: HashMap<MapData, Addr, u32>,
+    allow4: LpmTrie<MapData, [u8; 4], u32>,
+    allow6: LpmTrie<MapData, [u8; 16], u32>,
+    inner: HashMap<MapData, Addr, u32>,
     stats: PerCpuArray<MapData, DecapStats>,
     vips_map: HashMap<MapData, Addr, u32>,
     ttfb: PerCpuArray<MapData, AgentTtfb>,
     /// The VIPs timed, in `AGENT_TTFB` index order.
     pub vips: Vec<IpAddr>,
+    /// Inner destinations are only the VIPs set with `set_inner`, not
+    /// this host's addresses as they come and go.
+    pub vips_only: bool,
     link: Option<XdpLinkId>,
     /// The mode it was attached in: "native" or "generic".
     pub mode: &'static str,
@@ -45,16 +70,23 @@ impl Decap {
         tc.load()
             .context("the kernel verifier refused the ttfb program")?;
         let local = HashMap::try_from(ebpf.take_map(decap::LOCAL).context("DECAP_LOCAL")?)?;
+        let allow4 = LpmTrie::try_from(ebpf.take_map(decap::ALLOW4).context("DECAP_ALLOW4")?)?;
+        let allow6 = LpmTrie::try_from(ebpf.take_map(decap::ALLOW6).context("DECAP_ALLOW6")?)?;
+        let inner = HashMap::try_from(ebpf.take_map(decap::INNER).context("DECAP_INNER")?)?;
         let stats = PerCpuArray::try_from(ebpf.take_map(decap::STATS).context("DECAP_STATS")?)?;
         let vips_map = HashMap::try_from(ebpf.take_map(decap::VIPS).context("AGENT_VIPS")?)?;
         let ttfb = PerCpuArray::try_from(ebpf.take_map(decap::TTFB).context("AGENT_TTFB")?)?;
         Ok(Decap {
             ebpf,
             local,
+            allow4,
+            allow6,
+            inner,
             stats,
             vips_map,
             ttfb,
             vips: Vec::new(),
+            vips_only: false,
             link: None,
             mode: "",
         })
@@ -62,15 +94,41 @@ impl Decap {
 
     /// Makes the program unwrap exactly the packets to `addrs`.
     pub fn set_local(&mut self, addrs: &[IpAddr]) -> Result<()> {
-        let want: HashSet<Addr> = addrs.iter().map(|a| ip_bytes(*a)).collect();
-        let have: Vec<Addr> = self.local.keys().filter_map(Result::ok).collect();
-        for k in have.iter().filter(|k| !want.contains(*k)) {
-            self.local.remove(k).context("updating DECAP_LOCAL")?;
-        }
-        for k in want.iter().filter(|k| !have.contains(k)) {
-            self.local.insert(k, 1, 0).context("updating DECAP_LOCAL")?;
+        sync(&mut self.local, addrs).context("updating DECAP_LOCAL")
+    }
+
+    /// This host's addresses, as they are now: the outer destinations to
+    /// unwrap, and (unless `vips_only`) the inner ones allowed.
+    pub fn set_addresses(&mut self, addrs: &[IpAddr]) -> Result<()> {
+        self.set_local(addrs)?;
+        if !self.vips_only {
+            self.set_inner(addrs)?;
         }
         Ok(())
+    }
+
+    /// Unwraps only packets whose outer source lies in one of `prefixes`
+    /// (the balancers'); IP-in-IP to this host from anywhere else is
+    /// dropped. Set once, before attaching.
+    pub fn set_allow(&mut self, prefixes: &[IpPrefix]) -> Result<()> {
+        if prefixes.len() > decap::MAX_ALLOW as usize {
+            anyhow::bail!("--allow: at most {} prefixes", decap::MAX_ALLOW);
+        }
+        for p in prefixes {
+            let len = u32::from(p.len);
+            match p.addr {
+                IpAddr::V4(a) => self.allow4.insert(&Key::new(len, a.octets()), 1, 0),
+                IpAddr::V6(a) => self.allow6.insert(&Key::new(len, a.octets()), 1, 0),
+            }
+            .with_context(|| format!("writing {p} to the decap allow list"))?;
+        }
+        Ok(())
+    }
+
+    /// Lets through only wrapped packets whose inner destination is one of
+    /// `addrs` (the VIPs served here, or this host's addresses).
+    pub fn set_inner(&mut self, addrs: &[IpAddr]) -> Result<()> {
+        sync(&mut self.inner, addrs).context("updating DECAP_INNER")
     }
 
     /// Attaches to `ifindex`. Auto: native, else generic. The program only

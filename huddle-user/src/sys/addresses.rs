@@ -57,10 +57,49 @@ pub fn ipv4_addrs() -> Result<Vec<(String, Ipv4Addr)>> {
         .collect())
 }
 
-/// Every address of this namespace's interfaces, with the interface.
 /// Every address of this namespace's interfaces, both families, with the
 /// interface.
 pub fn ip_addrs() -> Result<Vec<(String, IpAddr)>> {
+    Ok(ifaddrs()?.into_iter().map(|(n, a, _)| (n, a)).collect())
+}
+
+/// The addresses of interface `name` with their prefix lengths: the
+/// subnets it is on.
+pub fn interface_prefixes(name: &str) -> Result<Vec<(IpAddr, u8)>> {
+    Ok(ifaddrs()?
+        .into_iter()
+        .filter(|(n, _, _)| n == name)
+        .map(|(_, a, l)| (a, l))
+        .collect())
+}
+
+/// Prefix length of a netmask (its set bits).
+fn mask_len(mask: *const libc::sockaddr) -> u8 {
+    if mask.is_null() {
+        return 0;
+    }
+    // SAFETY: non-null sockaddr of the same family as its address; the
+    // family is read before the cast.
+    unsafe {
+        match i32::from((*mask).sa_family) {
+            libc::AF_INET => (*mask.cast::<libc::sockaddr_in>())
+                .sin_addr
+                .s_addr
+                .count_ones() as u8,
+            libc::AF_INET6 => (*mask.cast::<libc::sockaddr_in6>())
+                .sin6_addr
+                .s6_addr
+                .iter()
+                .map(|b| b.count_ones() as u8)
+                .sum(),
+            _ => 0,
+        }
+    }
+}
+
+/// Every address of this namespace's interfaces: (interface, address,
+/// prefix length).
+fn ifaddrs() -> Result<Vec<(String, IpAddr, u8)>> {
     let mut addrs: *mut libc::ifaddrs = std::ptr::null_mut();
     // SAFETY: getifaddrs fills `addrs` with a list we free below.
     if unsafe { libc::getifaddrs(&mut addrs) } != 0 {
@@ -85,6 +124,7 @@ pub fn ip_addrs() -> Result<Vec<(String, IpAddr)>> {
             found.push((
                 ifname.to_string_lossy().into_owned(),
                 IpAddr::V4(Ipv4Addr::from(u32::from_be(sin.sin_addr.s_addr))),
+                mask_len(ifa.ifa_netmask),
             ));
         } else if family == libc::AF_INET6 {
             // SAFETY: AF_INET6 addresses are sockaddr_in6.
@@ -92,6 +132,7 @@ pub fn ip_addrs() -> Result<Vec<(String, IpAddr)>> {
             found.push((
                 ifname.to_string_lossy().into_owned(),
                 IpAddr::V6(Ipv6Addr::from(sin6.sin6_addr.s6_addr)),
+                mask_len(ifa.ifa_netmask),
             ));
         }
     }

@@ -221,7 +221,9 @@ fn the_agents_decap_gives_back_the_clients_packet() {
     let env = env("dsr-decap");
     let mut decap = Decap::load().expect("load decap");
     let me = backend(1);
-    decap.set_local(&[me.into(), VIP.into()]).unwrap();
+    // The balancers' outer sources: the encap prefix.
+    decap.set_allow(&[ENCAP_PREFIX.parse().unwrap()]).unwrap();
+    decap.set_addresses(&[me.into(), VIP.into()]).unwrap();
     let inner = client(44000, IPIP)
         .flags(ACK | PSH)
         .payload(b"GET / HTTP/1.1\r\n\r\n")
@@ -254,6 +256,43 @@ fn the_agents_decap_gives_back_the_clients_packet() {
         (st.decapped, st.pass_not_local, st.pass_malformed),
         (1, 1, 1)
     );
+    // Wrapped by anyone else (a trusted inner source, CVE-2020-10136), or
+    // wrapped around a packet to something not served here: dropped.
+    let foreign = ipip(
+        &inner,
+        Ipv4Addr::new(10, 213, 0, 66),
+        me,
+        (BALANCER_MAC, mac_of(me)),
+    );
+    let elsewhere_inside = Frame::tcp((CLIENT, 44000), (Ipv4Addr::new(10, 213, 0, 99), 22))
+        .macs(mac_of(CLIENT), BALANCER_MAC)
+        .flags(ACK)
+        .build();
+    let not_vip = ipip(&elsewhere_inside, outer_src, me, (BALANCER_MAC, mac_of(me)));
+    for (what, f) in [
+        ("foreign outer source", &foreign),
+        ("inner not a VIP", &not_vip),
+    ] {
+        let (verdict, _, _) = test_run(prog, f, env.ifindex).unwrap();
+        assert_eq!(verdict, XDP_DROP, "{what}");
+    }
+    let st = decap.stats().unwrap();
+    assert_eq!(
+        (st.drop_foreign_source, st.drop_not_vip, st.decapped),
+        (1, 1, 1)
+    );
+    // With --vip, only those: the host's own address inside is dropped too.
+    decap.vips_only = true;
+    decap.set_inner(&[VIP.into()]).unwrap();
+    let to_me = Frame::tcp((CLIENT, 44000), (me, 22))
+        .macs(mac_of(CLIENT), BALANCER_MAC)
+        .flags(ACK)
+        .build();
+    let to_me = ipip(&to_me, outer_src, me, (BALANCER_MAC, mac_of(me)));
+    let prog = decap.program().unwrap();
+    assert_eq!(test_run(prog, &to_me, env.ifindex).unwrap().0, XDP_DROP);
+    assert_eq!(test_run(prog, &wrapped, env.ifindex).unwrap().0, XDP_PASS);
+    assert_eq!(decap.stats().unwrap().drop_not_vip, 2);
 }
 
 #[test]
