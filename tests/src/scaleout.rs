@@ -218,11 +218,16 @@ impl ScaleOut {
             .map(|b| format!("\"{}:{HTTP_PORT}\"", scale_backend_ip(b)))
             .collect();
         let config = self.dir.join(format!("lb{i}.toml"));
+        // One key for the cluster, made the way the README says.
+        let key = self.dir.join("cluster.key");
+        if !key.exists() {
+            huddle_user::config::key::generate(&key)?;
+        }
         std::fs::write(
             &config,
             format!(
                 "interface = \"eth0\"\ncontrol_socket = \"{}\"\npin_dir = \"{}\"\ndetach_on_exit = true\n\n\
-                 [huddle]\nrotation = {}\nlisten = \"{}:9477\"\n\n[cluster]\nmembers = [{}]\n\n\
+                 [huddle]\nrotation = {}\nlisten = \"{}:9477\"\n\n[cluster]\nmembers = [{}]\nkey_file = \"{}\"\n\n\
                  [bgp]\ncontrol_socket = \"{}\"\nroutes_file = \"{}\"\n\n\
                  [[service]]\nvip = \"{}\"\nmode = \"dsr-l2\"\nselection = \"maglev\"\nbackends = [{}]\n",
                 self.socket(i).display(),
@@ -233,6 +238,7 @@ impl ScaleOut {
                     .map(|m| format!("\"{}:9477\"", balancer_ip(m)))
                     .collect::<Vec<_>>()
                     .join(", "),
+                key.display(),
                 self.dir.join(format!("lb{i}-bird.ctl")).display(),
                 routes.display(),
                 scale_vip(),

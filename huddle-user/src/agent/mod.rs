@@ -126,13 +126,14 @@ pub async fn run(args: AgentArgs) -> Result<()> {
         "huddle agent: host metrics on http://{}/metrics",
         args.listen
     );
-    http::serve(listener, move |path| {
+    http::serve(listener, move |asked| {
         let decap = decap.clone();
         async move {
-            match path.as_str() {
+            match asked.path.as_str() {
                 "/metrics" => page(decap.as_deref()),
                 _ => (404, "text/plain", "not found: try /metrics\n".into()),
             }
+            .into()
         }
     })
     .await;

@@ -116,6 +116,10 @@ enum Cmd {
         #[arg(long = "allow", value_name = "PREFIX")]
         allow: Vec<crate::config::IpPrefix>,
     },
+    /// Write a new random cluster key to PATH (hex, mode 0600; an existing
+    /// file is left alone), for `cluster.key_file`: copy the same file to
+    /// every member.
+    Keygen { path: PathBuf },
     /// List the data planes pinned in the host's bpffs under the default
     /// folder, each with the interface its XDP link is attached to.
     Pins {
@@ -404,6 +408,14 @@ fn dispatch(cmd: Cmd) -> Result<()> {
         Cmd::Check { config } => check(&config),
         Cmd::Bench(args) => crate::bench::run(&args),
         Cmd::Pins { prune } => pins(prune),
+        Cmd::Keygen { path } => {
+            crate::config::key::generate(&path)?;
+            println!(
+                "wrote a cluster key to {} (mode 0600): set cluster.key_file to it on every member",
+                path.display()
+            );
+            Ok(())
+        }
         Cmd::Completions { shell } => {
             let mut cmd = <Cli as clap::CommandFactory>::command();
             clap_complete::generate(shell, &mut cmd, "huddle", &mut std::io::stdout());

@@ -161,8 +161,12 @@ pub fn entry(f: &SharedFlow, tables: &[MaglevTable], now_ns: u64) -> Option<(Flo
 }
 
 /// Asks member `addr` for the flows it shares.
-pub async fn fetch(addr: SocketAddr, timeout: Duration) -> Result<FlowsAnswer> {
-    crate::cluster::peers::get_json(addr, "/flows", "flows", timeout, MAX_ANSWER).await
+pub async fn fetch(
+    addr: SocketAddr,
+    key: &crate::config::key::ClusterKey,
+    timeout: Duration,
+) -> Result<FlowsAnswer> {
+    crate::cluster::peers::get_json(addr, key, ("/flows", "flows"), timeout, MAX_ANSWER).await
 }
 
 /// This balancer's flow table, through a handle of its own: scanned for

@@ -2,6 +2,7 @@
 //! readings summed across members (`pooled`), flows handed over on a
 //! takeover (`handoff`), and the VIPs announced through bird (`bgp`).
 
+pub mod auth;
 pub mod bgp;
 pub mod handoff;
 pub mod peers;

@@ -12,7 +12,7 @@
 //! ring naming no backend the follower knows is ignored (its own is kept).
 //! The leader decides from the traffic the router sends it alone.
 
-use crate::net::http;
+use crate::{cluster::auth, config::key::ClusterKey, net::http};
 use anyhow::{bail, Context, Result};
 use serde::{Deserialize, Serialize};
 use std::{collections::BTreeMap, net::SocketAddr, time::Duration};
@@ -42,11 +42,12 @@ const MAX_ANSWER: usize = 1 << 20;
 pub async fn find_leader(
     members: &[SocketAddr],
     me: usize,
+    key: &ClusterKey,
     timeout: Duration,
 ) -> (Option<Leader>, Vec<String>) {
     let mut problems = Vec::new();
     for m in members.iter().take(me) {
-        match fetch(*m, timeout).await {
+        match fetch(*m, key, timeout).await {
             Ok(rings) => {
                 return (Some(Leader { addr: *m, rings }), problems);
             }
@@ -56,25 +57,42 @@ pub async fn find_leader(
     (None, problems)
 }
 
-async fn fetch(addr: SocketAddr, timeout: Duration) -> Result<Rings> {
-    let a: RingsAnswer = get_json(addr, "/ring", "rings", timeout, MAX_ANSWER).await?;
+async fn fetch(addr: SocketAddr, key: &ClusterKey, timeout: Duration) -> Result<Rings> {
+    let a: RingsAnswer = get_json(addr, key, ("/ring", "rings"), timeout, MAX_ANSWER).await?;
     Ok(a.rings)
 }
 
 /// GETs `path` of member `addr` (at most `max` bytes within `timeout`)
 /// and reads its JSON answer; the error names the path and, for an
 /// answer that is not one, `what` was expected.
+/// The request is signed with `key`, and an answer not signed with it is
+/// refused (see `auth`).
 pub async fn get_json<T: serde::de::DeserializeOwned>(
     addr: SocketAddr,
-    path: &str,
-    what: &str,
+    key: &ClusterKey,
+    (path, what): (&str, &str),
     timeout: Duration,
     max: usize,
 ) -> Result<T> {
-    let r = http::get(addr, &addr.to_string(), path, timeout, max).await?;
+    let (header, nonce) = auth::sign_request(key, path);
+    let r = http::get_with(
+        addr,
+        &addr.to_string(),
+        path,
+        timeout,
+        max,
+        &[(auth::AUTH_HEADER, header)],
+    )
+    .await?;
     if r.status != 200 {
-        bail!("{path} answered HTTP {}", r.status);
+        let why = String::from_utf8_lossy(&r.body[..r.body.len().min(200)]).to_string();
+        bail!("{path} answered HTTP {}: {}", r.status, why.trim());
     }
+    let mac = r
+        .headers
+        .get(auth::MAC_HEADER)
+        .and_then(|v| v.to_str().ok());
+    auth::check_answer(key, &nonce, path, &r.body, mac).with_context(|| path.to_string())?;
     serde_json::from_slice(&r.body).with_context(|| format!("{path} answered no {what}"))
 }
 
@@ -83,29 +101,65 @@ mod tests {
     use super::*;
     use std::io::{Read, Write};
 
-    /// A member answering every request with `answer` (raw HTTP), on a
-    /// loopback port; its address.
-    fn member(answer: &'static str) -> SocketAddr {
+    fn key(b: u8) -> ClusterKey {
+        ClusterKey::from_hex(&format!("{b:02x}").repeat(32)).unwrap()
+    }
+
+    const RINGS: &str = "{\"rings\":{\"10.0.100.1:80/tcp\":[\"10.0.0.21:80\"]}}";
+
+    /// A member answering every request with what `answer` makes of it
+    /// (raw HTTP), on a loopback port; its address.
+    fn member(answer: impl Fn(&str) -> String + Send + 'static) -> SocketAddr {
         let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         let addr = l.local_addr().unwrap();
         std::thread::spawn(move || {
             for s in l.incoming().take(4) {
                 let Ok(mut s) = s else { continue };
-                let mut buf = [0u8; 1024];
-                let _ = s.read(&mut buf);
-                let _ = s.write_all(answer.as_bytes());
+                let mut buf = [0u8; 2048];
+                let n = s.read(&mut buf).unwrap_or(0);
+                let _ = s.write_all(answer(&String::from_utf8_lossy(&buf[..n])).as_bytes());
             }
         });
         addr
     }
 
+    fn plain(body: &str) -> String {
+        format!(
+            "HTTP/1.1 200 OK\r\nContent-Length: {}\r\n\r\n{body}",
+            body.len()
+        )
+    }
+
+    /// Rings signed with `k` for the request's nonce.
+    fn signed(k: &ClusterKey, req: &str) -> String {
+        let auth = req
+            .lines()
+            .find_map(|l| l.strip_prefix("x-huddle-auth: "))
+            .map(str::trim);
+        match auth::check_request(k, auth, "/ring") {
+            Ok(nonce) => format!(
+                "HTTP/1.1 200 OK\r\nx-huddle-mac: {}\r\nContent-Length: {}\r\n\r\n{RINGS}",
+                auth::sign_answer(k, &nonce, "/ring", RINGS.as_bytes()),
+                RINGS.len()
+            ),
+            Err(e) => format!(
+                "HTTP/1.1 401 No\r\nContent-Length: {}\r\n\r\n{e}",
+                e.to_string().len()
+            ),
+        }
+    }
+
+    /// Members without the key (answering good rings unsigned, or signed
+    /// with another key), and those answering garbage or nothing, are
+    /// passed over; the first that signs with the cluster's key leads.
     #[test]
-    fn members_that_answer_garbage_or_nothing_are_passed_over() {
-        let garbage = member("HTTP/1.1 200 OK\r\nContent-Length: 7\r\n\r\ngarbage");
-        let not_found = member("HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\n\r\n");
-        let good = member(
-            "HTTP/1.1 200 OK\r\nContent-Length: 48\r\n\r\n{\"rings\":{\"10.0.100.1:80/tcp\":[\"10.0.0.21:80\"]}}",
-        );
+    fn members_without_the_key_or_with_garbage_are_passed_over() {
+        let k = key(7);
+        let garbage = member(|_| plain("garbage"));
+        let not_found = member(|_| "HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\n\r\n".into());
+        let unsigned = member(|_| plain(RINGS));
+        let other_key = member(|r| signed(&key(8), r));
+        let good = member(move |r| signed(&key(7), r));
         // Nothing listens here.
         let gone: SocketAddr = {
             let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
@@ -117,22 +171,27 @@ mod tests {
             .build()
             .unwrap();
         let t = Duration::from_millis(500);
-        let (leader, problems) =
-            rt.block_on(find_leader(&[gone, garbage, not_found, good, me], 4, t));
-        let leader = leader.expect("the member answering rings leads");
+        let all = [gone, garbage, not_found, unsigned, other_key, good, me];
+        let (leader, problems) = rt.block_on(find_leader(&all, 6, &k, t));
+        let leader = leader.expect("the member answering signed rings leads");
         assert_eq!(leader.addr, good);
         assert_eq!(
             leader.rings["10.0.100.1:80/tcp"],
             vec!["10.0.0.21:80".parse().unwrap()]
         );
-        assert_eq!(problems.len(), 3, "{problems:?}");
-        assert!(problems[1].contains("no rings"), "{problems:?}");
+        assert_eq!(problems.len(), 5, "{problems:?}");
+        assert!(problems[1].contains("not signed"), "{problems:?}");
         assert!(problems[2].contains("HTTP 404"), "{problems:?}");
+        assert!(problems[3].contains("not signed"), "{problems:?}");
+        assert!(
+            problems[4].contains("wrong cluster credentials"),
+            "{problems:?}"
+        );
         // The first member decides alone, whatever the others say.
-        let (leader, problems) = rt.block_on(find_leader(&[me, good], 0, t));
+        let (leader, problems) = rt.block_on(find_leader(&[me, good], 0, &k, t));
         assert!(leader.is_none() && problems.is_empty());
         // Nobody before it answers: alone, saying why.
-        let (leader, problems) = rt.block_on(find_leader(&[gone, garbage, me], 2, t));
+        let (leader, problems) = rt.block_on(find_leader(&[gone, garbage, me], 2, &k, t));
         assert!(leader.is_none());
         assert_eq!(problems.len(), 2, "{problems:?}");
     }

@@ -124,9 +124,14 @@ fn add_hist(a: &mut Latency, b: &Latency) {
 }
 
 /// Asks member `addr` for its readings.
-pub async fn fetch(addr: SocketAddr, timeout: Duration) -> Result<ReadingsAnswer> {
+pub async fn fetch(
+    addr: SocketAddr,
+    key: &crate::config::key::ClusterKey,
+    timeout: Duration,
+) -> Result<ReadingsAnswer> {
     let a: ReadingsAnswer =
-        crate::cluster::peers::get_json(addr, "/readings", "readings", timeout, MAX_ANSWER).await?;
+        crate::cluster::peers::get_json(addr, key, ("/readings", "readings"), timeout, MAX_ANSWER)
+            .await?;
     if a.fields != fields() {
         bail!("/readings counts other counters (another huddle version?)");
     }

@@ -187,6 +187,10 @@ pub struct ClusterFile {
     /// the same order on each: the first that answers decides the rings
     /// and the others take them.
     pub members: Vec<SocketAddr>,
+    /// The members' shared key (hex, 32 bytes or more, mode 0600; `huddle
+    /// keygen PATH` makes one): every request and answer between them is
+    /// signed with it.
+    pub key_file: Option<PathBuf>,
 }
 
 /// `[bgp]`: announcing the VIPs through the BGP daemon on this host.

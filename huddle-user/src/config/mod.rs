@@ -3,6 +3,7 @@
 //! file, the line) so a bad config never gets as far as the kernel.
 
 mod file;
+pub mod key;
 mod model;
 mod settings;
 #[cfg(test)]

@@ -17,6 +17,8 @@ pub struct Cluster {
     pub members: Vec<SocketAddr>,
     /// This balancer's place in `members`.
     pub me: usize,
+    /// The key the members sign their requests and answers with.
+    pub key: super::key::ClusterKey,
 }
 
 /// Validated `[bgp]`.

@@ -76,6 +76,8 @@ fn bad_configs_name_the_field() {
         ("maglev_table_size = 65536\n[[service]]\nvip = \"10.0.0.1:80\"\nbackends = [\"10.0.0.2:80\"]\n", "maglev_table_size: 65536 must be a prime"),
         ("[[service]]\nvip = \"10.0.0.1:80\"\nselection = \"hash\"\nbackends = [\"10.0.0.2:80\"]\n", "unknown variant `hash`"),
         ("[cluster]\nmembers = [\"10.0.0.5:9477\", \"10.0.0.6:9477\"]\n[[service]]\nvip = \"10.0.0.1:80\"\nbackends = [\"10.0.0.2:80\"]\n", "cluster.members: this balancer's huddle.listen (127.0.0.1:9477) must be one of them"),
+        ("[huddle]\nlisten = \"10.0.0.5:9477\"\n[cluster]\nmembers = [\"10.0.0.5:9477\", \"10.0.0.6:9477\"]\n[[service]]\nvip = \"10.0.0.1:80\"\nbackends = [\"10.0.0.2:80\"]\n", "cluster.key_file: required"),
+        ("[huddle]\nlisten = \"10.0.0.5:9477\"\n[cluster]\nmembers = [\"10.0.0.5:9477\", \"10.0.0.6:9477\"]\nkey_file = \"/nonexistent/cluster.key\"\n[[service]]\nvip = \"10.0.0.1:80\"\nbackends = [\"10.0.0.2:80\"]\n", "cluster.key_file: reading /nonexistent/cluster.key"),
         ("[bgp]\ndaemon = \"gobgp\"\n[[service]]\nvip = \"10.0.0.1:80\"\nbackends = [\"10.0.0.2:80\"]\n", "bgp.daemon: \"gobgp\" is not driven"),
         ("", "no service configured"),
         ("[huddle]\ncool = 0.6\n[[service]]\nvip = \"10.0.0.1:80\"\nbackends = [\"10.0.0.2:80\"]\n", "huddle.cool: 0.6 must be below huddle.heat"),

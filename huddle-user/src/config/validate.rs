@@ -399,9 +399,13 @@ fn cluster(c: Option<&ClusterFile>, listen: Option<SocketAddr>) -> Result<Option
                     bail!("cluster.members: {m} is listed twice");
                 }
             }
+            let key_file = c.key_file.as_ref().context(
+                "cluster.key_file: required: the members sign what they ask and answer with it (make one with `huddle keygen /etc/huddle/cluster.key` and copy it to every member)",
+            )?;
             Some(Cluster {
                 members: c.members.clone(),
                 me,
+                key: super::key::ClusterKey::load(key_file)?,
             })
         }
     })

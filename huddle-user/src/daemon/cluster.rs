@@ -194,7 +194,8 @@ pub(super) async fn follower(
     loop {
         t.tick().await;
         let (leader, problems) =
-            crate::cluster::peers::find_leader(&cluster.members, cluster.me, timeout).await;
+            crate::cluster::peers::find_leader(&cluster.members, cluster.me, &cluster.key, timeout)
+                .await;
         lock(&shared).follow(leader, &problems);
     }
 }
@@ -209,13 +210,16 @@ pub(super) async fn pool(
 ) {
     let mut t = tokio::time::interval(every);
     let timeout = every.min(Duration::from_millis(200));
+    let key = std::sync::Arc::new(cluster.key.clone());
     loop {
         t.tick().await;
         let mut set = tokio::task::JoinSet::new();
         for (i, m) in cluster.members.iter().enumerate() {
             if i != cluster.me {
-                let m = *m;
-                set.spawn(async move { (m, crate::cluster::pooled::fetch(m, timeout).await) });
+                let (m, key) = (*m, key.clone());
+                set.spawn(
+                    async move { (m, crate::cluster::pooled::fetch(m, &key, timeout).await) },
+                );
             }
         }
         let mut answers = Vec::new();
@@ -267,7 +271,10 @@ pub(super) async fn handoff(
             .collect();
         let mut answers = Vec::new();
         for p in &peers {
-            answers.push((*p, crate::cluster::handoff::fetch(*p, timeout).await));
+            answers.push((
+                *p,
+                crate::cluster::handoff::fetch(*p, &cluster.key, timeout).await,
+            ));
         }
         let Some(b) = book.take() else { return };
         let done = tokio::task::spawn_blocking(move || {

@@ -1,24 +1,63 @@
 //! What the daemon's HTTP listener serves: `/metrics` from the tick's
 //! snapshot (see `snapshot`), and the cluster's `/ring`, `/readings` and
-//! `/flows`.
+//! `/flows`, for members that hold the cluster key.
 
 use super::{
     balancer::{lock, Balancer},
     snapshot::Snapshots,
 };
 use crate::{
-    net::http::Answer,
+    cluster::auth,
+    config::key::ClusterKey,
+    net::http::{Answer, Asked, Reply},
     status::metrics::{render, OPENMETRICS},
 };
 use std::sync::Mutex;
 
-/// Answers a GET of `path`.
-pub async fn route(shared: &Mutex<Balancer>, snapshots: &Snapshots, path: &str) -> Answer {
+/// Answers a GET. The cluster's pages answer only a member that signed
+/// its request with the cluster key (`key`; none outside a cluster), and
+/// sign what they answer.
+pub async fn route(
+    shared: &Mutex<Balancer>,
+    snapshots: &Snapshots,
+    key: Option<&ClusterKey>,
+    asked: &Asked,
+) -> Reply {
+    let path = asked.path.as_str();
     match path {
         "/metrics" => match snapshots.fresh().await {
             Ok(s) => (200, OPENMETRICS, render(s)),
             Err(e) => (503, "text/plain", format!("{e:#}\n")),
-        },
+        }
+        .into(),
+        "/ring" | "/readings" | "/flows" => {
+            let Some(key) = key else {
+                return (404, "text/plain", "not in a cluster\n".to_string()).into();
+            };
+            let nonce = match auth::check_request(key, asked.header(auth::AUTH_HEADER), path) {
+                Ok(n) => n,
+                Err(e) => return (401, "text/plain", format!("{e:#}\n")).into(),
+            };
+            let answer = cluster_page(shared, path);
+            let mac = auth::sign_answer(key, &nonce, path, answer.2.as_bytes());
+            Reply {
+                answer,
+                headers: vec![(auth::MAC_HEADER, mac)],
+            }
+        }
+        "/" => (
+            200,
+            "text/plain",
+            "HuddleCluster balancer: metrics at /metrics\n".to_string(),
+        )
+            .into(),
+        _ => (404, "text/plain", "not found: try /metrics\n".to_string()).into(),
+    }
+}
+
+/// The cluster page at `path`, for another member.
+fn cluster_page(shared: &Mutex<Balancer>, path: &str) -> Answer {
+    match path {
         // The rings this balancer's huddle decides, for the other members
         // of its cluster (see `peers`).
         "/ring" => {
@@ -30,17 +69,11 @@ pub async fn route(shared: &Mutex<Balancer>, snapshots: &Snapshots, path: &str) 
         "/readings" => json(&lock(shared).own_readings()),
         // The flows this balancer's Maglev tables no longer explain, for
         // the other members (see `handoff`).
-        "/flows" => {
+        _ => {
             // Serialised off the lock: the list may be long.
             let flows = lock(shared).cluster.shared_flows.clone();
             json(&*flows)
         }
-        "/" => (
-            200,
-            "text/plain",
-            "HuddleCluster balancer: metrics at /metrics\n".into(),
-        ),
-        _ => (404, "text/plain", "not found: try /metrics\n".into()),
     }
 }
 

@@ -272,9 +272,10 @@ pub(super) fn spawn(
     if let Some(l) = metrics {
         info!("Prometheus metrics on http://{}/metrics", l.local_addr()?);
         let shared = shared.clone();
-        tasks.push(tokio::spawn(crate::net::http::serve(l, move |path| {
-            let (shared, snapshots) = (shared.clone(), snapshots.clone());
-            async move { pages::route(&shared, &snapshots, &path).await }
+        let key = cfg.cluster.as_ref().map(|c| Arc::new(c.key.clone()));
+        tasks.push(tokio::spawn(crate::net::http::serve(l, move |asked| {
+            let (shared, snapshots, key) = (shared.clone(), snapshots.clone(), key.clone());
+            async move { pages::route(&shared, &snapshots, key.as_deref(), &asked).await }
         })));
     }
     Ok(tasks)

@@ -29,6 +29,36 @@ pub struct Response {
     pub body: Vec<u8>,
     /// From sending the request to the first byte of the answer.
     pub first_byte: Duration,
+    pub headers: hyper::HeaderMap,
+}
+
+/// A request as the server's route sees it.
+pub struct Asked {
+    pub path: String,
+    pub headers: hyper::HeaderMap,
+}
+
+impl Asked {
+    /// The value of header `name`, if it is text.
+    #[must_use]
+    pub fn header(&self, name: &str) -> Option<&str> {
+        self.headers.get(name).and_then(|v| v.to_str().ok())
+    }
+}
+
+/// An answer, with headers to send beside it.
+pub struct Reply {
+    pub answer: Answer,
+    pub headers: Vec<(&'static str, String)>,
+}
+
+impl From<Answer> for Reply {
+    fn from(answer: Answer) -> Reply {
+        Reply {
+            answer,
+            headers: Vec::new(),
+        }
+    }
 }
 
 /// Connects to `addr` within `timeout`.
@@ -48,10 +78,22 @@ pub async fn get(
     timeout: Duration,
     max_bytes: usize,
 ) -> Result<Response> {
+    get_with(addr, host, path, timeout, max_bytes, &[]).await
+}
+
+/// `get`, with `headers` added to the request.
+pub async fn get_with(
+    addr: SocketAddr,
+    host: &str,
+    path: &str,
+    timeout: Duration,
+    max_bytes: usize,
+    headers: &[(&'static str, String)],
+) -> Result<Response> {
     let deadline = Instant::now() + timeout;
     let stream = connect(addr, timeout).await?;
     let left = deadline.saturating_duration_since(Instant::now());
-    tokio::time::timeout(left, exchange(stream, host, path, max_bytes))
+    tokio::time::timeout(left, exchange(stream, host, path, max_bytes, headers))
         .await
         .map_err(|_| anyhow::anyhow!("GET {path} from {addr}: no full answer within {timeout:?}"))?
 }
@@ -67,16 +109,26 @@ impl Drop for Abort {
     }
 }
 
-async fn exchange(stream: TcpStream, host: &str, path: &str, max_bytes: usize) -> Result<Response> {
+async fn exchange(
+    stream: TcpStream,
+    host: &str,
+    path: &str,
+    max_bytes: usize,
+    headers: &[(&'static str, String)],
+) -> Result<Response> {
     let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
         .await
         .context("HTTP handshake")?;
     let _conn = Abort(tokio::spawn(async move {
         let _ = conn.await;
     }));
-    let req = Request::get(path)
+    let mut req = Request::get(path)
         .header(header::HOST, host)
-        .header(header::USER_AGENT, "huddle")
+        .header(header::USER_AGENT, "huddle");
+    for (k, v) in headers {
+        req = req.header(*k, v.as_str());
+    }
+    let req = req
         .body(Empty::<Bytes>::new())
         .context("building the request")?;
     let sent = Instant::now();
@@ -86,6 +138,7 @@ async fn exchange(stream: TcpStream, host: &str, path: &str, max_bytes: usize) -
         .context("not an HTTP answer")?;
     let first_byte = sent.elapsed();
     let status = resp.status().as_u16();
+    let headers = resp.headers().clone();
     let body = Limited::new(resp.into_body(), max_bytes)
         .collect()
         .await
@@ -102,6 +155,7 @@ async fn exchange(stream: TcpStream, host: &str, path: &str, max_bytes: usize) -
         status,
         body,
         first_byte,
+        headers,
     })
 }
 
@@ -144,8 +198,8 @@ pub const LIMITS: Limits = Limits {
 /// `LIMITS`; `route` maps a path to an answer.
 pub async fn serve<F, Fut>(listener: TcpListener, route: F)
 where
-    F: Fn(String) -> Fut + Send + Sync + 'static,
-    Fut: Future<Output = Answer> + Send,
+    F: Fn(Asked) -> Fut + Send + Sync + 'static,
+    Fut: Future<Output = Reply> + Send,
 {
     serve_within(listener, LIMITS, route).await;
 }
@@ -155,8 +209,8 @@ where
 /// `limits.head` is closed.
 pub async fn serve_within<F, Fut>(listener: TcpListener, limits: Limits, route: F)
 where
-    F: Fn(String) -> Fut + Send + Sync + 'static,
-    Fut: Future<Output = Answer> + Send,
+    F: Fn(Asked) -> Fut + Send + Sync + 'static,
+    Fut: Future<Output = Reply> + Send,
 {
     let route = Arc::new(route);
     let places = Admissions::new(limits.total, limits.per_source);
@@ -195,19 +249,26 @@ where
             let service = hyper::service::service_fn(move |req: Request<Incoming>| {
                 let route = route.clone();
                 async move {
-                    let (status, ctype, body) = if req.method() == Method::GET {
-                        route(req.uri().path().to_string()).await
+                    let reply = if req.method() == Method::GET {
+                        let asked = Asked {
+                            path: req.uri().path().to_string(),
+                            headers: req.headers().clone(),
+                        };
+                        route(asked).await
                     } else {
-                        (405, "text/plain", "only GET\n".into())
+                        (405, "text/plain", "only GET\n".to_string()).into()
                     };
-                    let resp = hyper::Response::builder()
+                    let (status, ctype, body) = reply.answer;
+                    let mut resp = hyper::Response::builder()
                         .status(
                             StatusCode::from_u16(status)
                                 .unwrap_or(StatusCode::INTERNAL_SERVER_ERROR),
                         )
-                        .header(header::CONTENT_TYPE, ctype)
-                        .body(Full::new(Bytes::from(body)))
-                        .unwrap_or_default();
+                        .header(header::CONTENT_TYPE, ctype);
+                    for (k, v) in &reply.headers {
+                        resp = resp.header(*k, v.as_str());
+                    }
+                    let resp = resp.body(Full::new(Bytes::from(body))).unwrap_or_default();
                     Ok::<_, Infallible>(resp)
                 }
             });
@@ -277,7 +338,7 @@ mod tests {
                 whole: Duration::from_secs(2),
             };
             tokio::spawn(serve_within(listener, limits, |_| async {
-                (200, "text/plain", "ok\n".to_string())
+                (200, "text/plain", "ok\n".to_string()).into()
             }));
             // Closed: read gives 0 bytes (or a reset) within `within`.
             async fn closed(s: &mut TcpStream, within: Duration) -> bool {

@@ -272,7 +272,8 @@ fn hanging_lying_and_flooding_metrics_endpoints_never_stop_the_daemon() {
 /// Members of a `[cluster]` that answer garbage (a web server that knows
 /// nothing of `/ring`, `/readings` or `/flows`) or nothing at all: the
 /// balancer passes them over, decides its rings alone, pools no readings
-/// and adopts no flows, says each in status, and forwards all along.
+/// and adopts no flows, says each in status, and forwards all along; and
+/// its own cluster pages answer nobody without the cluster key.
 #[test]
 fn cluster_members_that_answer_garbage_or_nothing_leave_the_balancer_deciding_alone() {
     require_root();
@@ -286,8 +287,11 @@ fn cluster_members_that_answer_garbage_or_nothing_leave_the_balancer_deciding_al
     let silent = format!("{}:9477", backend_ip(229));
     let me = format!("{}:9477", testbed::LB_IP);
     let file = bed.dir.join("huddle.toml");
+    let key = bed.dir.join("cluster.key");
+    huddle_user::config::key::generate(&key).unwrap();
+    let key = key.display();
     let text = format!(
-        "[huddle]\nlisten = \"{me}\"\n\n[cluster]\nmembers = [\"{garbage}\", \"{silent}\", \"{me}\"]\n\n\
+        "[huddle]\nlisten = \"{me}\"\n\n[cluster]\nmembers = [\"{garbage}\", \"{silent}\", \"{me}\"]\nkey_file = \"{key}\"\n\n\
          [[service]]\nvip = \"{VIP}:{HTTP_PORT}\"\nmode = \"dsr-l2\"\nselection = \"maglev\"\nbackends = [\"{}\", \"{}\"]\n",
         addr(0),
         addr(1)
@@ -302,11 +306,11 @@ fn cluster_members_that_answer_garbage_or_nothing_leave_the_balancer_deciding_al
     let want = |n: &Vec<String>| {
         n.iter().any(|l| {
             l.starts_with("cluster: this balancer decides alone; passed over")
-                && l.contains(&format!("{garbage}: /ring answered no rings"))
+                && l.contains(&format!("{garbage}: /ring: the answer is not signed"))
                 && l.contains(&silent)
         }) && n.iter().any(|l| {
             l.starts_with("readings: this balancer's alone; passed over")
-                && l.contains(&format!("{garbage}: /readings answered no readings"))
+                && l.contains(&format!("{garbage}: /readings: the answer is not signed"))
                 && l.contains(&silent)
         }) && n.iter().any(|l| {
             l.starts_with("handoff: shares 0 flows")
@@ -339,5 +343,50 @@ fn cluster_members_that_answer_garbage_or_nothing_leave_the_balancer_deciding_al
     let vip: SocketAddr = (VIP, HTTP_PORT).into();
     for _ in 0..20 {
         in_ns(&bed.client, move || http_get(vip, TIMEOUT)).expect("traffic with bad peers");
+    }
+    // And it gives its own pages only to a member holding the key: a
+    // client with none, with a forged header or with another key, from
+    // the client's namespace, is refused at every one.
+    let listen: SocketAddr = me.parse().unwrap();
+    let wrong = huddle_user::config::key::ClusterKey::from_hex(&"ab".repeat(32)).unwrap();
+    let answers = in_ns(&bed.client, move || {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        let mut out = Vec::new();
+        for path in ["/ring", "/readings", "/flows"] {
+            let forged = format!("v1 {} 00 00", 0);
+            for headers in [
+                vec![],
+                vec![(huddle_user::cluster::auth::AUTH_HEADER, forged)],
+                vec![(
+                    huddle_user::cluster::auth::AUTH_HEADER,
+                    huddle_user::cluster::auth::sign_request(&wrong, path).0,
+                )],
+            ] {
+                let r = rt.block_on(huddle_user::net::http::get_with(
+                    listen,
+                    &listen.to_string(),
+                    path,
+                    TIMEOUT,
+                    1 << 20,
+                    &headers,
+                ));
+                out.push((
+                    path,
+                    r.map(|r| (r.status, String::from_utf8_lossy(&r.body).into_owned())),
+                ));
+            }
+        }
+        out
+    });
+    for (path, a) in answers {
+        let (status, body) = a.unwrap_or_else(|e| panic!("{path}: {e:#}"));
+        assert_eq!(status, 401, "{path}: {body}");
+        assert!(
+            !body.contains("rings") && !body.contains("flows"),
+            "{path}: {body}"
+        );
     }
 }

@@ -148,7 +148,15 @@ fn the_commands_of_the_readme_and_docs_parse_and_their_configs_check() {
                     );
                 }
             }
+            // A cluster's key file, made as the page says (`huddle keygen`).
+            let key = std::env::temp_dir().join(format!("hct{}-cluster.key", std::process::id()));
+            if whole.contains("key_file") {
+                let _ = std::fs::remove_file(&key);
+                huddle_user::config::key::generate(&key).unwrap();
+                whole = whole.replace("/etc/huddle/cluster.key", &key.display().to_string());
+            }
             let (ok, said) = check(&whole);
+            let _ = std::fs::remove_file(&key);
             assert!(ok, "{page}: its config does not pass huddle check: {said}");
         }
     }
