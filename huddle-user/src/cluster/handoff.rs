@@ -188,6 +188,8 @@ pub struct Adoption {
     /// Its flows this balancer does not balance (unknown service or
     /// backend).
     pub foreign: usize,
+    /// Flows listed past `MAX_SHARED`, which no member lists: ignored.
+    pub over_cap: usize,
 }
 
 impl FlowBook {
@@ -231,8 +233,10 @@ impl FlowBook {
     ) -> Adoption {
         let mut a = Adoption::default();
         let before = self.adopted.remove(&peer).unwrap_or_default();
-        let mut now = HashSet::with_capacity(flows.len());
-        for f in flows {
+        // No member lists more; a peer that does is not believed past it.
+        a.over_cap = flows.len().saturating_sub(MAX_SHARED);
+        let mut now = HashSet::with_capacity(flows.len().min(MAX_SHARED));
+        for f in flows.iter().take(MAX_SHARED) {
             let Some((k, v)) = entry(f, tables, now_ns) else {
                 a.foreign += 1;
                 continue;

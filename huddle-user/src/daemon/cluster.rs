@@ -43,10 +43,15 @@ impl Balancer {
     ) {
         let mut from = Vec::new();
         let mut passed = Vec::new();
+        let mut dropped = Vec::new();
         for (peer, a) in answers {
             match a {
-                Ok(a) => {
+                Ok(mut a) => {
+                    let unknown = self.known_readings(&mut a);
                     let bad = self.cluster.pool.take(peer, &a);
+                    if unknown > 0 {
+                        dropped.push(format!("{unknown} from {peer}"));
+                    }
                     if bad == 0 {
                         from.push(peer.to_string());
                     } else {
@@ -57,7 +62,7 @@ impl Balancer {
             }
         }
         self.cluster.pool_note = Some(format!(
-            "readings: this balancer's{}{}",
+            "readings: this balancer's{}{}{}",
             if from.is_empty() {
                 " alone".to_string()
             } else {
@@ -67,8 +72,34 @@ impl Balancer {
                 String::new()
             } else {
                 format!("; passed over {}", passed.join("; "))
+            },
+            if dropped.is_empty() {
+                String::new()
+            } else {
+                format!(
+                    "; dropped readings of backends not configured here: {}",
+                    dropped.join(", ")
+                )
             }
         ));
+    }
+
+    /// Keeps of a peer's readings only those of services and backends this
+    /// balancer has (the pool is keyed by them: a peer naming others would
+    /// grow it without bound); how many went.
+    fn known_readings(&self, a: &mut crate::cluster::pooled::ReadingsAnswer) -> usize {
+        let before: usize = a.services.values().map(Vec::len).sum();
+        a.services.retain(|name, readings| {
+            let Some(si) = self.cfg.services.iter().position(|s| s.name() == *name) else {
+                return false;
+            };
+            let mut seen = std::collections::HashSet::new();
+            readings.retain(|r| {
+                self.cfg.services[si].backends.contains(&r.backend) && seen.insert(r.backend)
+            });
+            true
+        });
+        before - a.services.values().map(Vec::len).sum::<usize>()
     }
 
     /// The rings this balancer's own huddle decides, by address.
@@ -95,9 +126,15 @@ impl Balancer {
     /// Service `si`'s ring as the leader decided it, in this balancer's
     /// backend ids; `None` without a leader, or when its ring names no
     /// backend this balancer knows (never an empty ring from a peer).
+    /// Each backend once (a ring naming one many times would give it all
+    /// the traffic), and none this balancer has drained or found
+    /// unhealthy itself: a peer decides temperatures, not what the
+    /// operator or the local probes said.
     pub(super) fn leader_ring(&self, si: usize) -> Option<Vec<u32>> {
         let leader = self.cluster.leader.as_ref()?;
         let slot = &self.dp.services[si];
+        let h = &self.huddles[si];
+        let mut seen = std::collections::HashSet::new();
         let ids: Vec<u32> = leader
             .rings
             .get(&self.cfg.services[si].name())?
@@ -105,6 +142,13 @@ impl Balancer {
             .filter_map(|a| {
                 let j = slot.service.backends.iter().position(|b| b == a)?;
                 slot.backend_ids.get(j).copied()
+            })
+            .filter(|id| {
+                let here = h.trackers.iter().position(|t| t.id == *id);
+                let out = here
+                    .and_then(|i| h.engine.members.get(i))
+                    .is_some_and(|m| m.drained || m.unhealthy.is_some());
+                !out && seen.insert(*id)
             })
             .collect();
         (!ids.is_empty()).then_some(ids)
@@ -287,7 +331,16 @@ pub(super) async fn handoff(
                 match a {
                     Ok(a) => {
                         let got = b.adopt(p, &a.flows, &tables, now);
-                        parts.push(format!("{p}: {}", got.held));
+                        if got.over_cap > 0 {
+                            parts.push(format!(
+                                "{p}: {} (and {} past the {} a peer may share, ignored)",
+                                got.held,
+                                got.over_cap,
+                                crate::cluster::handoff::MAX_SHARED
+                            ));
+                        } else {
+                            parts.push(format!("{p}: {}", got.held));
+                        }
                     }
                     Err(e) => parts.push(format!("{p}: no answer, its last list kept ({e:#})")),
                 }
