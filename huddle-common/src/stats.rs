@@ -196,6 +196,10 @@ counters!(
         icmp_too_big,
         /// ICMP errors about a source-NATed flow, translated to its client.
         icmp_translated,
+        /// Dropped: ICMP errors about a source-NATed flow that cannot be
+        /// real (TCP: quoting a sequence number away from the client's;
+        /// UDP: not from the backend itself), forged to reach a client.
+        icmp_unproven,
         /// IP-in-IP packets too big for the path, without DF: handed to
         /// the kernel, which fragments and forwards them.
         encap_fragmented,

@@ -56,3 +56,57 @@ fn icmp_errors_about_a_translated_flow_reach_its_client_translated_back() {
     }
     assert_eq!(env.dp.global_stats().unwrap().icmp_translated, 2);
 }
+
+/// An ICMP error must be able to be real to reach a client: about TCP, it
+/// quotes a sequence number where the client is (the SYN's own for a
+/// half-open flow, within the flow's window for an open one); about UDP,
+/// it comes from the backend. A forger who guessed a NAT tuple (the ports
+/// are a known range) gets nothing through.
+#[test]
+fn a_forged_icmp_error_about_a_flow_is_dropped() {
+    let env = env("pr-icmp-forged");
+    let ring = [backend(0), backend(1), backend(2)];
+    let router = Ipv4Addr::new(10, 213, 0, 254);
+    let err = |from: Ipv4Addr, quoted: &[u8], b: Ipv4Addr| {
+        icmp_error(
+            (3, 4, [0, 0, 0x04, 0xb0]),
+            from,
+            BALANCER_IP,
+            &quoted[ETH_LEN..ETH_LEN + 28],
+            (mac_of(b), BALANCER_MAC),
+        )
+    };
+    // Half-open: the client's SYN went out at 1000.
+    let (b, port) = open_flow(&env, 46100, &ring);
+    let far = 1000u32.wrapping_add(1 << 31);
+    let forged = Frame::tcp((BALANCER_IP, port), (b, 8080))
+        .syn()
+        .seq_ack(far, 0)
+        .build();
+    assert_eq!(env.run(&err(router, &forged, b)).unwrap().0, XDP_DROP);
+    let real = Frame::tcp((BALANCER_IP, port), (b, 8080)).syn().build();
+    assert_eq!(env.run(&err(router, &real, b)).unwrap().0, XDP_TX);
+    // Open: the client is at 1001.
+    let (b, port) = establish(&env, 46101, &ring);
+    let data = |seq: u32| {
+        Frame::tcp((BALANCER_IP, port), (b, 8080))
+            .flags(ACK)
+            .seq_ack(seq, 7001)
+            .build()
+    };
+    assert_eq!(
+        env.run(&err(b, &data(1001 + (1 << 31)), b)).unwrap().0,
+        XDP_DROP
+    );
+    assert_eq!(env.run(&err(b, &data(1001), b)).unwrap().0, XDP_TX);
+    // UDP quotes nothing to check: only the backend's own errors count.
+    let (_, out) = env.run(&udp_frame(46102).build()).unwrap();
+    let ((_, nat_port), (ub, _)) = endpoints(&out);
+    let sent = Frame::udp((BALANCER_IP, nat_port), (ub, 5353))
+        .payload(b"query")
+        .build();
+    assert_eq!(env.run(&err(router, &sent, ub)).unwrap().0, XDP_DROP);
+    assert_eq!(env.run(&err(ub, &sent, ub)).unwrap().0, XDP_TX);
+    let g: GlobalStats = env.dp.global_stats().unwrap();
+    assert_eq!((g.icmp_unproven, g.icmp_translated), (3, 3));
+}

@@ -108,10 +108,7 @@ fn reloads_change_services_in_place_and_bad_ones_change_nothing() {
         ("[[service]\nvip = 1".to_string(), "line 1"),
         (cfg("", &[1, 1], &[]), "listed twice"),
         (
-            format!(
-                "nat_ports = \"21000-30000\"\n{}",
-                cfg("", &[0, 1, 2], &[])
-            ),
+            format!("nat_ports = \"21000-30000\"\n{}", cfg("", &[0, 1, 2], &[])),
             "nat_ports cannot change",
         ),
         (

@@ -141,10 +141,16 @@ pub fn inbound(ctx: &XdpContext) -> u32 {
             proto,
             FAMILY_V4,
         );
-        let Some(flow) = flow_of(cfg, &nkey) else {
+        let Some((flow, isn)) = flow_of(cfg, &nkey) else {
             global(|s| s.pass_no_nat += 1);
             return xdp_action::XDP_PASS;
         };
+        let seq = u32::from_be_bytes(*(l4.add(4) as *const [u8; 4]));
+        let from = *(ip.add(12) as *const [u8; 4]);
+        if !super::plausible(&flow, isn, proto, seq, from == q_dst) {
+            global(|s| s.icmp_unproven += 1);
+            return xdp_action::XDP_DROP;
+        }
         let client = [
             flow.client[0],
             flow.client[1],
@@ -172,13 +178,18 @@ pub fn inbound(ctx: &XdpContext) -> u32 {
 }
 
 /// The flow whose NAT entry (in the NAT table or a half-open slot) is
-/// `nkey`.
+/// `nkey`, and for a half-open one the client's initial sequence number.
 #[inline(always)]
-fn flow_of(cfg: &KernelConfig, nkey: &NatKey) -> Option<FlowKey> {
+fn flow_of(cfg: &KernelConfig, nkey: &NatKey) -> Option<(FlowKey, Option<u32>)> {
     // SAFETY: map value pointers, copied out at once.
     match unsafe { NAT.get(nkey) } {
-        Some(n) => Some(n.flow),
-        None => halfopen::find_nat(cfg, nkey).map(|n| unsafe { (*n).nat.flow }),
+        Some(n) => Some((n.flow, None)),
+        None => {
+            let flow = halfopen::find_nat(cfg, nkey).map(|n| unsafe { (*n).nat.flow })?;
+            // The SYN is the client's, in its own half-open slot.
+            let isn = halfopen::find(cfg, &flow).map(|h| unsafe { (*h).syn.isn });
+            Some((flow, Some(isn.unwrap_or(0))))
+        }
     }
 }
 
