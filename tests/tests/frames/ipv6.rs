@@ -19,6 +19,7 @@ use huddle_user::{
 use std::net::{Ipv6Addr, SocketAddr};
 use testbed::{require_root, unique};
 
+const XDP_DROP: u32 = 1;
 const XDP_PASS: u32 = 2;
 const XDP_TX: u32 = 3;
 
@@ -294,6 +295,25 @@ fn icmpv6_errors_about_a_translated_flow_reach_its_client_translated_back() {
         assert_eq!((verdict, &out), (XDP_PASS, &f));
     }
     assert_eq!(env.dp.global_stats().unwrap().icmp_translated, 2);
+    // Quoting the flow's tuple but not the client's sequence number: a
+    // forgery, dropped.
+    let forged_syn = tcp6(
+        (SNAT, nat_port),
+        (b, 8080),
+        (SYN, 1000 + (1 << 31), 0),
+        &[],
+        (BALANCER_MAC, mac_of6(b)),
+    );
+    let forged = icmp6_error(
+        (1, 4, [0; 4]),
+        router,
+        SNAT,
+        &forged_syn[14..14 + 48],
+        (mac_of6(b), BALANCER_MAC),
+    );
+    assert_eq!(env.run(&forged).unwrap().0, XDP_DROP);
+    let g = env.dp.global_stats().unwrap();
+    assert_eq!((g.icmp_translated, g.icmp_unproven), (2, 1));
 }
 
 /// MSS 1440, SACK permitted, timestamps, NOP, window scale 7.

@@ -132,12 +132,17 @@ pub fn is_icmp6(ctx: &XdpContext) -> bool {
 /// The flow whose NAT entry (in the NAT table or a half-open slot) is
 /// `nkey`, in place: IPv6 flows are too big to copy onto this stack.
 #[inline(always)]
-fn flow_of(cfg: &KernelConfig, nkey: &NatKey) -> Option<*const FlowKey> {
+fn flow_of(cfg: &KernelConfig, nkey: &NatKey) -> Option<(*const FlowKey, Option<u32>)> {
     match NAT.get_ptr(nkey) {
         // SAFETY: map value pointers, valid for this run.
-        Some(n) => Some(unsafe { core::ptr::addr_of!((*n).flow) }),
+        Some(n) => Some((unsafe { core::ptr::addr_of!((*n).flow) }, None)),
         None => {
-            halfopen::find_nat(cfg, nkey).map(|n| unsafe { core::ptr::addr_of!((*n).nat.flow) })
+            let f = halfopen::find_nat(cfg, nkey)
+                .map(|n| unsafe { core::ptr::addr_of!((*n).nat.flow) })?;
+            // The SYN is the client's, in its own half-open slot.
+            // SAFETY: as above.
+            let isn = halfopen::find(cfg, unsafe { &*f }).map(|h| unsafe { (*h).syn.isn });
+            Some((f, Some(isn.unwrap_or(0))))
         }
     }
 }
@@ -189,10 +194,16 @@ pub fn inbound(ctx: &XdpContext) -> u32 {
             proto,
             FAMILY_V6,
         );
-        let Some(flow) = flow_of(cfg, &sc.nkey) else {
+        let Some((flow, isn)) = flow_of(cfg, &sc.nkey) else {
             global(|s| s.pass_no_nat += 1);
             return xdp_action::XDP_PASS;
         };
+        let seq = u32::from_be_bytes(*(l4.add(4) as *const [u8; 4]));
+        let from_backend = *ip.add(8).cast::<[u8; 16]>() == sc.nkey.backend;
+        if !super::plausible(&*flow, isn, proto, seq, from_backend) {
+            global(|s| s.icmp_unproven += 1);
+            return xdp_action::XDP_DROP;
+        }
         let (client, vip) = (&(*flow).client, &(*flow).vip);
         // The quoted packet as the client sent it: client -> VIP.
         let addrs = diff128(&sc.nkey.local, client) + diff128(&sc.nkey.backend, vip);
