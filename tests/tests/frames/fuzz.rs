@@ -15,7 +15,8 @@
 //!   dsr-l2 to a backend's MAC, in dsr-ipip inside an outer header from
 //!   the encapsulation prefix to a backend, with a valid checksum;
 //! - an ICMP error to the SNAT address about a translated flow reaches
-//!   that flow's client with valid checksums; any other ICMP passes;
+//!   that flow's client with valid checksums, or is dropped as one that
+//!   cannot be real (`icmp_unproven`); any other ICMP passes;
 //! - IPv6 (a source-NATed, an L2 DSR and an IPv6-in-IPv6 service): a
 //!   rewritten packet goes from the IPv6 SNAT address to a backend (or
 //!   back from the VIP to a client), its length and payload kept, its
@@ -615,6 +616,15 @@ fn icmp_checked(
     }
     if verdict == XDP_PASS && out == f {
         return Some(Ok("ICMP passed"));
+    }
+    // Dropped only as an unproven error about a flow: type 3 or 11, to
+    // the SNAT address, quoting a packet from it (`icmp_unproven`).
+    let about_a_flow = f.len() >= ETH_LEN + 48
+        && matches!(f[ETH_LEN + 20], 3 | 11)
+        && f[ETH_LEN + 16..ETH_LEN + 20] == BALANCER_IP.octets()
+        && f[ETH_LEN + 40..ETH_LEN + 44] == BALANCER_IP.octets();
+    if verdict == XDP_DROP && about_a_flow {
+        return Some(Ok("ICMP error about a flow dropped as unproven"));
     }
     let to = Ipv4Addr::new(out[30], out[31], out[32], out[33]);
     Some(if !matches!(verdict, XDP_TX | XDP_REDIRECT | XDP_PASS) {
