@@ -519,6 +519,12 @@ impl Drop for Testbed {
             let _ = p.terminate(Duration::from_secs(5));
         }
         drop_pins(&self.pins);
+        if self.default_pins {
+            // The default root, once no balancer pins under it.
+            if let Some(root) = self.pins.parent() {
+                let _ = std::fs::remove_dir(root);
+            }
+        }
         while let Some(mut p) = self.agents.pop() {
             let _ = p.terminate(Duration::from_secs(5));
         }

@@ -39,12 +39,8 @@ fn now_secs() -> u64 {
 
 /// A fresh nonce, hex.
 fn nonce() -> String {
-    use std::io::Read;
     let mut raw = [0u8; 16];
-    if std::fs::File::open("/dev/urandom")
-        .and_then(|mut f| f.read_exact(&mut raw))
-        .is_err()
-    {
+    if crate::sys::host::random_bytes(&mut raw).is_err() {
         // Unique per process and call at least.
         let t = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)

@@ -3,7 +3,10 @@
 //! makes one). Never printed.
 
 use anyhow::{bail, Context, Result};
-use std::{os::unix::fs::PermissionsExt, path::Path};
+use std::{
+    os::unix::fs::{OpenOptionsExt as _, PermissionsExt},
+    path::Path,
+};
 
 /// Bytes of key at least.
 pub const MIN_KEY_BYTES: usize = 32;
@@ -78,6 +81,8 @@ pub fn unhex(s: &str) -> Option<Vec<u8>> {
 /// alone): what `huddle keygen` does.
 pub fn generate(path: &Path) -> Result<()> {
     use std::io::{Read, Write};
+    // Read here, not through `sys::host::random_bytes`: config sits below
+    // sys.
     let mut raw = [0u8; MIN_KEY_BYTES];
     std::fs::File::open("/dev/urandom")
         .and_then(|mut f| f.read_exact(&mut raw))
@@ -92,8 +97,6 @@ pub fn generate(path: &Path) -> Result<()> {
     f.write_all(format!("{text}\n").as_bytes())
         .with_context(|| format!("writing {}", path.display()))
 }
-
-use std::os::unix::fs::OpenOptionsExt as _;
 
 #[cfg(test)]
 mod tests {

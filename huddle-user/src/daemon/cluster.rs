@@ -89,14 +89,18 @@ impl Balancer {
     /// grow it without bound); how many went.
     fn known_readings(&self, a: &mut crate::cluster::pooled::ReadingsAnswer) -> usize {
         let before: usize = a.services.values().map(Vec::len).sum();
+        let known: std::collections::HashMap<String, std::collections::HashSet<_>> = self
+            .cfg
+            .services
+            .iter()
+            .map(|s| (s.name(), s.backends.iter().copied().collect()))
+            .collect();
         a.services.retain(|name, readings| {
-            let Some(si) = self.cfg.services.iter().position(|s| s.name() == *name) else {
+            let Some(backends) = known.get(name) else {
                 return false;
             };
             let mut seen = std::collections::HashSet::new();
-            readings.retain(|r| {
-                self.cfg.services[si].backends.contains(&r.backend) && seen.insert(r.backend)
-            });
+            readings.retain(|r| backends.contains(&r.backend) && seen.insert(r.backend));
             true
         });
         before - a.services.values().map(Vec::len).sum::<usize>()
@@ -133,23 +137,28 @@ impl Balancer {
     pub(super) fn leader_ring(&self, si: usize) -> Option<Vec<u32>> {
         let leader = self.cluster.leader.as_ref()?;
         let slot = &self.dp.services[si];
-        let h = &self.huddles[si];
+        // Backend j of the service is member j of its huddle.
+        let members = &self.huddles[si].engine.members;
+        let index: std::collections::HashMap<_, usize> = slot
+            .service
+            .backends
+            .iter()
+            .enumerate()
+            .map(|(j, a)| (*a, j))
+            .collect();
         let mut seen = std::collections::HashSet::new();
         let ids: Vec<u32> = leader
             .rings
             .get(&self.cfg.services[si].name())?
             .iter()
-            .filter_map(|a| {
-                let j = slot.service.backends.iter().position(|b| b == a)?;
-                slot.backend_ids.get(j).copied()
-            })
-            .filter(|id| {
-                let here = h.trackers.iter().position(|t| t.id == *id);
-                let out = here
-                    .and_then(|i| h.engine.members.get(i))
+            .filter_map(|a| index.get(a).copied())
+            .filter(|j| {
+                let out = members
+                    .get(*j)
                     .is_some_and(|m| m.drained || m.unhealthy.is_some());
-                !out && seen.insert(*id)
+                !out && seen.insert(*j)
             })
+            .filter_map(|j| slot.backend_ids.get(j).copied())
             .collect();
         (!ids.is_empty()).then_some(ids)
     }

@@ -45,3 +45,11 @@ pub fn monotonic_ns() -> u64 {
     unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
     (ts.tv_sec as u64).saturating_mul(1_000_000_000) + ts.tv_nsec as u64
 }
+
+/// Fills `buf` from the kernel's random source: secrets (hash seeds, the
+/// cluster key) and nonces.
+pub fn random_bytes(buf: &mut [u8]) -> Result<()> {
+    std::fs::File::open("/dev/urandom")
+        .and_then(|mut f| std::io::Read::read_exact(&mut f, buf))
+        .context("reading /dev/urandom")
+}

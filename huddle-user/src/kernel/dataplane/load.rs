@@ -222,9 +222,7 @@ pub(super) fn load_program(ebpf: &mut Ebpf, name: &str) -> Result<()> {
 /// A secret, never-zero seed for the half-open tables' hash.
 pub(super) fn random_seed() -> Result<u64> {
     let mut b = [0u8; 8];
-    std::fs::File::open("/dev/urandom")
-        .and_then(|mut f| std::io::Read::read_exact(&mut f, &mut b))
-        .context("reading /dev/urandom for the hash seed")?;
+    crate::sys::host::random_bytes(&mut b).context("the hash seed")?;
     Ok(u64::from_ne_bytes(b) | 1)
 }
 
