@@ -95,7 +95,15 @@ pub const NAT_USED: &str = "NAT_USED";
 /// written by the control plane with the ring, in the same double
 /// buffer.
 pub const MAGLEV: &str = "MAGLEV";
-pub const ALL: [&str; 28] = [
+/// `HashMap<Addr, u8>`: addresses the services name (VIPs, backends) that
+/// are not the host's own, each with its `guard_kind` bits. Traffic to
+/// them the program does not balance is dropped, never forwarded by the
+/// kernel (a routing loop for a VIP, an open path to a backend).
+pub const GUARDED: &str = "GUARDED";
+/// `Array<GuardFilter>`, one element: which addresses `GUARDED` may
+/// hold, a bit per hash (`guard_bit`); written as a superset of it.
+pub const GUARD_FILTER: &str = "GUARD_FILTER";
+pub const ALL: [&str; 30] = [
     SERVICES,
     SERVICES6,
     SERVICE_INDEX,
@@ -124,4 +132,6 @@ pub const ALL: [&str; 28] = [
     MAGLEV,
     TW_HINTS,
     TW_HINTS_UNTIL,
+    GUARDED,
+    GUARD_FILTER,
 ];

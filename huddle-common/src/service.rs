@@ -75,6 +75,34 @@ pub const SERVICE_KIND_VIP: u8 = 0;
 /// `ServiceKey::kind` of a SNAT address (replies from backends come to it).
 pub const SERVICE_KIND_SNAT: u8 = 1;
 
+/// What an address in `GUARDED` is to the services (bits).
+pub mod guard_kind {
+    /// A VIP.
+    pub const VIP: u8 = 1;
+    /// A backend.
+    pub const BACKEND: u8 = 2;
+}
+
+/// Entries `GUARDED` can hold: one address per service and per backend.
+pub const MAX_GUARDED: u32 = crate::MAX_SERVICES + crate::MAX_BACKENDS;
+
+/// Bits of a `guard_bit`.
+pub const GUARD_BITS: u32 = 16;
+
+/// `GUARD_FILTER`'s one element: bit `guard_bit(a)` set for each address
+/// `a` in `GUARDED`. Traffic to any other address (nearly all that is not
+/// balanced: the host's own) then skips the hash lookup, about 30 ns.
+pub type GuardFilter = [u64; 1 << (GUARD_BITS - 6)];
+
+/// The bit of `GuardFilter` for a 16-byte address.
+#[inline(always)]
+#[must_use]
+pub const fn guard_bit(a: &crate::Addr) -> u32 {
+    let lo = u64::from_le_bytes([a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7]]);
+    let hi = u64::from_le_bytes([a[8], a[9], a[10], a[11], a[12], a[13], a[14], a[15]]);
+    ((lo ^ hi.rotate_left(31)).wrapping_mul(0x9e37_79b9_7f4a_7c15) >> (64 - GUARD_BITS)) as u32
+}
+
 /// Value of `SERVICES`.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]

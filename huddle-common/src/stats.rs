@@ -126,7 +126,8 @@ counters!(
         pkts,
         bytes,
         flows_new,
-        /// TCP segments without SYN of an unknown flow, left to the kernel.
+        /// TCP segments without SYN of an unknown flow: left to the kernel
+        /// if the VIP is the host's own, else dropped (`drop_guarded`).
         pass_no_flow,
         /// Dropped: the active ring was empty.
         drop_no_backend,
@@ -203,6 +204,12 @@ counters!(
         /// IP-in-IP packets too big for the path, without DF: handed to
         /// the kernel, which fragments and forwards them.
         encap_fragmented,
+        /// Dropped: not balanced (another port or protocol, a ping, a
+        /// fragment, a stray segment) but addressed to a VIP or a backend
+        /// (`GUARDED`), which the kernel would forward: a routing loop
+        /// toward a router whose VIP route points here, or a way around
+        /// the services to any backend port.
+        drop_guarded,
     }
 );
 

@@ -14,7 +14,7 @@ mod mem;
 mod net;
 
 use aya_ebpf::{bindings::xdp_action, macros::xdp, programs::XdpContext};
-use lb::{balance, icmp, maps};
+use lb::{balance, guard, icmp, maps};
 use net::{
     family::{V4, V6},
     parse::{self, Skip},
@@ -35,8 +35,14 @@ pub fn huddle(ctx: XdpContext) -> u32 {
     }
     match parse::parse(&ctx) {
         Ok(p) => balance::balance::<V4>(&ctx, &p),
-        Err(Skip::NotTcpUdp) if parse::is_icmp(&ctx) => icmp::v4::inbound(&ctx),
+        Err(Skip::NotTcpUdp) if parse::is_icmp(&ctx) => match icmp::v4::inbound(&ctx) {
+            xdp_action::XDP_PASS => guard::frame_v4(&ctx),
+            verdict => verdict,
+        },
         Err(skip) => {
+            if !matches!(skip, Skip::NotIpv4) && guard::frame_v4(&ctx) != xdp_action::XDP_PASS {
+                return xdp_action::XDP_DROP;
+            }
             maps::global(|s| match skip {
                 Skip::NotIpv4 => s.pass_not_ipv4 += 1,
                 Skip::IpOptions => s.pass_ip_options += 1,
@@ -55,8 +61,14 @@ pub fn huddle(ctx: XdpContext) -> u32 {
 pub fn huddle6(ctx: XdpContext) -> u32 {
     match parse::parse6(&ctx) {
         Ok(p) => balance::balance::<V6>(&ctx, &p),
-        Err(Skip::V6Extension) if icmp::v6::is_icmp6(&ctx) => icmp::v6::inbound(&ctx),
+        Err(Skip::V6Extension) if icmp::v6::is_icmp6(&ctx) => match icmp::v6::inbound(&ctx) {
+            xdp_action::XDP_PASS => guard::frame_v6(&ctx),
+            verdict => verdict,
+        },
         Err(skip) => {
+            if guard::frame_v6(&ctx) != xdp_action::XDP_PASS {
+                return xdp_action::XDP_DROP;
+            }
             maps::global(|s| match skip {
                 Skip::V6Extension | Skip::NotTcpUdp => s.pass_v6_ext += 1,
                 _ => s.pass_malformed += 1,

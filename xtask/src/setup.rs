@@ -13,9 +13,10 @@ use std::{
 /// (unprivileged test), `tmux` (drives `huddle top` in a real terminal),
 /// `nft` (a backend's firewall dropping SYNs, in the retry test), NGINX
 /// and HAProxy, the peers the comparison benchmark (and its quick test)
-/// runs against, and bird2, the BGP daemon the balancers announce their
-/// VIPs through (its service is never started; tests run their own).
-const PACKAGES: [(&str, &str); 9] = [
+/// runs against, bird2, the BGP daemon the balancers announce their
+/// VIPs through (its service is never started; tests run their own), and
+/// `ping` (a looping ping through a router, in the routing test).
+const PACKAGES: [(&str, &str); 10] = [
     ("ip", "iproute2"),
     ("/usr/sbin/nft", "nftables"),
     ("ethtool", "ethtool"),
@@ -29,6 +30,7 @@ const PACKAGES: [(&str, &str); 9] = [
     ),
     ("/usr/sbin/haproxy", "haproxy"),
     ("/usr/sbin/bird", "bird2"),
+    ("ping", "iputils-ping"),
 ];
 
 /// Stops Debian's maintainer scripts from starting the packages' services

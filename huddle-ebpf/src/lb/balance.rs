@@ -12,6 +12,7 @@ use crate::{
     lb::balanced::Balanced,
     lb::dsr,
     lb::forward::send,
+    lb::guard,
     lb::halfopen,
     lb::latency::ackclock,
     lb::latency::timing,
@@ -82,10 +83,13 @@ pub fn balance<F: Balanced>(ctx: &XdpContext, p: &Packet<F>) -> u32 {
             }
             verdict => verdict,
         },
-        None => {
-            global(|s| s.pass_not_service += 1);
-            xdp_action::XDP_PASS
-        }
+        None => match guard::pass::<F>(p.dst()) {
+            xdp_action::XDP_PASS => {
+                global(|s| s.pass_not_service += 1);
+                xdp_action::XDP_PASS
+            }
+            verdict => verdict,
+        },
     }
 }
 
@@ -332,7 +336,7 @@ fn handshake<F: Balanced>(
                     .map(|f| (f, None));
             }
             bump(&SERVICE_STATS, service, |s| s.pass_no_flow += 1);
-            return Err(xdp_action::XDP_PASS);
+            return Err(guard::pass::<F>(p.dst()));
         }
         return new_flow(ctx, cfg, service, sc, p, Start::datagram(dsr)).map(|f| (f, None));
     };

@@ -6,12 +6,13 @@ use aya_ebpf::{
     maps::{Array, HashMap, LruHashMap, PerCpuArray, ProgramArray},
 };
 use huddle_common::{
-    maglev_elements, Backend, BackendStats, ClientHop, FlowKey, FlowValue, GlobalStats, HalfOpen,
-    HalfOpenNat, HalfOpenTags, KernelConfig, Latency, NatCursor, NatKey, NatValue, NextHop, Pulse,
-    Ring, ServiceEntry, ServiceKey, ServiceKey6, ServiceStats, ServiceValue, Tuning, TwHint,
-    CLIENT_HOP_SLOTS, DEFAULT_FLOW_TABLE_SIZE, DEFAULT_HALF_OPEN_SIZE, DEFAULT_MAGLEV_SIZE,
-    HALF_OPEN_TAGS_PER_LINE, MAGLEV_MAP_FLAGS, MAX_BACKENDS, MAX_SERVICES, MAX_SNAT, MAX_TW_HINTS,
-    NAT_USED_LINE, SERVICE_INDEX_SLOTS,
+    maglev_elements, Addr, Backend, BackendStats, ClientHop, FlowKey, FlowValue, GlobalStats,
+    GuardFilter, HalfOpen, HalfOpenNat, HalfOpenTags, KernelConfig, Latency, NatCursor, NatKey,
+    NatValue, NextHop, Pulse, Ring, ServiceEntry, ServiceKey, ServiceKey6, ServiceStats,
+    ServiceValue, Tuning, TwHint, CLIENT_HOP_SLOTS, DEFAULT_FLOW_TABLE_SIZE,
+    DEFAULT_HALF_OPEN_SIZE, DEFAULT_MAGLEV_SIZE, HALF_OPEN_TAGS_PER_LINE, MAGLEV_MAP_FLAGS,
+    MAX_BACKENDS, MAX_GUARDED, MAX_SERVICES, MAX_SNAT, MAX_TW_HINTS, NAT_USED_LINE,
+    SERVICE_INDEX_SLOTS,
 };
 
 /// VIP:port/proto -> service id, and SNAT address -> its index. Written
@@ -125,6 +126,14 @@ pub static TW_HINTS_UNTIL: Array<u64> = Array::with_max_entries(1, 0);
 /// sized by the control plane.
 #[map]
 pub static NAT_USED: Array<[u8; NAT_USED_LINE]> = Array::with_max_entries(1, 0);
+
+/// Addresses the services name, not the host's own (`lb::guard`).
+#[map]
+pub static GUARDED: HashMap<Addr, u8> = HashMap::with_max_entries(MAX_GUARDED, 0);
+
+/// Which addresses `GUARDED` may hold, a bit per hash.
+#[map]
+pub static GUARD_FILTER: Array<GuardFilter> = Array::with_max_entries(1, 0);
 
 /// Data plane settings (SNAT addresses, NAT port range and slices).
 #[map]

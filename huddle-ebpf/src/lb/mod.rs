@@ -1,11 +1,13 @@
 //! The balancer: its maps and scratch space, the service lookup, the
 //! request and reply paths, half-open flows, next hops, backend selection,
-//! source NAT, direct server return, ICMP and latency.
+//! source NAT, direct server return, ICMP, latency, and the guard on what
+//! is not balanced.
 
 pub mod balance;
 pub mod balanced;
 pub mod dsr;
 pub mod forward;
+pub mod guard;
 pub mod halfopen;
 pub mod icmp;
 pub mod latency;

@@ -4,9 +4,11 @@
 //!
 //! - a packet the parser must refuse (not IPv4, truncated anywhere, bad
 //!   IHL or total length, IP options, fragments, bad TCP data offset or UDP
-//!   length, other protocols) comes back unchanged with XDP_PASS;
+//!   length, other protocols) comes back unchanged with XDP_PASS, or with
+//!   XDP_DROP if addressed to the VIP or a backend;
 //! - traffic that is not for a service (nor a reply to one) comes back
-//!   unchanged with XDP_PASS;
+//!   unchanged: XDP_DROP if to the VIP or a backend (`GUARDED`: a kernel
+//!   that forwards would send it on), else XDP_PASS;
 //! - a rewritten packet goes from the SNAT address to a backend of the
 //!   service's ring on its port (or, translated back, from the VIP to the
 //!   client), keeps its length and payload, and has valid IP and L4
@@ -16,7 +18,8 @@
 //!   the encapsulation prefix to a backend, with a valid checksum;
 //! - an ICMP error to the SNAT address about a translated flow reaches
 //!   that flow's client with valid checksums, or is dropped as one that
-//!   cannot be real (`icmp_unproven`); any other ICMP passes;
+//!   cannot be real (`icmp_unproven`); any other ICMP passes (dropped if
+//!   to the VIP or a backend);
 //! - IPv6 (a source-NATed, an L2 DSR and an IPv6-in-IPv6 service): a
 //!   rewritten packet goes from the IPv6 SNAT address to a backend (or
 //!   back from the VIP to a client), its length and payload kept, its
@@ -153,6 +156,32 @@ fn refused(f: &[u8]) -> Option<&'static str> {
         _ => return Some("not TCP or UDP"),
     }
     None
+}
+
+/// Whether `f` is an IPv4 frame (its fixed header there) to the VIP or a
+/// backend that no service balances: one the parser refuses, ICMP, to a
+/// backend, or to a port and protocol of the VIP that is no service's.
+/// The program drops it (`GUARDED`): a kernel that forwards would send it
+/// on.
+fn guarded_unbalanced(f: &[u8]) -> bool {
+    if f.len() < ETH_LEN + 20 || f[12..14] != [8, 0] {
+        return false;
+    }
+    let dst = Ipv4Addr::new(f[30], f[31], f[32], f[33]);
+    if dst != VIP {
+        return backends().contains(&dst);
+    }
+    if refused(f).is_some() {
+        return true;
+    }
+    let proto = f[ETH_LEN + 9];
+    let dport = u16::from_be_bytes([f[ETH_LEN + 22], f[ETH_LEN + 23]]);
+    let balanced = SERVICES
+        .iter()
+        .any(|(p, pr, _)| *p == dport && *pr == proto)
+        || (dport, proto) == (DSR_L2, 6)
+        || DSR_IPIP.contains(&(dport, proto));
+    !balanced
 }
 
 /// Offset and length of the L4 payload of a parseable frame.
@@ -830,6 +859,15 @@ fn a_fuzzed_packet_path_never_rewrites_wrongly() {
                 Ok(what) => *reasons.entry(what).or_default() += 1,
                 Err(e) => fail(e),
             }
+            continue;
+        }
+        if guarded_unbalanced(&f) {
+            if verdict != XDP_DROP || out != f {
+                fail("not balanced, to a VIP or a backend: not dropped unchanged");
+            }
+            *reasons
+                .entry("not balanced, to a VIP or a backend: dropped")
+                .or_default() += 1;
             continue;
         }
         if let Some(why) = icmp_checked(&f, verdict, &out, &clients) {

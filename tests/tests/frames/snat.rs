@@ -57,8 +57,8 @@ fn syn_is_rewritten_to_a_ring_backend_and_the_reply_translated_back() {
 
 /// Frames that must come back unchanged with XDP_PASS.
 #[test]
-fn traffic_that_is_not_ours_passes_untouched() {
-    let env = env("pr-pass");
+fn traffic_that_is_not_ours_passes_untouched_or_is_dropped_if_to_the_vip() {
+    let mut env = env("pr-pass");
     let syn = client_frame(40000).syn().build();
     let mut arp = vec![0xffu8; 6];
     arp.extend_from_slice(&mac_of(CLIENT));
@@ -135,19 +135,46 @@ fn traffic_that_is_not_ours_passes_untouched() {
             Frame::tcp((CLIENT, 50000), (BALANCER_IP, 22)).syn().build(),
         ),
     ];
-    for (what, frame) in fixtures {
-        let (verdict, out) = env.run(&frame).unwrap();
-        assert_eq!(verdict, XDP_PASS, "{what}: verdict");
-        assert_eq!(out, frame, "{what}: the frame was changed");
+    // Addressed to the VIP (IPv4, the VIP in the header's destination):
+    // dropped, not left to a kernel that forwards it (`GUARDED`).
+    let to_vip = |f: &[u8]| {
+        f.len() >= ETH_LEN + 20
+            && f[12..14] == [8, 0]
+            && f[ETH_LEN + 16..ETH_LEN + 20] == VIP.octets()
+    };
+    let guarded = fixtures.iter().filter(|(_, f)| to_vip(f)).count() as u64;
+    for (what, frame) in &fixtures {
+        let want = if to_vip(frame) { XDP_DROP } else { XDP_PASS };
+        let (verdict, out) = env.run(frame).unwrap();
+        assert_eq!(verdict, want, "{what}: verdict");
+        assert_eq!(&out, frame, "{what}: the frame was changed");
     }
     let g: GlobalStats = env.dp.global_stats().unwrap();
+    println!("{guarded} of {} frames to the VIP: {g:?}", fixtures.len());
+    assert_eq!(g.drop_guarded, guarded, "{g:?}");
     // ARP and VLAN are neither family; the IPv6 frame goes to the IPv6
     // program, which finds it malformed or with extension headers.
     assert!(
-        g.pass_ip_options >= 1
-            && g.pass_fragment >= 2
-            && g.pass_malformed + g.pass_v6_ext >= 7
-            && g.pass_not_ipv4 >= 2,
+        g.pass_malformed + g.pass_v6_ext >= 1 && g.pass_not_ipv4 >= 2,
+        "{g:?}"
+    );
+    // The VIP made an address of the host: the kernel delivers what is
+    // sent to it, never forwards it, so all of it is the kernel's again.
+    env.ns
+        .ip(&["addr", "add", &format!("{VIP}/32"), "dev", "lo"])
+        .unwrap();
+    env.dp
+        .reconcile(&config(&[backend(0), backend(1), backend(2)], true))
+        .unwrap();
+    for (what, frame) in &fixtures {
+        let (verdict, out) = env.run(frame).unwrap();
+        assert_eq!(verdict, XDP_PASS, "{what}, to a local VIP: verdict");
+        assert_eq!(&out, frame, "{what}: the frame was changed");
+    }
+    let g: GlobalStats = env.dp.global_stats().unwrap();
+    assert_eq!(g.drop_guarded, guarded, "{g:?}");
+    assert!(
+        g.pass_ip_options >= 1 && g.pass_fragment >= 2 && g.pass_malformed >= 6,
         "{g:?}"
     );
 }
@@ -166,7 +193,14 @@ fn truncated_frames_are_never_rewritten() {
                 continue;
             }
             let (verdict, out) = env.run(cut).unwrap();
-            assert_eq!(verdict, XDP_PASS, "frame cut at {len} bytes: verdict");
+            // With its IPv4 destination (the VIP) in the frame, dropped:
+            // not balanced, and not the kernel's to forward.
+            let want = if len >= ETH_LEN + 20 {
+                XDP_DROP
+            } else {
+                XDP_PASS
+            };
+            assert_eq!(verdict, want, "frame cut at {len} bytes: verdict");
             assert_eq!(out, cut, "frame cut at {len} bytes was changed");
         }
     }

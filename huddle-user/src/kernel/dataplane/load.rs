@@ -244,6 +244,8 @@ impl ServiceMaps {
             rings: take(ebpf, maps::RINGS)?,
             ring_gen: take(ebpf, maps::RING_GEN)?,
             tuning: take(ebpf, maps::TUNING)?,
+            guarded: take(ebpf, maps::GUARDED)?,
+            guard_filter: take(ebpf, maps::GUARD_FILTER)?,
             maglev,
             maglev_size,
         })

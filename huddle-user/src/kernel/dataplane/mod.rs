@@ -3,6 +3,7 @@
 //! reading counters.
 
 pub mod attach;
+pub mod guard;
 pub mod keys;
 pub mod load;
 pub mod nat;
@@ -171,6 +172,9 @@ struct ServiceMaps {
     rings: Array<MapData, Ring>,
     ring_gen: Array<MapData, u64>,
     tuning: Array<MapData, Tuning>,
+    /// Addresses whose unbalanced traffic is dropped (`guard`).
+    guarded: HashMap<MapData, huddle_common::Addr, u8>,
+    guard_filter: Array<MapData, huddle_common::GuardFilter>,
     /// The Maglev tables, two per service (see `swap_ring`).
     maglev: MappedArray,
     maglev_size: u32,

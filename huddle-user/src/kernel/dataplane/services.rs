@@ -162,6 +162,7 @@ impl Dataplane {
                 );
             }
         }
+        self.write_guarded(cfg)?;
         self.publish_services()
     }
 
