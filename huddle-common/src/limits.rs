@@ -49,6 +49,9 @@ pub const MAX_TUPLE_RETRIES: u8 = 4;
 /// most a TCP header carries).
 pub const SYN_OPTS: usize = 40;
 
+/// The program writes a kernel log line at most this often per CPU.
+pub const LOG_EVERY_NS: u64 = 1_000_000_000;
+
 /// Tries to find a free NAT port before a new flow is refused.
 pub const NAT_PORT_TRIES: u32 = 8;
 

@@ -163,6 +163,11 @@ pub static CONNECT: PerCpuArray<Latency> = PerCpuArray::with_max_entries(MAX_BAC
 #[map]
 pub static PULSE: Array<Pulse> = Array::with_max_entries(MAX_BACKENDS, 0);
 
+/// This CPU's kernel log gate (`loglimit`). Not pinned.
+#[map]
+pub static LOG_GATE: PerCpuArray<crate::lb::loglimit::LogGate> =
+    PerCpuArray::with_max_entries(1, 0);
+
 /// Runs `f` on this CPU's counters of entry `index`, if it exists.
 #[inline(always)]
 pub fn bump<T>(map: &PerCpuArray<T>, index: u32, f: impl FnOnce(&mut T)) {

@@ -11,6 +11,7 @@ pub mod guard;
 pub mod halfopen;
 pub mod icmp;
 pub mod latency;
+pub mod loglimit;
 pub mod maps;
 pub mod new_flow;
 pub mod reply;

@@ -8,6 +8,7 @@ use crate::{
     lb::balanced::Balanced,
     lb::halfopen,
     lb::latency::timing,
+    lb::loglimit,
     lb::maps::{bump, BACKENDS, BACKEND_STATS, FLOWS, SERVICE_STATS},
     lb::select,
     lb::snat::nat,
@@ -120,11 +121,17 @@ pub fn new_flow<F: Balanced>(
         let Some(tuple) =
             nat::allocate::<F>(cfg, backend_id, backend, proto, sc, half, now, syn_ts)
         else {
-            // Rare (every tuple tried is held by a live flow): worth a record.
-            warn!(
-                ctx,
-                "no free NAT tuple toward backend {} after {} tries", backend_id, NAT_PORT_TRIES
-            );
+            // Every tuple tried is held by a live flow: worth a record, at
+            // most one a second (a flood of flows would write one a packet).
+            if let Some(held) = loglimit::may_log(now) {
+                warn!(
+                    ctx,
+                    "no free NAT tuple toward backend {} after {} tries ({} more such refusals on this CPU since its last line)",
+                    backend_id,
+                    NAT_PORT_TRIES,
+                    held
+                );
+            }
             bump(&SERVICE_STATS, service, |s| s.drop_nat_ports += 1);
             return Err(xdp_action::XDP_DROP);
         };

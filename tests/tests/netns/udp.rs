@@ -3,7 +3,9 @@
 //! never take a flow-table entry or a NAT tuple past their half-open slot,
 //! and an established flow silent for `udp_idle_ms` is removed with its
 //! NAT entry. Real datagrams through the XDP path, a flow table of 1,024
-//! entries, 10,000 one-shot flows, a 4 s idle timeout.
+//! entries, 10,000 one-shot flows, a 4 s idle timeout. And a flood of new
+//! flows refused for want of a NAT tuple writes a kernel log line at most
+//! once a second per CPU, not one a packet.
 
 use aya::maps::{HashMap, MapData};
 use huddle_common::{maps, FlowKey, FlowValue, NatKey, NatValue, PROTO_UDP};
@@ -43,6 +45,18 @@ fn udp_entries(bed: &Testbed) -> (usize, usize) {
     (f, n)
 }
 
+/// Starts the balancer with config `text` (the UDP service VIP:53); the VIP.
+fn start(bed: &mut Testbed, text: &str) -> SocketAddr {
+    let config = bed.dir.join("huddle.toml");
+    std::fs::write(&config, text).unwrap();
+    bed.start_huddle(
+        Path::new(HUDDLE),
+        &["--config", &config.display().to_string()],
+    )
+    .expect("start huddle");
+    (VIP, 53).into()
+}
+
 /// Established (active) flows over the service's backends, per status,
 /// once two huddle ticks have read the counters.
 fn active(bed: &Testbed) -> u64 {
@@ -60,24 +74,16 @@ fn one_shot_udp_flows_hold_nothing_and_idle_ones_are_removed_with_their_nat_tupl
     let mut bed = Testbed::new("udp", 2).expect("build testbed");
     bed.start_backends(Path::new(BACKEND))
         .expect("start backends");
-    let config = bed.dir.join("huddle.toml");
     let backends: Vec<String> = (0..2)
         .map(|i| format!("\"{}:{UDP_PORT}\"", backend_ip(i)))
         .collect();
-    std::fs::write(
-        &config,
-        format!(
+    let vip = start(
+        &mut bed,
+        &format!(
             "flow_table_size = 1024\n\n[[service]]\nvip = \"{VIP}:53/udp\"\nudp_idle_ms = 4000\nbackends = [{}]\n",
             backends.join(", ")
         ),
-    )
-    .unwrap();
-    bed.start_huddle(
-        Path::new(HUDDLE),
-        &["--config", &config.display().to_string()],
-    )
-    .expect("start huddle");
-    let vip: SocketAddr = (VIP, 53).into();
+    );
 
     // 200 flows with two exchanges each: established, and kept open.
     let kept = in_ns(&bed.client, move || {
@@ -165,4 +171,75 @@ fn one_shot_udp_flows_hold_nothing_and_idle_ones_are_removed_with_their_nat_tupl
     let st = bed.status().unwrap();
     print!("{}", st.render());
     thread::sleep(Duration::from_millis(10));
+}
+
+#[test]
+fn a_flood_of_flows_no_nat_tuple_is_left_for_writes_a_bounded_number_of_log_lines() {
+    require_root();
+    let mut bed = Testbed::new("udplog", 1).expect("build testbed");
+    bed.start_backends(Path::new(BACKEND))
+        .expect("start backends");
+    // 256 NAT ports, one SNAT address, one backend: 256 tuples.
+    let vip = start(
+        &mut bed,
+        &format!(
+            "nat_ports = \"20000-20255\"\n\n[[service]]\nvip = \"{VIP}:53/udp\"\nbackends = [\"{}:{UDP_PORT}\"]\n",
+            backend_ip(0)
+        ),
+    );
+    // Two-exchange flows until no tuple is left: each holds one.
+    let held = in_ns(&bed.client, move || {
+        let mut held = Vec::new();
+        for i in 0..400 {
+            let s = UdpSocket::bind("0.0.0.0:0").unwrap();
+            s.set_read_timeout(Some(Duration::from_millis(300)))
+                .unwrap();
+            let ok = (0..2).all(|_| {
+                s.send_to(format!("h{i}").as_bytes(), vip).unwrap();
+                s.recv_from(&mut [0u8; 512]).is_ok()
+            });
+            if !ok {
+                break;
+            }
+            held.push(s);
+        }
+        held
+    });
+    println!("{} flows established before the tuples ran out", held.len());
+    // Each CPU walks a slice of the tuples: the first flow to find its
+    // slice full ends this.
+    assert!((64..=256).contains(&held.len()), "{}", held.len());
+    // 2,000 new flows as fast as they go: each refused for want of a tuple.
+    let t0 = Instant::now();
+    in_ns(&bed.client, move || {
+        for _ in 0..2_000 {
+            let s = UdpSocket::bind("0.0.0.0:0").unwrap();
+            s.send_to(b"q", vip).unwrap();
+        }
+    });
+    let took = t0.elapsed();
+    thread::sleep(Duration::from_secs(2));
+    let refused = bed.status().unwrap().services[0].counters["drop_nat_ports"];
+    let log = bed.huddle_log();
+    let lines: Vec<&str> = log
+        .lines()
+        .filter(|l| l.contains("no free NAT tuple"))
+        .collect();
+    println!(
+        "2,000 new flows in {:.2} s, {refused} refused for want of a tuple: {} kernel log lines\n{}",
+        took.as_secs_f64(),
+        lines.len(),
+        lines.join("\n")
+    );
+    // At most one a second per CPU over the flood and the wait.
+    let cpus = std::thread::available_parallelism().map_or(2, |n| n.get());
+    let bound = cpus * (took.as_secs() as usize + 3);
+    assert!(
+        lines.len() <= bound,
+        "{} lines, more than {bound}",
+        lines.len()
+    );
+    assert!(refused >= 1_000, "most were refused: {refused}");
+    assert!(!lines.is_empty(), "the refusals are said");
+    drop(held);
 }
