@@ -52,6 +52,16 @@ pub const SYN_OPTS: usize = 40;
 /// The program writes a kernel log line at most this often per CPU.
 pub const LOG_EVERY_NS: u64 = 1_000_000_000;
 
+/// A CPU's kernel log gate (the program's `LOG_GATE`, never pinned): its
+/// last line and the lines held back since.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct LogGate {
+    pub last_ns: u64,
+    pub held: u64,
+}
+shared!(LogGate, 16);
+
 /// Tries to find a free NAT port before a new flow is refused.
 pub const NAT_PORT_TRIES: u32 = 8;
 

@@ -6,13 +6,6 @@
 use crate::lb::maps::LOG_GATE;
 use huddle_common::LOG_EVERY_NS;
 
-/// This CPU's last line and the lines held back since.
-#[repr(C)]
-pub struct LogGate {
-    last_ns: u64,
-    held: u64,
-}
-
 /// Whether a line may be written at `now`; if so, how many were held
 /// back since the last one.
 #[inline(always)]

@@ -185,8 +185,7 @@ pub static PULSE: Array<Pulse> = Array::with_max_entries(MAX_BACKENDS, 0);
 
 /// This CPU's kernel log gate (`loglimit`). Not pinned.
 #[map]
-pub static LOG_GATE: PerCpuArray<crate::lb::loglimit::LogGate> =
-    PerCpuArray::with_max_entries(1, 0);
+pub static LOG_GATE: PerCpuArray<huddle_common::LogGate> = PerCpuArray::with_max_entries(1, 0);
 
 /// Runs `f` on this CPU's counters of entry `index`, if it exists.
 #[inline(always)]
