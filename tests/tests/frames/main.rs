@@ -4,7 +4,6 @@
 
 mod fixture;
 
-mod budget;
 mod closes;
 mod dsr;
 mod forward;

@@ -20,11 +20,10 @@ impl Dataplane {
         Ok(st)
     }
 
-    /// A handle of its own on the DSR flow table, for sharing flows with
-    /// the other balancers of a cluster (see `cluster::handoff`: Maglev
-    /// DSR flows are the ones another balancer can carry on).
+    /// A handle of its own on the flow table, for sharing flows with the
+    /// other balancers of a cluster (see `cluster::handoff`).
     pub fn flow_map(&self) -> Result<HashMap<MapData, FlowKey, FlowValue>> {
-        Ok(HashMap::try_from(reopen(&self.ebpf, maps::DSR_FLOWS)?)?)
+        Ok(HashMap::try_from(reopen(&self.ebpf, maps::FLOWS)?)?)
     }
 
     /// The idle sweep's own handles on the maps, for a thread of its own
