@@ -24,6 +24,10 @@ pub const RING_GEN: &str = "RING_GEN";
 pub const RR_CURSOR: &str = "RR_CURSOR";
 /// `LruHashMap<FlowKey, FlowValue>`: client flow -> backend and NAT port.
 pub const FLOWS: &str = "FLOWS";
+/// `LruHashMap<FlowKey, FlowValue>`: direct server return flows, apart
+/// from `FLOWS` (promoted on proof the balancer cannot check, so a flood
+/// of them never evicts a source-NAT flow). Sized as `FLOWS`.
+pub const DSR_FLOWS: &str = "DSR_FLOWS";
 /// `LruHashMap<NatKey, NatValue>`: backend reply tuple -> client flow.
 pub const NAT: &str = "NAT";
 /// `Array<KernelConfig>` of one element.
@@ -103,7 +107,7 @@ pub const GUARDED: &str = "GUARDED";
 /// `Array<GuardFilter>`, one element: which addresses `GUARDED` may
 /// hold, a bit per hash (`guard_bit`); written as a superset of it.
 pub const GUARD_FILTER: &str = "GUARD_FILTER";
-pub const ALL: [&str; 30] = [
+pub const ALL: [&str; 31] = [
     SERVICES,
     SERVICES6,
     SERVICE_INDEX,
@@ -134,4 +138,5 @@ pub const ALL: [&str; 30] = [
     TW_HINTS_UNTIL,
     GUARDED,
     GUARD_FILTER,
+    DSR_FLOWS,
 ];

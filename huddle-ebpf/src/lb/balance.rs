@@ -16,7 +16,7 @@ use crate::{
     lb::halfopen,
     lb::latency::ackclock,
     lb::latency::timing,
-    lb::maps::{bump, global, BACKENDS, BACKEND_STATS, CONFIG, FLOWS, NAT, SERVICE_STATS, TUNING},
+    lb::maps::{bump, flows, global, BACKENDS, BACKEND_STATS, CONFIG, NAT, SERVICE_STATS, TUNING},
     lb::new_flow::{new_flow, Start},
     lb::reply::{back, reply},
     lb::snat::nat,
@@ -120,7 +120,7 @@ fn request<F: Balanced, const DSR: bool>(
         p.proto,
         F::FAMILY,
     );
-    let existing = existing(cfg, sc, p);
+    let existing = existing(cfg, sc, p, dsr);
     // The flow's table entry, kept so a FIN or RST can mark it without a
     // second lookup; `None` for a flow not (yet) in the flow table.
     let (mut flow, mut entry) = match existing {
@@ -151,7 +151,7 @@ fn request<F: Balanced, const DSR: bool>(
     }
     if p.has_flag(TCP_FIN | TCP_RST) {
         // Only a flow created by this packet needs a lookup.
-        if let Some(f) = entry.or_else(|| FLOWS.get_ptr_mut(&sc.nval.flow)) {
+        if let Some(f) = entry.or_else(|| flows(dsr).get_ptr_mut(&sc.nval.flow)) {
             if dsr || nat::close_in_window(f, p.seq) {
                 nat::close(f, flow.backend);
             } else {
@@ -181,6 +181,7 @@ fn existing<F: Balanced>(
     cfg: &KernelConfig,
     sc: &Scratch,
     p: &Packet<F>,
+    dsr: bool,
 ) -> Option<*mut FlowValue> {
     if p.is_tcp() && p.has_flag(TCP_SYN) {
         return None;
@@ -188,7 +189,7 @@ fn existing<F: Balanced>(
     // A closed flow's entry stays a while; a new connection on the same
     // client tuple (a client reusing its port at once) is half-open until
     // promoted, and its packets go there, not to the old flow.
-    FLOWS.get_ptr_mut(&sc.nval.flow).filter(|f| {
+    flows(dsr).get_ptr_mut(&sc.nval.flow).filter(|f| {
         // SAFETY: map value pointer, valid for this run.
         let flags = unsafe { (**f).flags };
         flags & (flow_flags::CLOSING | flow_flags::ADOPTED) == 0
@@ -422,7 +423,8 @@ fn promote(
         // flow table has the flow.
         halfopen::forget_nat(cfg, &sc.nkey);
     }
-    let entry = match FLOWS.get_ptr_mut(&sc.nval.flow) {
+    let table = flows(dsr);
+    let entry = match table.get_ptr_mut(&sc.nval.flow) {
         // An earlier connection on this client tuple: its NAT tuple must
         // not catch anything more, and its entry becomes this flow's.
         Some(old) => {
@@ -443,11 +445,11 @@ fn promote(
             old
         }
         None => {
-            if FLOWS.insert(&sc.nval.flow, &flow, 0).is_err() {
+            if table.insert(&sc.nval.flow, &flow, 0).is_err() {
                 bump(&SERVICE_STATS, service, |s| s.drop_flow_table += 1);
                 return Err(xdp_action::XDP_DROP);
             }
-            match FLOWS.get_ptr_mut(&sc.nval.flow) {
+            match table.get_ptr_mut(&sc.nval.flow) {
                 Some(e) => e,
                 None => return Err(xdp_action::XDP_DROP),
             }

@@ -63,6 +63,26 @@ pub static RR_CURSOR: PerCpuArray<u32> = PerCpuArray::with_max_entries(MAX_SERVI
 pub static FLOWS: LruHashMap<FlowKey, FlowValue> =
     LruHashMap::with_max_entries(DEFAULT_FLOW_TABLE_SIZE, 0);
 
+/// Direct server return flows (client flow -> backend), a table of their
+/// own: the balancer never sees a DSR flow's answers, so it is promoted
+/// on proof it cannot check (any ACK, or any segment with Maglev), and a
+/// flood of spoofed ones must not evict a verified source-NAT flow from
+/// `FLOWS`. Size set by the control plane (that of `FLOWS`).
+#[map]
+pub static DSR_FLOWS: LruHashMap<FlowKey, FlowValue> =
+    LruHashMap::with_max_entries(DEFAULT_FLOW_TABLE_SIZE, 0);
+
+/// The flow table of a mode: `DSR_FLOWS` for direct server return, else
+/// `FLOWS`. `dsr` is a constant where the paths are built.
+#[inline(always)]
+pub fn flows(dsr: bool) -> &'static LruHashMap<FlowKey, FlowValue> {
+    if dsr {
+        &DSR_FLOWS
+    } else {
+        &FLOWS
+    }
+}
+
 /// Backend reply tuple -> client flow. Same size as `FLOWS`.
 #[map]
 pub static NAT: LruHashMap<NatKey, NatValue> =

@@ -9,7 +9,7 @@ use crate::{
     lb::halfopen,
     lb::latency::timing,
     lb::loglimit,
-    lb::maps::{bump, BACKENDS, BACKEND_STATS, FLOWS, SERVICE_STATS},
+    lb::maps::{bump, flows, BACKENDS, BACKEND_STATS, SERVICE_STATS},
     lb::select,
     lb::snat::nat,
     lb::snat::timewait,
@@ -262,7 +262,7 @@ fn record<F: Balanced>(
             bump(&BACKEND_STATS, backend_id, |s| s.syns += 1);
         }
     } else {
-        if FLOWS.insert(&sc.nval.flow, flow, 0).is_err() {
+        if flows(dsr).insert(&sc.nval.flow, flow, 0).is_err() {
             if !dsr {
                 nat::forget(&sc.nkey);
             }

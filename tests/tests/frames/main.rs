@@ -4,6 +4,7 @@
 
 mod fixture;
 
+mod budget;
 mod closes;
 mod dsr;
 mod forward;

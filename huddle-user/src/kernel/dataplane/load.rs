@@ -275,7 +275,10 @@ impl NatState {
         resume: Option<walk::NatWalk>,
     ) -> Result<Self> {
         let sweeper = Sweeper {
-            flows: HashMap::try_from(reopen(ebpf, maps::FLOWS)?)?,
+            flows: [
+                HashMap::try_from(reopen(ebpf, maps::FLOWS)?)?,
+                HashMap::try_from(reopen(ebpf, maps::DSR_FLOWS)?)?,
+            ],
             nat: HashMap::try_from(reopen(ebpf, maps::NAT)?)?,
             backends: Array::try_from(reopen(ebpf, maps::BACKENDS)?)?,
             swept: Array::try_from(reopen(ebpf, maps::SWEPT)?)?,
@@ -344,6 +347,7 @@ fn loader(cfg: &Config, half_open: u32, nat_used: u32) -> EbpfLoader<'static> {
     }
     loader
         .map_max_entries(maps::FLOWS, cfg.flow_table_size)
+        .map_max_entries(maps::DSR_FLOWS, cfg.flow_table_size)
         .map_max_entries(maps::NAT, cfg.flow_table_size)
         .map_max_entries(maps::HALF_OPEN, half_open)
         .map_max_entries(maps::HALF_OPEN_NAT, half_open)

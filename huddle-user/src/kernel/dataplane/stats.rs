@@ -20,10 +20,11 @@ impl Dataplane {
         Ok(st)
     }
 
-    /// A handle of its own on the flow table, for sharing flows with the
-    /// other balancers of a cluster (see `cluster::handoff`).
+    /// A handle of its own on the DSR flow table, for sharing flows with
+    /// the other balancers of a cluster (see `cluster::handoff`: Maglev
+    /// DSR flows are the ones another balancer can carry on).
     pub fn flow_map(&self) -> Result<HashMap<MapData, FlowKey, FlowValue>> {
-        Ok(HashMap::try_from(reopen(&self.ebpf, maps::FLOWS)?)?)
+        Ok(HashMap::try_from(reopen(&self.ebpf, maps::DSR_FLOWS)?)?)
     }
 
     /// The idle sweep's own handles on the maps, for a thread of its own

@@ -10,7 +10,8 @@ use std::collections::HashMap as StdHashMap;
 /// they stop counting as active. The program keeps each UDP flow's last
 /// datagram time in `FlowValue::stamp_ns`; it never removes flows itself.
 pub struct Sweeper {
-    pub(super) flows: HashMap<MapData, FlowKey, FlowValue>,
+    /// `FLOWS` and `DSR_FLOWS`.
+    pub(super) flows: [HashMap<MapData, FlowKey, FlowValue>; 2],
     pub(super) nat: HashMap<MapData, NatKey, NatValue>,
     pub(super) backends: Array<MapData, Backend>,
     pub(super) swept: Array<MapData, u64>,
@@ -25,8 +26,29 @@ impl Sweeper {
         if idle_ns.is_empty() {
             return Ok(0);
         }
+        let mut by_backend: StdHashMap<u32, u64> = StdHashMap::new();
+        for table in 0..self.flows.len() {
+            self.sweep_table(table, now_ns, idle_ns, &mut by_backend);
+        }
+        let mut removed = 0;
+        for (id, n) in by_backend {
+            let before = self.swept.get(&id, 0).unwrap_or(0);
+            self.swept.set(id, before + n, 0)?;
+            removed += n;
+        }
+        Ok(removed)
+    }
+
+    /// One flow table's idle UDP flows removed, counted per backend.
+    fn sweep_table(
+        &mut self,
+        table: usize,
+        now_ns: u64,
+        idle_ns: &StdHashMap<u32, u64>,
+        by_backend: &mut StdHashMap<u32, u64>,
+    ) {
         let mut idle = Vec::new();
-        for entry in self.flows.iter() {
+        for entry in self.flows[table].iter() {
             let Ok((k, v)) = entry else { continue };
             let Some(limit) = idle_ns.get(&v.service) else {
                 continue;
@@ -38,14 +60,13 @@ impl Sweeper {
                 idle.push((k, v));
             }
         }
-        let mut by_backend: StdHashMap<u32, u64> = StdHashMap::new();
         for (k, v) in &idle {
             // Alive again since the scan read it: leave it.
-            match self.flows.get(k, 0) {
+            match self.flows[table].get(k, 0) {
                 Ok(now) if now.stamp_ns == v.stamp_ns => {}
                 _ => continue,
             }
-            if self.flows.remove(k).is_err() {
+            if self.flows[table].remove(k).is_err() {
                 continue;
             }
             if let Ok(b) = self.backends.get(&v.backend, 0) {
@@ -65,12 +86,5 @@ impl Sweeper {
             }
             *by_backend.entry(v.backend).or_default() += 1;
         }
-        let mut removed = 0;
-        for (id, n) in by_backend {
-            let before = self.swept.get(&id, 0).unwrap_or(0);
-            self.swept.set(id, before + n, 0)?;
-            removed += n;
-        }
-        Ok(removed)
     }
 }
