@@ -3,32 +3,25 @@
 //! balance instead of handing it to a kernel that forwards (see the
 //! program's `lb::guard`).
 
+use super::keys::ip_bytes;
 use super::*;
 use crate::{config::Config, sys::addresses};
 use huddle_common::{guard_bit, guard_kind, Addr, GuardFilter, GUARD_BITS, MAX_GUARDED};
 use std::{collections::BTreeMap, net::IpAddr};
 use tracing::warn;
 
-/// The 16-byte form the program looks addresses up by.
-fn wide(ip: IpAddr) -> Addr {
-    match ip {
-        IpAddr::V4(v4) => huddle_common::addr_v4(v4.octets()),
-        IpAddr::V6(v6) => v6.octets(),
-    }
-}
-
 /// What `GUARDED` should hold for `cfg`: each address with its kinds,
 /// less `local` (the kernel delivers those, never forwards them).
 pub fn wanted(cfg: &Config, local: &[IpAddr]) -> BTreeMap<Addr, u8> {
     let mut want = BTreeMap::new();
     for s in &cfg.services {
-        *want.entry(wide(s.vip.ip())).or_insert(0) |= guard_kind::VIP;
+        *want.entry(ip_bytes(s.vip.ip())).or_insert(0) |= guard_kind::VIP;
         for b in &s.backends {
-            *want.entry(wide(b.ip())).or_insert(0) |= guard_kind::BACKEND;
+            *want.entry(ip_bytes(b.ip())).or_insert(0) |= guard_kind::BACKEND;
         }
     }
     for ip in local {
-        want.remove(&wide(*ip));
+        want.remove(&ip_bytes(*ip));
     }
     want
 }
@@ -92,7 +85,7 @@ mod tests {
         .unwrap();
         let local: Vec<IpAddr> = vec!["10.0.0.9".parse().unwrap()];
         let want = wanted(&cfg, &local);
-        let at = |s: &str| want.get(&wide(s.parse().unwrap())).copied();
+        let at = |s: &str| want.get(&ip_bytes(s.parse().unwrap())).copied();
         assert_eq!(at("10.0.0.1"), Some(guard_kind::VIP));
         assert_eq!(at("10.1.0.1"), Some(guard_kind::BACKEND));
         assert_eq!(at("10.1.0.2"), Some(guard_kind::BACKEND));
