@@ -6,6 +6,10 @@ use huddle_user::status::Status;
 use std::{
     net::SocketAddr,
     path::Path,
+    sync::{
+        atomic::{AtomicBool, Ordering},
+        Arc,
+    },
     thread,
     time::{Duration, Instant},
 };
@@ -462,6 +466,8 @@ fn a_member_with_the_key_that_lies_changes_nothing_past_the_caps() {
     ];
     // The liar, in the client's namespace, for 15 s or 400 requests.
     let serve_key = key.clone();
+    let stop = Arc::new(AtomicBool::new(false));
+    let stopped = stop.clone();
     let listener = in_ns(&bed.client, move || {
         std::net::TcpListener::bind(liar).unwrap()
     });
@@ -469,13 +475,16 @@ fn a_member_with_the_key_that_lies_changes_nothing_past_the_caps() {
     let server = thread::spawn(move || {
         let until = Instant::now() + Duration::from_secs(15);
         let mut served = 0;
-        while Instant::now() < until && served < 400 {
+        while Instant::now() < until && served < 400 && !stopped.load(Ordering::Relaxed) {
             let Ok((mut s, _)) = listener.accept() else {
                 thread::sleep(Duration::from_millis(10));
                 continue;
             };
             let _ = s.set_nonblocking(false);
             let _ = s.set_read_timeout(Some(Duration::from_secs(1)));
+            // A peer whose namespace is deleted mid-answer sends no RST: without
+            // this, the write waits out TCP's retransmissions (about 15 min).
+            let _ = s.set_write_timeout(Some(Duration::from_secs(2)));
             let mut buf = vec![0u8; 4096];
             let n = s.read(&mut buf).unwrap_or(0);
             let req = String::from_utf8_lossy(&buf[..n]).to_string();
@@ -565,7 +574,12 @@ fn a_member_with_the_key_that_lies_changes_nothing_past_the_caps() {
     for _ in 0..20 {
         in_ns(&bed.client, move || http_get(vip, TIMEOUT)).expect("traffic beside the liar");
     }
+    let t = Instant::now();
     drop(bed);
+    stop.store(true, Ordering::Relaxed);
     let served = server.join().unwrap();
-    println!("the liar answered {served} requests");
+    println!(
+        "the liar answered {served} requests; stopping took {:?}",
+        t.elapsed()
+    );
 }
