@@ -16,7 +16,8 @@ pub mod flow_flags {
     /// A half-open flow whose SYN-ACK went by: `FlowValue::synack_seq` is
     /// its sequence number, which the client's ACK must acknowledge. A
     /// half-open UDP flow whose backend answered: the client's next
-    /// datagram promotes it.
+    /// datagram promotes it. An established one (source NAT) whose backend
+    /// answered since the promotion: the client's next datagram confirms it.
     pub const SYNACK_SEEN: u8 = 8;
     /// Written by the control plane from a peer balancer's list of flows
     /// its Maglev table no longer explains (see `huddle_user::handoff`):
@@ -29,6 +30,11 @@ pub mod flow_flags {
     /// then keeps the client's latest TCP timestamp, which that TIME_WAIT
     /// holds too (see `nat::allocate` in the XDP program).
     pub const BACKEND_TIME_WAIT: u8 = 32;
+    /// Source-NAT UDP: a second exchange (an answer to the promoting
+    /// datagram, then another datagram) since the promotion. Until then the
+    /// flow may be a spoofer's, which needs no answer to send a pair, and
+    /// its tuple is free again after `UDP_UNCONFIRMED_IDLE_NS` of silence.
+    pub const UDP_CONFIRMED: u8 = 64;
 }
 
 /// Key of `FLOWS`: the client's side of a flow.

@@ -30,6 +30,14 @@ pub const DEFAULT_HALF_OPEN_SIZE: u32 = 65_536;
 /// paper's and Katran's).
 pub const DEFAULT_MAGLEV_SIZE: u32 = 65_537;
 
+/// How long a source-NAT UDP flow that has made one exchange only (not
+/// `flow_flags::UDP_CONFIRMED`) holds its tuple and its flow-table entry
+/// when silent, against its service's `udp_idle_ms` once confirmed. A
+/// spoofed pair (a datagram, the backend's answer, a second datagram)
+/// then holds a tuple 2 s instead of 30; a real client that waits longer
+/// than this between its second datagram and its third starts afresh.
+pub const UDP_UNCONFIRMED_IDLE_NS: u64 = 2_000_000_000;
+
 /// A closing flow keeps its NAT port this long, so its last segments
 /// (final ACKs, retransmitted FINs) are still translated to it.
 pub const NAT_LINGER_NS: u64 = 2_000_000_000;

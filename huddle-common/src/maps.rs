@@ -28,8 +28,14 @@ pub const FLOWS: &str = "FLOWS";
 /// from `FLOWS` (promoted on proof the balancer cannot check, so a flood
 /// of them never evicts a source-NAT flow). Sized as `FLOWS`.
 pub const DSR_FLOWS: &str = "DSR_FLOWS";
-/// `LruHashMap<NatKey, NatValue>`: backend reply tuple -> client flow.
+/// `LruHashMap<FlowKey, FlowValue>`: source-NAT UDP flows, apart from
+/// `FLOWS` (promoted on one exchange, which a spoofer can make blind).
+/// Sized as `FLOWS`.
+pub const UDP_FLOWS: &str = "UDP_FLOWS";
+/// `LruHashMap<NatKey, NatValue>`: backend reply tuple -> client flow (TCP).
 pub const NAT: &str = "NAT";
+/// `LruHashMap<NatKey, NatValue>`: `NAT` for the flows of `UDP_FLOWS`.
+pub const UDP_NAT: &str = "UDP_NAT";
 /// `Array<KernelConfig>` of one element.
 pub const CONFIG: &str = "CONFIG";
 /// `PerCpuArray<BackendStats>` indexed by backend id.
@@ -107,7 +113,7 @@ pub const GUARDED: &str = "GUARDED";
 /// `Array<GuardFilter>`, one element: which addresses `GUARDED` may
 /// hold, a bit per hash (`guard_bit`); written as a superset of it.
 pub const GUARD_FILTER: &str = "GUARD_FILTER";
-pub const ALL: [&str; 31] = [
+pub const ALL: [&str; 33] = [
     SERVICES,
     SERVICES6,
     SERVICE_INDEX,
@@ -139,4 +145,6 @@ pub const ALL: [&str; 31] = [
     GUARDED,
     GUARD_FILTER,
     DSR_FLOWS,
+    UDP_FLOWS,
+    UDP_NAT,
 ];

@@ -114,6 +114,11 @@ counters!(
         /// for the endpoint to judge, the flow kept open. Spoofed closes,
         /// or a peer's stale ones.
         closes_unproven,
+        /// Source-NAT UDP flows of one exchange (not `UDP_CONFIRMED`)
+        /// silent for `UDP_UNCONFIRMED_IDLE_NS` whose tuple a new flow took
+        /// (also counted in `flows_closed`); the idle sweep's removals of
+        /// such flows are counted with the rest in `SWEPT`.
+        udp_unconfirmed_freed,
     }
 );
 

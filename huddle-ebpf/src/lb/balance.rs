@@ -16,7 +16,9 @@ use crate::{
     lb::halfopen,
     lb::latency::ackclock,
     lb::latency::timing,
-    lb::maps::{bump, flows, global, BACKENDS, BACKEND_STATS, CONFIG, NAT, SERVICE_STATS, TUNING},
+    lb::maps::{
+        bump, flows, global, nat_table, BACKENDS, BACKEND_STATS, CONFIG, SERVICE_STATS, TUNING,
+    },
     lb::new_flow::{new_flow, Start},
     lb::reply::{back, reply},
     lb::snat::nat,
@@ -151,7 +153,8 @@ fn request<F: Balanced, const DSR: bool>(
     }
     if p.has_flag(TCP_FIN | TCP_RST) {
         // Only a flow created by this packet needs a lookup.
-        if let Some(f) = entry.or_else(|| flows(dsr).get_ptr_mut(&sc.nval.flow)) {
+        // FIN and RST are TCP's: `FLOWS` (or `DSR_FLOWS`).
+        if let Some(f) = entry.or_else(|| flows(dsr, PROTO_TCP).get_ptr_mut(&sc.nval.flow)) {
             if dsr || nat::close_in_window(f, p.seq) {
                 nat::close(f, flow.backend);
             } else {
@@ -189,7 +192,7 @@ fn existing<F: Balanced>(
     // A closed flow's entry stays a while; a new connection on the same
     // client tuple (a client reusing its port at once) is half-open until
     // promoted, and its packets go there, not to the old flow.
-    flows(dsr).get_ptr_mut(&sc.nval.flow).filter(|f| {
+    flows(dsr, p.proto).get_ptr_mut(&sc.nval.flow).filter(|f| {
         // SAFETY: map value pointer, valid for this run.
         let flags = unsafe { (**f).flags };
         flags & (flow_flags::CLOSING | flow_flags::ADOPTED) == 0
@@ -234,9 +237,18 @@ fn carry_on<F: Balanced>(
     dsr: bool,
 ) {
     if !p.is_tcp() {
-        // A UDP flow's last activity, for its idle timeout.
+        // A UDP flow's last activity, for its idle timeout; a datagram
+        // after an answer to the promoting one confirms it (source NAT).
         // SAFETY: map value pointer, valid for this run.
-        unsafe { (*f).stamp_ns = bpf_ktime_get_coarse_ns() };
+        unsafe {
+            (*f).stamp_ns = bpf_ktime_get_coarse_ns();
+            if !dsr
+                && flow.flags & (flow_flags::SYNACK_SEEN | flow_flags::UDP_CONFIRMED)
+                    == flow_flags::SYNACK_SEEN
+            {
+                (*f).flags |= flow_flags::UDP_CONFIRMED;
+            }
+        }
     }
     if dsr {
         ackclock::request(f, p, flow.backend);
@@ -414,7 +426,7 @@ fn promote(
         };
         flow.synack_seq = if proto == PROTO_TCP { client_seq } else { 0 };
         nat::mark_used(cfg, half.backend, half.snat, half.nat_port_be);
-        if NAT.insert(&sc.nkey, &sc.nval, 0).is_err() {
+        if nat_table(proto).insert(&sc.nkey, &sc.nval, 0).is_err() {
             bump(&SERVICE_STATS, service, |s| s.drop_flow_table += 1);
             return Err(xdp_action::XDP_DROP);
         }
@@ -423,7 +435,7 @@ fn promote(
         // flow table has the flow.
         halfopen::forget_nat(cfg, &sc.nkey);
     }
-    let table = flows(dsr);
+    let table = flows(dsr, proto);
     let entry = match table.get_ptr_mut(&sc.nval.flow) {
         // An earlier connection on this client tuple: its NAT tuple must
         // not catch anything more, and its entry becomes this flow's.

@@ -262,7 +262,7 @@ fn record<F: Balanced>(
             bump(&BACKEND_STATS, backend_id, |s| s.syns += 1);
         }
     } else {
-        if flows(dsr).insert(&sc.nval.flow, flow, 0).is_err() {
+        if flows(dsr, p.proto).insert(&sc.nval.flow, flow, 0).is_err() {
             if !dsr {
                 nat::forget(&sc.nkey);
             }

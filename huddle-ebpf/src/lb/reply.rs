@@ -9,7 +9,7 @@ use crate::{
     lb::forward::send,
     lb::halfopen,
     lb::latency::timing,
-    lb::maps::{bump, global, BACKEND_STATS, FLOWS, NAT},
+    lb::maps::{bump, flows, global, nat_table, BACKEND_STATS},
     lb::snat::nat,
     lb::snat::rewrite::Tuple,
     mem::put,
@@ -82,7 +82,7 @@ pub fn reply<F: Balanced>(ctx: &XdpContext, p: &Packet<F>, cfg: &KernelConfig) -
 /// pointer for the reason `on_flow` gives.
 #[inline(always)]
 fn nat_entry(cfg: &KernelConfig, sc: &mut Scratch) -> Option<(bool, *mut NatValue)> {
-    match NAT.get_ptr_mut(&sc.nkey) {
+    match nat_table(sc.nkey.proto).get_ptr_mut(&sc.nkey) {
         Some(n) => {
             // `put`, not an assignment: that compiled to a call of the
             // object's memmove, a byte loop (two maps never overlap).
@@ -130,7 +130,7 @@ fn on_flow<F: Balanced>(
             unsafe { core::ptr::addr_of_mut!((*slot).flow) }
         }
     } else {
-        FLOWS
+        flows(false, p.proto)
             .get_ptr_mut(&sc.nval.flow)
             .unwrap_or(core::ptr::null_mut())
     };
@@ -155,6 +155,9 @@ fn on_flow<F: Balanced>(
                 (*flow).flags |= flow_flags::SYNACK_SEEN;
             } else {
                 (*flow).stamp_ns = bpf_ktime_get_coarse_ns();
+                // Answered since the promotion: the client's next
+                // datagram confirms the flow (`UDP_CONFIRMED`).
+                (*flow).flags |= flow_flags::SYNACK_SEEN;
             }
         }
     }

@@ -10,7 +10,7 @@ use crate::{
     csum::{apply, diff16, diff32, words},
     lb::forward::{out_or_pass, route},
     lb::halfopen,
-    lb::maps::{global, CONFIG, NAT, SERVICES},
+    lb::maps::{global, nat_table, CONFIG, SERVICES},
     mem::put,
     net::family::V4,
 };
@@ -182,7 +182,7 @@ pub fn inbound(ctx: &XdpContext) -> u32 {
 #[inline(always)]
 fn flow_of(cfg: &KernelConfig, nkey: &NatKey) -> Option<(FlowKey, Option<u32>)> {
     // SAFETY: map value pointers, copied out at once.
-    match unsafe { NAT.get(nkey) } {
+    match unsafe { nat_table(nkey.proto).get(nkey) } {
         Some(n) => Some((n.flow, None)),
         None => {
             let flow = halfopen::find_nat(cfg, nkey).map(|n| unsafe { (*n).nat.flow })?;

@@ -10,7 +10,7 @@ use crate::{
     lb::forward::{out_or_pass, route},
     lb::halfopen,
     lb::icmp::v4::{bounce, quoted_transport},
-    lb::maps::{global, CONFIG, NAT},
+    lb::maps::{global, nat_table, CONFIG},
     lb::snat::rewrite::diff128,
     mem::put,
     net::family::V6,
@@ -133,7 +133,7 @@ pub fn is_icmp6(ctx: &XdpContext) -> bool {
 /// `nkey`, in place: IPv6 flows are too big to copy onto this stack.
 #[inline(always)]
 fn flow_of(cfg: &KernelConfig, nkey: &NatKey) -> Option<(*const FlowKey, Option<u32>)> {
-    match NAT.get_ptr(nkey) {
+    match nat_table(nkey.proto).get_ptr(nkey) {
         // SAFETY: map value pointers, valid for this run.
         Some(n) => Some((unsafe { core::ptr::addr_of!((*n).flow) }, None)),
         None => {

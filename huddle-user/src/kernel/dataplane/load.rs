@@ -276,10 +276,10 @@ impl NatState {
     ) -> Result<Self> {
         let sweeper = Sweeper {
             flows: [
-                HashMap::try_from(reopen(ebpf, maps::FLOWS)?)?,
+                HashMap::try_from(reopen(ebpf, maps::UDP_FLOWS)?)?,
                 HashMap::try_from(reopen(ebpf, maps::DSR_FLOWS)?)?,
             ],
-            nat: HashMap::try_from(reopen(ebpf, maps::NAT)?)?,
+            nat: HashMap::try_from(reopen(ebpf, maps::UDP_NAT)?)?,
             backends: Array::try_from(reopen(ebpf, maps::BACKENDS)?)?,
             swept: Array::try_from(reopen(ebpf, maps::SWEPT)?)?,
             snat_addrs,
@@ -348,7 +348,9 @@ fn loader(cfg: &Config, half_open: u32, nat_used: u32) -> EbpfLoader<'static> {
     loader
         .map_max_entries(maps::FLOWS, cfg.flow_table_size)
         .map_max_entries(maps::DSR_FLOWS, cfg.flow_table_size)
+        .map_max_entries(maps::UDP_FLOWS, cfg.flow_table_size)
         .map_max_entries(maps::NAT, cfg.flow_table_size)
+        .map_max_entries(maps::UDP_NAT, cfg.flow_table_size)
         .map_max_entries(maps::HALF_OPEN, half_open)
         .map_max_entries(maps::HALF_OPEN_NAT, half_open)
         .map_max_entries(maps::HALF_OPEN_TAGS, tag_lines)

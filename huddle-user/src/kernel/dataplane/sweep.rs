@@ -2,16 +2,21 @@
 
 use anyhow::Result;
 use aya::maps::{Array, HashMap, MapData};
-use huddle_common::{Backend, FlowKey, FlowValue, NatKey, NatValue, MAX_SNAT, PROTO_UDP};
+use huddle_common::{
+    flow_flags, Backend, FlowKey, FlowValue, NatKey, NatValue, MAX_SNAT, PROTO_UDP,
+    UDP_UNCONFIRMED_IDLE_NS,
+};
 use std::collections::HashMap as StdHashMap;
 
 /// Removes established UDP flows that stayed silent past their service's
-/// idle timeout, with their NAT entries: their tuples are free again and
-/// they stop counting as active. The program keeps each UDP flow's last
+/// idle timeout (`UDP_UNCONFIRMED_IDLE_NS`, if shorter, for a source-NAT
+/// flow of one exchange), with their NAT entries: their tuples are free
+/// again and they stop counting as active. The program keeps each UDP flow's last
 /// datagram time in `FlowValue::stamp_ns`; it never removes flows itself.
 pub struct Sweeper {
-    /// `FLOWS` and `DSR_FLOWS`.
+    /// `UDP_FLOWS` and `DSR_FLOWS` (`FLOWS` holds no UDP flow).
     pub(super) flows: [HashMap<MapData, FlowKey, FlowValue>; 2],
+    /// `UDP_NAT`.
     pub(super) nat: HashMap<MapData, NatKey, NatValue>,
     pub(super) backends: Array<MapData, Backend>,
     pub(super) swept: Array<MapData, u64>,
@@ -53,9 +58,14 @@ impl Sweeper {
             let Some(limit) = idle_ns.get(&v.service) else {
                 continue;
             };
+            let limit = if table == 0 && v.flags & flow_flags::UDP_CONFIRMED == 0 {
+                (*limit).min(UDP_UNCONFIRMED_IDLE_NS)
+            } else {
+                *limit
+            };
             if k.proto == PROTO_UDP
-                && v.flags & huddle_common::flow_flags::CLOSING == 0
-                && now_ns.saturating_sub(v.stamp_ns) > *limit
+                && v.flags & flow_flags::CLOSING == 0
+                && now_ns.saturating_sub(v.stamp_ns) > limit
             {
                 idle.push((k, v));
             }
