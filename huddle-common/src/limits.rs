@@ -70,6 +70,22 @@ pub struct LogGate {
 }
 shared!(LogGate, 16);
 
+/// A CPU's ICMP gate (the program's `ICMP_GATE`, never pinned): when its
+/// next ICMP message is due (a GCRA's theoretical arrival time).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct IcmpGate {
+    pub due_ns: u64,
+}
+shared!(IcmpGate, 8);
+
+/// ICMP messages the program sends (those it writes and those it
+/// translates to clients): one per `ICMP_EVERY_NS` per CPU, in bursts of
+/// up to `ICMP_BURST`, as Linux limits its own (`icmp_msgs_per_sec` 1000,
+/// `icmp_msgs_burst` 50).
+pub const ICMP_EVERY_NS: u64 = 1_000_000;
+pub const ICMP_BURST: u64 = 50;
+
 /// Tries to find a free NAT port before a new flow is refused.
 pub const NAT_PORT_TRIES: u32 = 8;
 

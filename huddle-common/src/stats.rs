@@ -206,6 +206,11 @@ counters!(
         /// real (TCP: quoting a sequence number away from the client's;
         /// UDP: not from the backend itself), forged to reach a client.
         icmp_unproven,
+        /// Dropped: ICMP messages past the rate of `ICMP_EVERY_NS` and
+        /// `ICMP_BURST` (written or translated), so that a flood of
+        /// spoofed packets too big, or of errors, is not reflected at the
+        /// packet rate.
+        icmp_rate_limited,
         /// IP-in-IP packets too big for the path, without DF: handed to
         /// the kernel, which fragments and forwards them.
         encap_fragmented,

@@ -214,6 +214,10 @@ pub static PULSE: Array<Pulse> = Array::with_max_entries(MAX_BACKENDS, 0);
 #[map]
 pub static LOG_GATE: PerCpuArray<huddle_common::LogGate> = PerCpuArray::with_max_entries(1, 0);
 
+/// This CPU's ICMP gate (`icmp::gate`). Not pinned.
+#[map]
+pub static ICMP_GATE: PerCpuArray<huddle_common::IcmpGate> = PerCpuArray::with_max_entries(1, 0);
+
 /// Runs `f` on this CPU's counters of entry `index`, if it exists.
 #[inline(always)]
 pub fn bump<T>(map: &PerCpuArray<T>, index: u32, f: impl FnOnce(&mut T)) {

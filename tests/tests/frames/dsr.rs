@@ -2,6 +2,7 @@
 //! the balancer in each mode, byte for byte; the ACK clock's samples; the
 //! backend agent's decap giving back the client's own packet.
 
+use super::fixture::pin_to;
 use huddle_common::{BackendStats, GlobalStats};
 use huddle_user::{
     config::{Mode, PortRange, Proto, Service},
@@ -297,6 +298,7 @@ fn the_agents_decap_gives_back_the_clients_packet() {
 
 #[test]
 fn a_df_packet_too_big_once_wrapped_gets_fragmentation_needed_from_the_vip() {
+    pin_to(0);
     let mut env = env("dsr-mtu");
     env.ns.ip(&["link", "set", "hb0", "mtu", "1400"]).unwrap();
     for f in [client(45000, IPIP).syn(), client(45000, IPIP).flags(ACK)] {
@@ -353,4 +355,17 @@ fn a_df_packet_too_big_once_wrapped_gets_fragmentation_needed_from_the_vip() {
     assert_eq!(verdict, XDP_TX);
     assert_eq!(out.len(), fits.len() + 20);
     assert_eq!(global(&env).icmp_too_big, 1);
+    // A spoofed flood of big DF packets is not reflected at its rate:
+    // past a burst, one answer a millisecond (`icmp::gate`).
+    let start = std::time::Instant::now();
+    let answered = (0..400)
+        .filter(|_| env.run(&big).unwrap().0 == XDP_TX)
+        .count() as u64;
+    let ms = start.elapsed().as_millis() as u64;
+    let g = global(&env);
+    assert!(answered <= 50 + ms + 1, "{answered} answers in {ms} ms");
+    assert_eq!(
+        (g.icmp_too_big, g.icmp_rate_limited),
+        (1 + answered, 400 - answered)
+    );
 }

@@ -110,3 +110,44 @@ fn a_forged_icmp_error_about_a_flow_is_dropped() {
     let g: GlobalStats = env.dp.global_stats().unwrap();
     assert_eq!((g.icmp_unproven, g.icmp_translated), (3, 3));
 }
+
+/// Each ICMP error the program translates is one a spoofer could send at
+/// the packet rate (a UDP backend's own address is no secret): the gate
+/// lets a burst of `ICMP_BURST` through, then one per `ICMP_EVERY_NS`, per
+/// CPU, as Linux limits its own ICMP; the rest are dropped and counted.
+#[test]
+fn icmp_errors_past_the_rate_are_dropped_and_counted() {
+    use huddle_common::{ICMP_BURST, ICMP_EVERY_NS};
+    pin_to(0);
+    let env = env("pr-icmp-rate");
+    let (_, out) = env.run(&udp_frame(46200).build()).unwrap();
+    let ((_, nat_port), (ub, _)) = endpoints(&out);
+    let sent = Frame::udp((BALANCER_IP, nat_port), (ub, 5353))
+        .payload(b"query")
+        .build();
+    let err = icmp_error(
+        (3, 3, [0; 4]),
+        ub,
+        BALANCER_IP,
+        &sent[ETH_LEN..ETH_LEN + 28],
+        (mac_of(ub), BALANCER_MAC),
+    );
+    let sent_n = 1000u64;
+    let start = std::time::Instant::now();
+    let mut tx = 0u64;
+    for _ in 0..sent_n {
+        match env.run(&err).unwrap().0 {
+            XDP_TX => tx += 1,
+            v => assert_eq!(v, XDP_DROP),
+        }
+    }
+    let elapsed = start.elapsed().as_nanos() as u64;
+    let g: GlobalStats = env.dp.global_stats().unwrap();
+    assert!(tx >= ICMP_BURST, "a burst goes through: {tx}");
+    let allowed = ICMP_BURST + elapsed / ICMP_EVERY_NS + 1;
+    assert!(
+        tx <= allowed,
+        "{tx} translated in {elapsed} ns, {allowed} allowed"
+    );
+    assert_eq!((g.icmp_translated, g.icmp_rate_limited), (tx, sent_n - tx));
+}

@@ -1,6 +1,7 @@
 //! ICMP: "fragmentation needed" answers, and errors about a translated
 //! flow translated back to its client, per family.
 
+pub mod gate;
 pub mod v4;
 pub mod v6;
 

@@ -40,6 +40,9 @@ const TIME_EXCEEDED: u8 = 11;
 /// (destination, source), swapped.
 #[inline(never)]
 pub fn too_big(ctx: &XdpContext, mtu: u16, macs: &[u8; 12]) -> u32 {
+    if !super::gate::may_send() {
+        return xdp_action::XDP_DROP;
+    }
     // Room in front for the new IP and ICMP headers; the quote is what
     // follows of the original packet, cut after its first 8 L4 bytes.
     // SAFETY: plain helper calls; pointers are derived afresh after them.
@@ -149,6 +152,9 @@ pub fn inbound(ctx: &XdpContext) -> u32 {
         let from = *(ip.add(12) as *const [u8; 4]);
         if !super::plausible(&flow, isn, proto, seq, from == q_dst) {
             global(|s| s.icmp_unproven += 1);
+            return xdp_action::XDP_DROP;
+        }
+        if !super::gate::may_send() {
             return xdp_action::XDP_DROP;
         }
         let client = [

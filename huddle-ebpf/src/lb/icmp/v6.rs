@@ -44,6 +44,9 @@ const MIN_MTU: u32 = 1280;
 /// arrived, destination then source).
 #[inline(never)]
 pub fn too_big(ctx: &XdpContext) -> u32 {
+    if !super::gate::may_send() {
+        return xdp_action::XDP_DROP;
+    }
     let Some(sc) = scratch::get() else {
         return xdp_action::XDP_DROP;
     };
@@ -202,6 +205,9 @@ pub fn inbound(ctx: &XdpContext) -> u32 {
         let from_backend = *ip.add(8).cast::<[u8; 16]>() == sc.nkey.backend;
         if !super::plausible(&*flow, isn, proto, seq, from_backend) {
             global(|s| s.icmp_unproven += 1);
+            return xdp_action::XDP_DROP;
+        }
+        if !super::gate::may_send() {
             return xdp_action::XDP_DROP;
         }
         let (client, vip) = (&(*flow).client, &(*flow).vip);
