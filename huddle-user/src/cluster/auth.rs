@@ -3,13 +3,21 @@
 //! and the path; the answer carries, in `x-huddle-mac`, an HMAC over that
 //! nonce, the path and the body. So a host without the key gets nothing
 //! from `/ring`, `/readings` or `/flows`, and one answering at a member's
-//! address without it is not believed. The plane is not encrypted: what a
-//! member serves can be read on the wire (keep it on a management network).
+//! address without it is not believed. A request is taken once: its nonce
+//! is remembered as long as its time could pass the skew check, so a
+//! request seen on the wire cannot be sent again (`Verifier`). The plane is
+//! not encrypted: what a member serves can be read on the wire (keep it on
+//! a management network).
 
 use crate::config::key::{hex, unhex, ClusterKey};
 use anyhow::{bail, Context, Result};
 use hmac::{Hmac, Mac};
 use sha2::Sha256;
+use std::{
+    collections::{HashSet, VecDeque},
+    sync::Mutex,
+    time::{Duration, Instant},
+};
 
 /// Request header: `v1 SECS NONCE MAC`.
 pub const AUTH_HEADER: &str = "x-huddle-auth";
@@ -87,6 +95,70 @@ pub fn check_request(key: &ClusterKey, header: Option<&str>, path: &str) -> Resu
     Ok(n.to_string())
 }
 
+/// Nonces a server remembers at most: about 18 a second from each of 60
+/// members (three pages a tick each) over the minute they are kept.
+pub const MAX_NONCES: usize = 65_536;
+
+/// A member's checks of the requests it serves: the key, and the nonces of
+/// the requests it took, each kept `2 x SKEW_SECS` (a request's time is at
+/// most `SKEW_SECS` ahead of ours when it arrives, and is refused once it
+/// is `SKEW_SECS` behind), so that a request replayed is refused.
+pub struct Verifier {
+    key: ClusterKey,
+    seen: Mutex<Seen>,
+}
+
+#[derive(Default)]
+struct Seen {
+    order: VecDeque<(Instant, String)>,
+    set: HashSet<String>,
+}
+
+impl Verifier {
+    #[must_use]
+    pub fn new(key: ClusterKey) -> Self {
+        Self {
+            key,
+            seen: Mutex::default(),
+        }
+    }
+
+    /// Checks a request's credentials for `path` and that its nonce is
+    /// new; its nonce, to sign the answer with (`sign`).
+    pub fn admit(&self, header: Option<&str>, path: &str) -> Result<String> {
+        // The MAC first: only a key holder's requests take room.
+        let n = check_request(&self.key, header, path)?;
+        let now = Instant::now();
+        let keep = Duration::from_secs(2 * SKEW_SECS);
+        let mut seen = self
+            .seen
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        while let Some((at, _)) = seen.order.front() {
+            if now.duration_since(*at) <= keep {
+                break;
+            }
+            let (_, old) = seen.order.pop_front().expect("front exists");
+            seen.set.remove(&old);
+        }
+        if seen.set.contains(&n) {
+            bail!("cluster credentials already used (a replayed request)");
+        }
+        if seen.set.len() >= MAX_NONCES {
+            bail!("too many cluster requests in {} s", keep.as_secs());
+        }
+        seen.set.insert(n.clone());
+        seen.order.push_back((now, n.clone()));
+        Ok(n)
+    }
+
+    /// The MAC header value of an answer `body` to the request with `nonce`.
+    #[must_use]
+    pub fn sign(&self, nonce: &str, path: &str, body: &[u8]) -> String {
+        sign_answer(&self.key, nonce, path, body)
+    }
+}
+
 /// The MAC header value of an answer `body` to the request with `nonce`.
 #[must_use]
 pub fn sign_answer(key: &ClusterKey, nonce: &str, path: &str, body: &[u8]) -> String {
@@ -142,5 +214,23 @@ mod tests {
         assert!(check_answer(&k, "other", "/ring", body, Some(&m)).is_err());
         assert!(check_answer(&other, &n, "/ring", body, Some(&m)).is_err());
         assert!(check_answer(&k, &n, "/ring", body, None).is_err());
+    }
+
+    /// A request seen on the wire, sent again, is refused; a new one from
+    /// the same member is not; one without the key takes no room.
+    #[test]
+    fn a_replayed_request_is_refused() {
+        let v = Verifier::new(key(1));
+        let (h, n) = sign_request(&key(1), "/flows");
+        assert_eq!(v.admit(Some(&h), "/flows").unwrap(), n);
+        let e = format!("{:#}", v.admit(Some(&h), "/flows").unwrap_err());
+        assert!(e.contains("already used"), "{e}");
+        let (h2, _) = sign_request(&key(1), "/flows");
+        v.admit(Some(&h2), "/flows").unwrap();
+        let (foreign, _) = sign_request(&key(2), "/flows");
+        for _ in 0..3 {
+            assert!(v.admit(Some(&foreign), "/flows").is_err());
+        }
+        assert_eq!(v.seen.lock().unwrap().set.len(), 2);
     }
 }

@@ -7,20 +7,19 @@ use super::{
     snapshot::Snapshots,
 };
 use crate::{
-    cluster::auth,
-    config::key::ClusterKey,
+    cluster::auth::{self, Verifier},
     net::http::{Answer, Asked, Reply},
     status::metrics::{render, OPENMETRICS},
 };
 use std::sync::Mutex;
 
 /// Answers a GET. The cluster's pages answer only a member that signed
-/// its request with the cluster key (`key`; none outside a cluster), and
-/// sign what they answer.
+/// its request with the cluster key (`key`; none outside a cluster), once
+/// a request, and sign what they answer.
 pub async fn route(
     shared: &Mutex<Balancer>,
     snapshots: &Snapshots,
-    key: Option<&ClusterKey>,
+    key: Option<&Verifier>,
     asked: &Asked,
 ) -> Reply {
     let path = asked.path.as_str();
@@ -34,12 +33,12 @@ pub async fn route(
             let Some(key) = key else {
                 return (404, "text/plain", "not in a cluster\n".to_string()).into();
             };
-            let nonce = match auth::check_request(key, asked.header(auth::AUTH_HEADER), path) {
+            let nonce = match key.admit(asked.header(auth::AUTH_HEADER), path) {
                 Ok(n) => n,
                 Err(e) => return (401, "text/plain", format!("{e:#}\n")).into(),
             };
             let answer = cluster_page(shared, path);
-            let mac = auth::sign_answer(key, &nonce, path, answer.2.as_bytes());
+            let mac = key.sign(&nonce, path, answer.2.as_bytes());
             Reply {
                 answer,
                 headers: vec![(auth::MAC_HEADER, mac)],

@@ -272,7 +272,10 @@ pub(super) fn spawn(
     if let Some(l) = metrics {
         info!("Prometheus metrics on http://{}/metrics", l.local_addr()?);
         let shared = shared.clone();
-        let key = cfg.cluster.as_ref().map(|c| Arc::new(c.key.clone()));
+        let key = cfg
+            .cluster
+            .as_ref()
+            .map(|c| Arc::new(crate::cluster::auth::Verifier::new(c.key.clone())));
         tasks.push(tokio::spawn(crate::net::http::serve(l, move |asked| {
             let (shared, snapshots, key) = (shared.clone(), snapshots.clone(), key.clone());
             async move { pages::route(&shared, &snapshots, key.as_deref(), &asked).await }
