@@ -57,7 +57,9 @@ shared!(FlowKey, 40);
 pub struct FlowValue {
     pub backend: u32,
     pub service: u32,
-    /// The balancer's source port toward the backend (network order).
+    /// The balancer's source port toward the backend (network order). A
+    /// DSR flow has none: for TCP the word keeps the client's sequence
+    /// record, 64 KiB coarse (`seqwin::coarse`; the program's `window`).
     pub nat_port_be: u16,
     /// `flow_flags` bits.
     pub flags: u8,

@@ -25,6 +25,7 @@ use crate::{
     lb::snat::retry,
     lb::snat::rewrite::Tuple,
     lb::snat::timewait,
+    lb::window,
     mem::put,
     net::parse::{Packet, TCP_ACK, TCP_FIN, TCP_RST, TCP_SYN},
 };
@@ -155,7 +156,10 @@ fn request<F: Balanced, const DSR: bool>(
         // Only a flow created by this packet needs a lookup.
         // FIN and RST are TCP's: `FLOWS` (or `DSR_FLOWS`).
         if let Some(f) = entry.or_else(|| flows(dsr, PROTO_TCP).get_ptr_mut(&sc.nval.flow)) {
-            if dsr || nat::close_in_window(f, p.seq) {
+            if window::close_in_window(f, p.seq, dsr) {
+                if p.has_flag(TCP_RST) {
+                    timing::abandon(f, flow.backend);
+                }
                 nat::close(f, flow.backend);
             } else {
                 bump(&BACKEND_STATS, flow.backend, |s| s.closes_unproven += 1);
@@ -250,13 +254,13 @@ fn carry_on<F: Balanced>(
             }
         }
     }
+    if p.is_tcp() && flow.flags & flow_flags::CLOSING == 0 {
+        window::note_client_seq(f, flow, p.seq, dsr);
+    }
     if dsr {
         ackclock::request(f, p, flow.backend);
     } else {
         timing::request(f, p, flow.backend);
-        if p.is_tcp() && flow.flags & flow_flags::CLOSING == 0 {
-            nat::note_client_seq(f, flow.synack_seq, p.seq);
-        }
         if flow.flags & flow_flags::BACKEND_TIME_WAIT != 0 && p.is_tcp() {
             timewait::note_client(ctx, p, f);
         }

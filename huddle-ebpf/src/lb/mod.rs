@@ -19,3 +19,4 @@ pub mod scratch;
 pub mod select;
 pub mod service;
 pub mod snat;
+pub mod window;

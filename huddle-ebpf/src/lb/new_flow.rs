@@ -13,6 +13,7 @@ use crate::{
     lb::select,
     lb::snat::nat,
     lb::snat::timewait,
+    lb::window,
     net::parse::Packet,
     net::tcp,
 };
@@ -108,7 +109,8 @@ pub fn new_flow<F: Balanced>(
     let proto = sc.nval.flow.proto;
     let tcp_half = half && p.is_tcp() && !dsr;
     let (nat_port_be, snat) = if dsr {
-        (0, 0)
+        // No NAT port: the word keeps the client's `window` record.
+        (window::first_dsr_record(p.is_tcp(), p.seq), 0)
     } else {
         // The SYN's options, for its half-open slot and its timestamp,
         // which picks a tuple whose TIME_WAIT (if any) will accept it.

@@ -49,6 +49,12 @@ fn a_spoofed_rst_or_fin_from_the_client_side_leaves_the_flow_open() {
     let ring = [backend(0), backend(1), backend(2)];
     // The client's ACK of the handshake was at 1001.
     let (b, port) = establish(&env, 47001, &ring);
+    // A request the backend owes an answer to.
+    let request = client_frame(47001)
+        .flags(ACK | PSH)
+        .seq_ack(1001, 7001)
+        .payload(b"GET");
+    forward(&env, request);
     for flags in [RST, FIN | ACK] {
         let spoofed = client_frame(47001)
             .flags(flags)
@@ -60,7 +66,12 @@ fn a_spoofed_rst_or_fin_from_the_client_side_leaves_the_flow_open() {
     let s = stats(&env, &ring, b);
     assert_eq!(s.flows_closed, 0, "a spoofed close ended the flow");
     assert_eq!(s.closes_unproven, 2);
-    let fin = client_frame(47001).flags(FIN | ACK).seq_ack(1001, 7001);
+    assert_eq!(
+        (s.turns, s.abandoned),
+        (1, 0),
+        "a spoofed RST gave up the turn"
+    );
+    let fin = client_frame(47001).flags(FIN | ACK).seq_ack(1004, 7001);
     assert_eq!(env.run(&fin.build()).unwrap().0, XDP_TX);
     assert_eq!(stats(&env, &ring, b).flows_closed, 1);
 }

@@ -7,7 +7,9 @@ use huddle_common::{BackendStats, GlobalStats};
 use huddle_user::{
     config::{Mode, PortRange, Proto, Service},
     kernel::decap::Decap,
-    kernel::packet::{checksums_valid, icmp_checksums_valid, icmp_error, ipip, Frame, ACK, PSH},
+    kernel::packet::{
+        checksums_valid, icmp_checksums_valid, icmp_error, ipip, Frame, ACK, FIN, PSH, RST,
+    },
     kernel::prog_run::{mac_of, test_run, ProgRun, BALANCER_MAC},
 };
 use std::net::{Ipv4Addr, SocketAddr};
@@ -206,6 +208,57 @@ fn the_ack_clock_times_handshakes_and_requests_from_the_clients_segments() {
         env.dp.pulse(env.dp.services[0].backend_ids[i]).unwrap()
     };
     assert_eq!(pulse.turn_wait_ns, 0, "nothing owed any more");
+}
+
+/// The balancer sees only the client's side of a DSR flow, and that is
+/// enough: a RST or FIN closes it only near the client's own sequence
+/// number, so a spoofer who guessed the tuple (the client's port) does not
+/// end it, nor give up its pending turn; the window follows a client that
+/// sends on (12 MiB).
+#[test]
+fn a_spoofed_rst_or_fin_to_a_dsr_flow_leaves_it_open() {
+    let env = env("dsr-close");
+    let far = 1u32 << 31;
+    let (_, out) = env
+        .run(&client(42100, L2).syn().seq_ack(5000, 0).build())
+        .unwrap();
+    let b = by_mac(&out);
+    env.run(&client(42100, L2).flags(ACK).seq_ack(5001, 7001).build())
+        .unwrap();
+    let request = client(42100, L2)
+        .flags(ACK | PSH)
+        .seq_ack(5001, 7001)
+        .payload(b"GET / HTTP/1.1\r\n\r\n");
+    env.run(&request.build()).unwrap();
+    for flags in [RST, RST | ACK, FIN | ACK] {
+        let spoofed = client(42100, L2)
+            .flags(flags)
+            .seq_ack(5019u32.wrapping_add(far), 7001);
+        // Sent on (the backend's TCP judges it too), but the flow stays.
+        assert_eq!(env.run(&spoofed.build()).unwrap().0, XDP_TX);
+    }
+    let st = stats(&env, 0, b);
+    assert_eq!(
+        (st.flows_closed, st.closes_unproven, st.abandoned),
+        (0, 3, 0),
+        "a spoofed close ended the flow or its turn"
+    );
+    assert_eq!(stats(&env, 0, b).turns, 1);
+    // The client sends on: 200 segments 64 KiB apart.
+    let mut seq = 5019u32;
+    for _ in 0..200 {
+        seq = seq.wrapping_add(64 << 10);
+        env.run(&client(42100, L2).flags(ACK).seq_ack(seq, 7001).build())
+            .unwrap();
+    }
+    env.run(&client(42100, L2).flags(RST).seq_ack(seq, 7001).build())
+        .unwrap();
+    let st = stats(&env, 0, b);
+    assert_eq!(
+        (st.flows_closed, st.closes_unproven, st.abandoned),
+        (1, 3, 1),
+        "the client's own RST, 12 MiB on, closes it and gives up its turn"
+    );
 }
 
 #[test]

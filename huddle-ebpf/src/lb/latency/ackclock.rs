@@ -12,7 +12,6 @@
 
 use crate::{
     lb::latency::timing,
-    lb::maps::{bump, BACKEND_STATS},
     net::family::Family,
     net::parse::{Packet, TCP_ACK, TCP_PSH, TCP_RST},
 };
@@ -40,11 +39,8 @@ pub fn request<F: Family>(f: *mut FlowValue, p: &Packet<F>, backend: u32) {
     // at worst lose one sample.
     unsafe {
         let mut flags = (*f).flags;
+        // A RST settles nothing (`timing::abandon`, within its window).
         if p.has_flag(TCP_RST) {
-            if flags & flow_flags::TURN_WAIT != 0 {
-                (*f).flags = flags & !flow_flags::TURN_WAIT;
-                bump(&BACKEND_STATS, backend, |s| s.abandoned += 1);
-            }
             return;
         }
         let data = p.payload_len > 0 && flags & flow_flags::SYN_WAIT == 0;

@@ -42,14 +42,28 @@ pub fn start_first(flags: u8, backend: u32, now: u64) {
     }
 }
 
+/// A client RST within its window (`window`) gives up the flow's pending
+/// turn, if any: not the backend's fault. One outside is a guess, and
+/// leaves the turn owed (SNAT and DSR alike).
+#[inline(always)]
+pub fn abandon(f: *mut FlowValue, backend: u32) {
+    // SAFETY: a map value pointer from a lookup in this run.
+    unsafe {
+        let flags = (*f).flags;
+        if flags & flow_flags::TURN_WAIT != 0 {
+            (*f).flags = flags & !flow_flags::TURN_WAIT;
+            bump(&BACKEND_STATS, backend, |s| s.abandoned += 1);
+        }
+    }
+}
+
 /// Client to backend on an existing flow: data starts a turn unless one is
 /// pending; a segment that ends a client write (PSH) restarts the pending
 /// turn's wait. So the backend is timed from the request's last segment,
 /// and a slow upload or a dribbled request is the client's time, not the
 /// backend's. Only PSH segments read the clock again: restarting on every
 /// segment cost an upload's packets 40-70 ns each (`huddle bench`,
-/// established flow). A client RST gives up the pending turn (not the
-/// backend's fault).
+/// established flow). A RST takes no part (see `abandon`).
 #[inline(always)]
 pub fn request<F: Family>(f: *mut FlowValue, p: &Packet<F>, backend: u32) {
     // SAFETY: a map value pointer from a lookup in this run; racing CPUs
@@ -57,10 +71,6 @@ pub fn request<F: Family>(f: *mut FlowValue, p: &Packet<F>, backend: u32) {
     unsafe {
         let flags = (*f).flags;
         if p.has_flag(TCP_RST) {
-            if flags & flow_flags::TURN_WAIT != 0 {
-                (*f).flags = flags & !flow_flags::TURN_WAIT;
-                bump(&BACKEND_STATS, backend, |s| s.abandoned += 1);
-            }
             return;
         }
         if p.payload_len == 0 || flags & flow_flags::SYN_WAIT != 0 {

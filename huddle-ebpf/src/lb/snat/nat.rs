@@ -24,7 +24,6 @@ use aya_ebpf::{
     bindings::BPF_NOEXIST,
     helpers::{bpf_get_smp_processor_id, bpf_ktime_get_ns},
 };
-use huddle_common::seqwin;
 use huddle_common::{
     flow_flags, Addr, Backend, FlowValue, KernelConfig, NatCursor, NatKey, MAX_BACKENDS, MAX_SNAT,
     NAT_LINGER_NS, NAT_PORT_TRIES, NAT_USED_BACKENDS, NAT_USED_LINE, PROTO_UDP, TIME_WAIT_NS,
@@ -364,27 +363,6 @@ pub fn flow_key(cfg: &KernelConfig, flow: &FlowValue, backend: &Backend, proto: 
         proto,
         backend.family,
     )
-}
-
-/// Whether a client's FIN or RST (sequence number `seq`) may close the
-/// open flow `f`: within the client's `seqwin` window. A flow already
-/// closing keeps no record (the field then holds a timestamp) and has
-/// nothing more to lose.
-#[inline(always)]
-pub fn close_in_window(f: *mut FlowValue, seq: u32) -> bool {
-    // SAFETY: a map value pointer from a lookup in this run.
-    let v = unsafe { *f };
-    v.flags & flow_flags::CLOSING != 0 || seqwin::within(v.synack_seq, seq)
-}
-
-/// Moves the client's `seqwin` record of the open flow `f` (now `rec`) if
-/// the segment at `seq` is far enough past it.
-#[inline(always)]
-pub fn note_client_seq(f: *mut FlowValue, rec: u32, seq: u32) {
-    if let Some(n) = seqwin::advanced(rec, seq) {
-        // SAFETY: a map value pointer from a lookup in this run.
-        unsafe { (*f).synack_seq = n };
-    }
 }
 
 /// Counts a flow closed the first time either side sends FIN or RST, and
