@@ -57,8 +57,13 @@ pub struct KernelConfig {
     /// half goes live and never while it is, so a packet that read
     /// `service_half` finds the multiplier that placed that half.
     pub service_mul: [u64; 2],
+    /// Secret seed of the 5-tuple hash that indexes Maglev tables: the
+    /// same on every balancer of a cluster (drawn from its key), unknown to
+    /// clients, so nobody can choose source ports that land on a chosen
+    /// backend.
+    pub maglev_seed: u64,
 }
-shared!(KernelConfig, 16 * MAX_SNAT + 104);
+shared!(KernelConfig, 16 * MAX_SNAT + 112);
 
 impl KernelConfig {
     /// Splits the inclusive range `min..=max` into one slice per CPU.

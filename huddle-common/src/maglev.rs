@@ -2,9 +2,11 @@
 
 use crate::*;
 
-/// Seed of the 5-tuple hash a Maglev table is indexed by: fixed, so every
-/// balancer sends the same new flow to the same backend.
-pub const MAGLEV_SEED: u64 = 0x6d61_676c_6576_0001;
+/// Seed of the permutations a Maglev table is built from: fixed, so every
+/// balancer builds the same table from the same ring. Public, and no help
+/// to an attacker: which entry a flow takes depends on the secret
+/// `KernelConfig::maglev_seed`.
+pub const MAGLEV_TABLE_SEED: u64 = 0x6d61_676c_6576_0001;
 
 /// The MAGLEV map's flags: BPF_F_MMAPABLE, so the control plane writes a
 /// table of 65,537 entries as memory, not one syscall each.

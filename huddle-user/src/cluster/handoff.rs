@@ -20,11 +20,10 @@
 
 use crate::kernel::dataplane::keys::ip_bytes;
 use crate::kernel::dataplane::MaglevTable;
+use crate::kernel::maglev;
 use anyhow::Result;
 use aya::maps::{HashMap, MapData};
-use huddle_common::{
-    flow_flags, FlowKey, FlowValue, FAMILY_V4, FAMILY_V6, MAGLEV_SEED, PROTO_TCP, PROTO_UDP,
-};
+use huddle_common::{flow_flags, FlowKey, FlowValue, FAMILY_V4, FAMILY_V6, PROTO_TCP, PROTO_UDP};
 use serde::{Deserialize, Serialize};
 use std::{
     collections::{HashMap as StdHashMap, HashSet},
@@ -94,7 +93,7 @@ pub fn unexplained(key: &FlowKey, value: &FlowValue, tables: &[MaglevTable]) -> 
     if t.entries.is_empty() {
         return None;
     }
-    let slot = (key.hash(MAGLEV_SEED) % t.entries.len() as u64) as usize;
+    let slot = maglev::slot_of(key, t.entries.len() as u32, t.seed);
     if t.entries[slot] == value.backend {
         return None;
     }
@@ -317,7 +316,6 @@ impl Pace {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::kernel::maglev;
 
     fn table() -> MaglevTable {
         let addrs: Vec<SocketAddr> = (1..=4)
@@ -338,6 +336,7 @@ mod tests {
             proto: PROTO_TCP,
             entries: maglev::table(&members, 251),
             backends: members.iter().map(|m| (m.id, m.addr)).collect(),
+            seed: 0x5eed,
         }
     }
 
@@ -369,7 +368,7 @@ mod tests {
                 assert_eq!(v.flags, flow_flags::ADOPTED);
                 assert_eq!(v.service, 3);
                 v.flags = 0;
-                let slot = (k.hash(MAGLEV_SEED) % 251) as usize;
+                let slot = maglev::slot_of(&k, 251, t[0].seed);
                 match unexplained(&k, &v, &t) {
                     None => {
                         assert_eq!(t[0].entries[slot], v.backend);

@@ -156,6 +156,10 @@ pub struct ConfigFile {
     pub flow_table_size: Option<u32>,
     /// Entries of each Maglev table (a prime; default 65,537).
     pub maglev_table_size: Option<u32>,
+    /// A key (as `cluster.key_file`; `huddle keygen PATH`) that the secret
+    /// seed of the Maglev flow hash is drawn from, for balancers behind one
+    /// router that are not a `[cluster]` (whose key serves otherwise).
+    pub maglev_key_file: Option<PathBuf>,
     /// Slots in the half-open table (TCP flows before the client's ACK),
     /// rounded up to a power of two.
     pub half_open_table_size: Option<u32>,

@@ -22,20 +22,33 @@ impl std::fmt::Debug for ClusterKey {
 }
 
 impl ClusterKey {
-    /// Reads the key at `path`, refusing a file others may read.
-    pub fn load(path: &Path) -> Result<ClusterKey> {
+    /// Reads the key at `path` (named by config field `field`), refusing
+    /// a file others may read.
+    pub fn load(path: &Path, field: &str) -> Result<ClusterKey> {
         let meta = std::fs::metadata(path)
-            .with_context(|| format!("cluster.key_file: reading {}", path.display()))?;
+            .with_context(|| format!("{field}: reading {}", path.display()))?;
         let mode = meta.permissions().mode() & 0o777;
         if mode & 0o077 != 0 {
             bail!(
-                "cluster.key_file: {} may be read by others (mode {mode:04o}): `chmod 600` it",
+                "{field}: {} may be read by others (mode {mode:04o}): `chmod 600` it",
                 path.display()
             );
         }
         let text = std::fs::read_to_string(path)
-            .with_context(|| format!("cluster.key_file: reading {}", path.display()))?;
-        Self::from_hex(text.trim()).with_context(|| format!("cluster.key_file: {}", path.display()))
+            .with_context(|| format!("{field}: reading {}", path.display()))?;
+        Self::from_hex(text.trim()).with_context(|| format!("{field}: {}", path.display()))
+    }
+
+    /// A 64-bit secret for `purpose`, the same from the same key on every
+    /// balancer and unrelated to the key's other uses (an HMAC of the
+    /// purpose's name).
+    #[must_use]
+    pub fn derive(&self, purpose: &str) -> u64 {
+        use hmac::{Hmac, Mac};
+        let mut m = Hmac::<sha2::Sha256>::new_from_slice(&self.0).expect("any key length");
+        m.update(purpose.as_bytes());
+        let out = m.finalize().into_bytes();
+        u64::from_le_bytes(out[..8].try_into().expect("8 bytes")) | 1
     }
 
     /// A key from its hex text.
@@ -110,13 +123,20 @@ mod tests {
         let p = dir.join("cluster.key");
         generate(&p).unwrap();
         assert!(generate(&p).is_err(), "an existing key is never replaced");
-        let k = ClusterKey::load(&p).unwrap();
+        let k = ClusterKey::load(&p, "cluster.key_file").unwrap();
         assert_eq!(k.bytes().len(), MIN_KEY_BYTES);
         assert_eq!(format!("{k:?}"), "ClusterKey(32 bytes)");
         std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o644)).unwrap();
-        let e = format!("{:#}", ClusterKey::load(&p).unwrap_err());
+        let e = format!(
+            "{:#}",
+            ClusterKey::load(&p, "cluster.key_file").unwrap_err()
+        );
         assert!(e.contains("may be read by others (mode 0644)"), "{e}");
         assert!(ClusterKey::from_hex("abcd").is_err());
+        let other = ClusterKey::from_hex(&"ab".repeat(32)).unwrap();
+        assert_eq!(k.derive("a"), k.derive("a"));
+        assert_ne!(k.derive("a"), k.derive("b"));
+        assert_ne!(k.derive("a"), other.derive("a"));
         assert!(ClusterKey::from_hex(&"zz".repeat(32)).is_err());
         let _ = std::fs::remove_dir_all(&dir);
     }

@@ -143,6 +143,8 @@ pub struct Config {
     pub flow_table_size: u32,
     pub half_open_table_size: u32,
     pub maglev_table_size: u32,
+    /// `maglev_key_file`'s key, if set.
+    pub maglev_key: Option<super::key::ClusterKey>,
     pub control_socket: PathBuf,
     /// `None`: the default for the interface (see `crate::sys::pins::default_pin_dir`).
     pub pin_dir: Option<PathBuf>,

@@ -76,6 +76,11 @@ impl ConfigFile {
             flow_table_size,
             half_open_table_size,
             maglev_table_size,
+            maglev_key: self
+                .maglev_key_file
+                .as_deref()
+                .map(|p| super::key::ClusterKey::load(p, "maglev_key_file"))
+                .transpose()?,
             pin_dir: self.pin_dir,
             state_file,
             detach_on_exit: self.detach_on_exit.unwrap_or(false),
@@ -405,7 +410,7 @@ fn cluster(c: Option<&ClusterFile>, listen: Option<SocketAddr>) -> Result<Option
             Some(Cluster {
                 members: c.members.clone(),
                 me,
-                key: super::key::ClusterKey::load(key_file)?,
+                key: super::key::ClusterKey::load(key_file, "cluster.key_file")?,
             })
         }
     })

@@ -170,6 +170,13 @@ fn log_settings(cfg: &Config) {
     for s in &cfg.services {
         info!("service {} -> {} backends", s.name(), s.backends.len());
     }
+    let maglev = cfg
+        .services
+        .iter()
+        .any(|s| s.selection == crate::config::Selection::Maglev);
+    if maglev && cfg.maglev_key.is_none() && cfg.cluster.is_none() {
+        info!("Maglev flows are hashed with this balancer's own secret seed: balancers behind one router must share a `maglev_key_file` (or a [cluster] key) to pick alike");
+    }
     let h = &cfg.huddle;
     info!(
         "huddle: rotation {}, tick {:?}, heat {} cool {}, min inner {}, {} probes every {:?}",

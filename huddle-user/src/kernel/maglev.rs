@@ -13,7 +13,7 @@
 //! id this balancer gave them: balancers that number backends differently
 //! still agree.
 
-use huddle_common::{hash_words, FlowKey, MAGLEV_SEED};
+use huddle_common::{hash_words, FlowKey, MAGLEV_TABLE_SEED};
 use std::net::{IpAddr, SocketAddr};
 
 /// A table entry no backend holds (an empty ring): the kernel finds no
@@ -66,8 +66,8 @@ pub fn table(members: &[Member], size: u32) -> Vec<u32> {
         .iter()
         .map(|b| {
             let w = words(b.addr);
-            let offset = hash_words(&w, MAGLEV_SEED) % size as u64;
-            let skip = hash_words(&w, MAGLEV_SEED ^ 0x5a5a) % (size as u64 - 1) + 1;
+            let offset = hash_words(&w, MAGLEV_TABLE_SEED) % size as u64;
+            let skip = hash_words(&w, MAGLEV_TABLE_SEED ^ 0x5a5a) % (size as u64 - 1) + 1;
             (offset, skip, 0, 0.0)
         })
         .collect();
@@ -93,11 +93,12 @@ pub fn table(members: &[Member], size: u32) -> Vec<u32> {
     table
 }
 
-/// The entry a flow takes in a table of `size` entries: the kernel's
-/// index, computed the same way.
+/// The entry a flow takes in a table of `size` entries indexed with
+/// `seed` (`KernelConfig::maglev_seed`): the kernel's index, computed the
+/// same way.
 #[must_use]
-pub fn slot_of(flow: &FlowKey, size: u32) -> usize {
-    (flow.hash(MAGLEV_SEED) % u64::from(size)) as usize
+pub fn slot_of(flow: &FlowKey, size: u32, seed: u64) -> usize {
+    (flow.hash(seed) % u64::from(size)) as usize
 }
 
 /// Entries that differ between two tables of the same size.

@@ -42,6 +42,7 @@ pub fn config(
         flow_table_size,
         half_open_table_size,
         maglev_table_size: huddle_common::DEFAULT_MAGLEV_SIZE,
+        maglev_key: None,
         control_socket: "/dev/null".into(),
         pin_dir: None,
         state_file: "/dev/null".into(),

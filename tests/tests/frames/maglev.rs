@@ -9,7 +9,7 @@
 use huddle_common::{addr_v4, FlowKey, FAMILY_V4, PROTO_TCP};
 use huddle_user::{
     cluster::handoff::FlowBook,
-    config::{Mode, PortRange, Proto, Selection, Service},
+    config::{key::ClusterKey, Mode, PortRange, Proto, Selection, Service},
     kernel::maglev,
     kernel::packet::{endpoints, Frame, ACK, PSH},
     kernel::prog_run::{mac_of, ProgRun, BALANCER_MAC},
@@ -34,8 +34,13 @@ const DSR_RR: u16 = 9090;
 
 /// A balancer whose services list the backends in `order`: source NAT on
 /// port 80 and L2 DSR on `DSR_MAGLEV` by Maglev, L2 DSR on `DSR_RR` round
-/// robin.
+/// robin; its Maglev seed drawn from the cluster's key.
 fn balancer(tag: &str, order: &[u8]) -> ProgRun {
+    keyed(tag, order, 0x11)
+}
+
+/// `balancer`, its Maglev key `key` repeated.
+fn keyed(tag: &str, order: &[u8], key: u8) -> ProgRun {
     require_root();
     let service = |port: u16, to: u16, mode: Mode, selection: Selection| {
         let mut s = Service::plain(
@@ -50,7 +55,7 @@ fn balancer(tag: &str, order: &[u8]) -> ProgRun {
         s.selection = selection;
         s
     };
-    let cfg = huddle_user::kernel::prog_run::config(
+    let mut cfg = huddle_user::kernel::prog_run::config(
         vec![
             service(80, 8080, Mode::Snat, Selection::Maglev),
             service(DSR_MAGLEV, DSR_MAGLEV, Mode::DsrL2, Selection::Maglev),
@@ -63,6 +68,7 @@ fn balancer(tag: &str, order: &[u8]) -> ProgRun {
         4096,
         4096,
     );
+    cfg.maglev_key = Some(ClusterKey::from_hex(&format!("{key:02x}").repeat(32)).unwrap());
     let mut neigh: Vec<Ipv4Addr> = (0..BACKENDS).map(backend).collect();
     neigh.extend(CLIENTS);
     ProgRun::new(&unique(tag), &cfg, &neigh).expect("PROG_TEST_RUN namespace")
@@ -102,7 +108,7 @@ fn predicted(table: &[u32], env: &ProgRun, n: u16) -> Ipv4Addr {
         family: FAMILY_V4,
         _pad: [0; 2],
     };
-    let id = table[maglev::slot_of(&key, table.len() as u32)];
+    let id = table[maglev::slot_of(&key, table.len() as u32, env.dp.maglev_seed())];
     let slot = &env.dp.services[0];
     let j = slot.backend_ids.iter().position(|b| *b == id).unwrap();
     match slot.service.backends[j].ip() {
@@ -144,6 +150,20 @@ fn two_balancers_send_every_new_flow_to_the_same_backend_and_one_leaving_moves_o
     }
     println!("{FLOWS} flows per backend: {per_backend:?}");
     assert_eq!(per_backend.len(), usize::from(BACKENDS));
+    // A balancer with another key (a client guessing the seed) builds the
+    // same table but hashes flows elsewhere: about 5 in 6 differ.
+    let stranger = keyed("mg-c", &[0, 1, 2, 3, 4, 5], 0x22);
+    assert_eq!(
+        stranger.dp.maglev_table(0).unwrap(),
+        table,
+        "the same table"
+    );
+    let alike = (0..FLOWS)
+        .filter(|n| pick(&stranger, *n) == predicted(&table, &a, *n))
+        .count();
+    println!("another seed: {alike} of {FLOWS} flows on the same backend");
+    assert!(alike < usize::from(FLOWS) / 3, "{alike} alike");
+    drop(stranger);
     // Backend 2 leaves both rings. New flows (fresh tuples: the first
     // ones are half-open, and a SYN of theirs would be a retransmission)
     // go where the new table says, alike on both; against the old table,

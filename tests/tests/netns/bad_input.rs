@@ -416,7 +416,7 @@ fn a_member_with_the_key_that_lies_changes_nothing_past_the_caps() {
         .expect("DSR backends");
     let key_path = bed.dir.join("cluster.key");
     huddle_user::config::key::generate(&key_path).unwrap();
-    let key = huddle_user::config::key::ClusterKey::load(&key_path).unwrap();
+    let key = huddle_user::config::key::ClusterKey::load(&key_path, "cluster.key_file").unwrap();
     let liar: SocketAddr = (testbed::CLIENT_IP, 9477).into();
     let me = format!("{}:9477", testbed::LB_IP);
     let service = format!("{VIP}:{HTTP_PORT}/tcp");

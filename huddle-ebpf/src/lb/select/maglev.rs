@@ -2,14 +2,16 @@
 //! with `selection = "maglev"` takes the entry of the service's live table
 //! (`MAGLEV`, written by the control plane with the ring, in the same
 //! double buffer) that a hash of its 5-tuple names. The hash's seed is
-//! fixed, so every balancer picks the same backend for the same flow.
+//! secret and shared by the balancers of a cluster (`maglev_seed`), so
+//! every one picks the same backend for the same flow and no client can
+//! aim at one.
 
 use crate::{
-    lb::maps::{MAGLEV, RING_GEN},
+    lb::maps::{CONFIG, MAGLEV, RING_GEN},
     lb::scratch,
 };
 use core::ptr::read_volatile;
-use huddle_common::{ring_slot, verdict::NO_BACKEND, MAGLEV_EMPTY, MAGLEV_SEED};
+use huddle_common::{ring_slot, verdict::NO_BACKEND, MAGLEV_EMPTY};
 
 const READ_TRIES: u32 = 3;
 
@@ -20,8 +22,9 @@ const READ_TRIES: u32 = 3;
 #[inline(always)]
 pub fn pick(service: u32, size: u32) -> Option<(u32, u32)> {
     let flow = scratch::flow_key()?;
+    let seed = CONFIG.get(0)?.maglev_seed;
     // SAFETY: this CPU's element, used by this run only.
-    let h = unsafe { (*flow).hash(MAGLEV_SEED) };
+    let h = unsafe { (*flow).hash(seed) };
     let size = u64::from(size);
     if size == 0 {
         return None;

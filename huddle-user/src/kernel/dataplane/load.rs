@@ -422,6 +422,26 @@ fn warn_if_resized(ebpf: &Ebpf, cfg: &Config) {
     }
 }
 
+/// What every balancer of a cluster derives its Maglev flow seed from.
+const MAGLEV_PURPOSE: &str = "huddle maglev flow hash v1";
+
+/// The Maglev flow hash's seed: drawn from `maglev_key_file`, else from
+/// the cluster's key (so the members agree and clients cannot compute
+/// it); a balancer with neither keeps the one it ran with, or draws one.
+fn maglev_seed(cfg: &Config, old: Option<KernelConfig>) -> Result<u64> {
+    let key = cfg
+        .maglev_key
+        .as_ref()
+        .or(cfg.cluster.as_ref().map(|c| &c.key));
+    if let Some(k) = key {
+        return Ok(k.derive(MAGLEV_PURPOSE));
+    }
+    match old.map(|c| c.maglev_seed).filter(|s| *s != 0) {
+        Some(s) => Ok(s),
+        None => random_seed(),
+    }
+}
+
 /// `CONFIG` for this start; an adopted data plane (`old`) keeps its hash
 /// seed and live index half, and moves its next-hop generation on.
 fn kernel_config(
@@ -448,6 +468,7 @@ fn kernel_config(
         Some(c) => c.hash_seed,
         None => random_seed()?,
     };
+    let maglev_seed = maglev_seed(cfg, old)?;
     let kernel_config = KernelConfig {
         snat_addrs,
         snat_count: snat.len() as u16,
@@ -471,6 +492,7 @@ fn kernel_config(
         nat_used_per_backend: geo.nat_used,
         _pad3: 0,
         service_mul: old.map_or([0; 2], |c| c.service_mul),
+        maglev_seed,
     };
     Ok((snat_addrs, kernel_config))
 }

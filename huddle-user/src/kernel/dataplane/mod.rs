@@ -50,6 +50,8 @@ pub struct MaglevTable {
     pub entries: Vec<u32>,
     /// Backend id -> address.
     pub backends: StdHashMap<u32, SocketAddr>,
+    /// The flow hash's seed (`KernelConfig::maglev_seed`).
+    pub seed: u64,
 }
 
 /// How long a retired ring slot is left alone before it is rewritten. A

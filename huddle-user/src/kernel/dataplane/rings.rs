@@ -106,6 +106,7 @@ impl Dataplane {
                         .copied()
                         .zip(slot.service.backends.iter().copied())
                         .collect(),
+                    seed: self.settings.kernel_config.maglev_seed,
                 })
             })
             .collect()

@@ -93,6 +93,12 @@ impl Dataplane {
         self.settings.kernel_config.hash_seed
     }
 
+    /// The secret seed of the Maglev flow hash (`slot_of`'s `seed`).
+    #[must_use]
+    pub fn maglev_seed(&self) -> u64 {
+        self.settings.kernel_config.maglev_seed
+    }
+
     /// Instructions the verifier went through for each program (IPv4,
     /// IPv6): its budget is 1M a program, and a change that grows this is
     /// one step nearer to a program that no longer loads.
