@@ -8,6 +8,7 @@
 
 mod addrs;
 mod bed;
+pub mod kinds;
 mod names;
 mod proc;
 pub mod scaleout;

@@ -87,6 +87,10 @@ pub struct HuddleFile {
     /// New flows pass over a backend that owes an answer for longer than
     /// twice the ring's p99 (in the kernel, before it is judged hung).
     pub pass_over_owing: Option<bool>,
+    /// Of two ring entries, a new flow takes the one that has owed an
+    /// answer for less time (off by default: on mixed traffic that is the
+    /// traffic's doing, and it skews the shares).
+    pub two_choices: Option<bool>,
     /// SYNs unanswered this long make a backend unreachable.
     pub syn_timeout_ms: Option<u64>,
     /// Failed share of a tick's attempts that makes a backend unhealthy.

@@ -78,6 +78,7 @@ pub struct Huddle {
     pub hung_after_min: Duration,
     pub hung_after_p99: f64,
     pub pass_over_owing: bool,
+    pub two_choices: bool,
     pub syn_timeout: Duration,
     pub error_threshold: f64,
     pub min_samples: u64,

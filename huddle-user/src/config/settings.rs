@@ -10,6 +10,12 @@ use super::{
 use anyhow::{bail, Context, Result};
 use std::{net::SocketAddr, time::Duration};
 
+/// Request samples a backend's latency window holds at least (over its
+/// newest ticks) before its median is trusted: with 3, one or two long
+/// turns among a tick's few samples (a long poll, a slow endpoint) moved
+/// the median of a healthy backend now and then on mixed traffic.
+pub const DEFAULT_MIN_SAMPLES: u64 = 10;
+
 pub(super) fn millis(
     v: Option<u64>,
     default: u64,
@@ -50,9 +56,10 @@ pub(super) fn validate_huddle(h: &HuddleFile) -> Result<Huddle> {
             Some(k) => bail!("huddle.hung_after_p99: {k} is outside 1..=1000"),
         },
         pass_over_owing: h.pass_over_owing.unwrap_or(true),
+        two_choices: h.two_choices.unwrap_or(false),
         syn_timeout: millis(h.syn_timeout_ms, 300, "huddle.syn_timeout_ms", 10, 600_000)?,
         error_threshold: fraction(h.error_threshold, 0.5, "huddle.error_threshold", true)?,
-        min_samples: h.min_samples.unwrap_or(3).max(1),
+        min_samples: h.min_samples.unwrap_or(DEFAULT_MIN_SAMPLES).max(1),
         move_flows_off_dead: h.move_flows_off_dead.unwrap_or(false),
         listen: listen(h)?,
         scrape_interval: millis(

@@ -131,8 +131,26 @@ impl Balancer {
         let was_panic = self.huddles[si].engine.panic;
         let moves = self.huddles[si].step(&self.cfg.huddle, now);
         let rotated = !moves.is_empty();
+        let ring_ms = self.huddles[si].ring_p50_ms;
         for m in moves {
             let backend = self.cfg.services[si].backends[m.member];
+            // What made it hot, for whoever reads the log.
+            let why = {
+                let t = &self.huddles[si].trackers[m.member];
+                let c = t.components;
+                let ms = |v: Option<f64>| v.map_or("-".to_string(), |v| format!("{v:.1} ms"));
+                format!(
+                    "latency {} ({}) against the ring's {}: anomaly {:.2}, cpu {:.2}, memory {:.2}, errors {:.2}, load {:.2}",
+                    ms(t.latency_ms),
+                    t.latency_source,
+                    ms(ring_ms),
+                    c.anomaly,
+                    c.cpu,
+                    c.memory,
+                    c.errors,
+                    c.load
+                )
+            };
             let ev = RotationEvent {
                 at_s: now.as_secs_f64(),
                 service: service.clone(),
@@ -148,7 +166,7 @@ impl Balancer {
                 to = m.to.as_str(),
                 reason = %ev.reason,
                 temperature = m.temperature,
-                "rotation: {service} backend {backend} -> {} ring ({}), temperature {:.2}",
+                "rotation: {service} backend {backend} -> {} ring ({}), temperature {:.2}; {why}",
                 m.to.as_str(),
                 ev.reason,
                 m.temperature

@@ -14,9 +14,18 @@
 //!
 //! Killing it (connections refused) and SIGSTOP (the kernel still completes
 //! handshakes, nothing answers) are done from outside.
+//!
+//! Kinds of traffic real services carry, by path (a request body is read
+//! as its `Content-Length` says, so uploads work):
+//! - `/poll?ms=N`: a long poll, answered N ms after the request;
+//! - `/slow?ms=N`: an endpoint that takes N ms (instead of the delay);
+//! - `/stream?every_ms=N&for_ms=M`: server push, a line every N ms for M
+//!   ms, then the connection closes;
+//! - `/sink`: one-way, everything the client sends is read, nothing is
+//!   ever answered.
 
 use std::{
-    io::{BufRead, BufReader, Write},
+    io::{BufRead, BufReader, Read, Write},
     net::{TcpListener, TcpStream, UdpSocket},
     sync::{
         atomic::{AtomicU64, Ordering},
@@ -182,6 +191,7 @@ fn serve(stream: TcpStream, id: &str) {
     let mut reader = BufReader::new(stream);
     loop {
         let mut keep_alive = false;
+        let mut body_len = 0usize;
         let mut line = String::new();
         if matches!(reader.read_line(&mut line), Ok(0) | Err(_)) {
             return;
@@ -195,6 +205,9 @@ fn serve(stream: TcpStream, id: &str) {
                 Ok(_) => {}
             }
             let lower = h.to_ascii_lowercase();
+            if let Some(v) = lower.strip_prefix("content-length:") {
+                body_len = v.trim().parse().unwrap_or(0).min(64 << 20);
+            }
             if lower.starts_with("connection:") {
                 keep_alive = lower.contains("keep-alive");
                 if lower.contains("close") {
@@ -206,7 +219,43 @@ fn serve(stream: TcpStream, id: &str) {
             }
         }
         let keep = keep_alive || http11;
+        if std::io::copy(
+            &mut (&mut reader).take(body_len as u64),
+            &mut std::io::sink(),
+        )
+        .ok()
+            != Some(body_len as u64)
+        {
+            return;
+        }
         let (path, query) = target.split_once('?').unwrap_or((&target, ""));
+        let ms = |key: &str| {
+            query
+                .split('&')
+                .find_map(|kv| kv.strip_prefix(key)?.strip_prefix('='))
+                .and_then(|v| v.parse::<u64>().ok())
+                .unwrap_or(0)
+        };
+        match path {
+            "/sink" => {
+                let _ = std::io::copy(&mut reader, &mut std::io::sink());
+                return;
+            }
+            "/stream" => {
+                let (every, until) = (ms("every_ms").max(1), ms("for_ms"));
+                let start = Instant::now();
+                let _ = out.write_all(b"HTTP/1.1 200 X\r\nConnection: close\r\n\r\n");
+                while start.elapsed() < Duration::from_millis(until) {
+                    if out.write_all(format!("{id} tick\n").as_bytes()).is_err() {
+                        return;
+                    }
+                    thread::sleep(Duration::from_millis(every));
+                }
+                return;
+            }
+            "/poll" | "/slow" => thread::sleep(Duration::from_millis(ms("ms"))),
+            _ => {}
+        }
         let (status, body) = match path {
             "/admin" => (200, admin(query)),
             "/metrics" => (200, metrics()),
@@ -216,6 +265,7 @@ fn serve(stream: TcpStream, id: &str) {
                 println!("whoami: {peer}");
                 (200, format!("{id} {peer}\n"))
             }
+            "/poll" | "/slow" => (STATUS.load(Ordering::Relaxed), format!("{id}\n")),
             _ => {
                 let d = DELAY_US.load(Ordering::Relaxed);
                 if d > 0 {

@@ -13,14 +13,16 @@ pub mod maglev;
 pub mod ring;
 
 use crate::lb::maps::{bump, BACKEND_STATS, PULSE, TUNING};
+use aya_ebpf::helpers::bpf_get_prandom_u32;
 use core::ptr::read_volatile;
 use huddle_common::{verdict::NO_BACKEND, Tuning};
 
 /// The backend for a new flow of `service` at `now`. Of the ring's next
-/// two entries it takes the one that has owed an answer for less time
-/// (the first on a tie; with `Tuning::two_choices`), never `avoid` (the
-/// backend that just refused or ignored this connection), and passes over
-/// one that owes for longer than the limits; if both do, the next two
+/// two entries it takes the first (with `Tuning::two_choices`, the one
+/// that has owed an answer for less time), unless it owes for longer than
+/// the limits (then the second), never `avoid` (the backend that just
+/// refused or ignored this connection); a backend past the limits still
+/// takes one in `TRICKLE` of its flows; if both are past, the next two
 /// entries are taken as they come. With Maglev (`Tuning::maglev_size`) the
 /// flow's entry in the service's table, never passed over; its second
 /// entry only when the first is `avoid`. `NO_BACKEND` when the ring is empty or
@@ -56,19 +58,23 @@ pub fn choose(service: u32, avoid: u32, now: u64) -> u32 {
     }
     // Few live values: the call chain's stack is nearly full here.
     let (sa, sb) = (look(a, now, limits), look(b, now, limits));
-    let swap = a == avoid || (b != avoid && limits.two_choices != 0 && sb < sa);
-    let (first, s1, second, s2) = if swap { (b, sb, a, sa) } else { (a, sa, b, sb) };
-    if first != avoid {
-        if s1 & LATE == 0 {
-            return first;
+    if a != avoid {
+        if sa & LATE == 0 {
+            // With two choices, the one owing for less time (`sb < sa`
+            // also means `b` is not past the limits, nor `a` itself).
+            let two = limits.two_choices != 0 && b != avoid && sb < sa;
+            return if two { b } else { a };
         }
-        bump(&BACKEND_STATS, first, |s| s.skipped_owing += 1);
+        if trickle() {
+            return a;
+        }
+        bump(&BACKEND_STATS, a, |s| s.skipped_owing += 1);
     }
-    if second != avoid && second != first {
-        if s2 & LATE == 0 {
-            return second;
+    if b != avoid && b != a {
+        if sb & LATE == 0 || trickle() {
+            return b;
         }
-        bump(&BACKEND_STATS, second, |s| s.skipped_owing += 1);
+        bump(&BACKEND_STATS, b, |s| s.skipped_owing += 1);
     }
     // Both owe too long: the next two, as they come.
     match ring::pick(service) {
@@ -77,6 +83,23 @@ pub fn choose(service: u32, avoid: u32, now: u64) -> u32 {
         _ => NO_BACKEND,
     }
 }
+
+/// Whether a new flow goes to a backend that owes past its limit anyway:
+/// one in `TRICKLE`. Passing over must not starve the evidence: a backend
+/// owing one long turn (a long poll) is healthy if it answers new
+/// requests, and only new flows can show that; a hung one is found by the
+/// control plane from these flows going unanswered. Random, so no state
+/// is written.
+#[inline(always)]
+fn trickle() -> bool {
+    // SAFETY: a plain helper call.
+    let r = unsafe { bpf_get_prandom_u32() };
+    r % TRICKLE == 0
+}
+
+/// One in this many flows a passed-over backend would have had still go
+/// to it.
+const TRICKLE: u32 = 4;
 
 /// Set in `look`'s answer when the backend owes past a limit.
 const LATE: u64 = 1 << 63;

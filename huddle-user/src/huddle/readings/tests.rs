@@ -35,7 +35,8 @@ fn hist_of(samples_ms: &[u64]) -> Latency {
 
 #[test]
 fn window_takes_newest_ticks_until_enough_samples() {
-    let s = settings();
+    let mut s = settings();
+    s.min_samples = 3;
     let mut t = tracker();
     let p = Pulse::default();
     t.observe(
@@ -95,22 +96,43 @@ fn a_backend_owing_answers_too_long_is_hung() {
         s.hung_after,
     );
     assert_eq!(t.kernel_fault, None);
-    // Another request piled up behind it: hung.
+    // Held 3 s with nothing else coming (a long poll on a quiet
+    // backend): still not hung, as nothing new went unanswered.
+    t.observe(
+        &stats(0, 0, 1),
+        &Latency::default(),
+        &owes,
+        4000 * ms,
+        &s,
+        s.hung_after,
+    );
+    assert_eq!(t.kernel_fault, None);
+    // One new connection opened and unanswered: not yet.
     t.observe(
         &stats(0, 0, 2),
         &Latency::default(),
         &owes,
-        1260 * ms,
+        4010 * ms,
+        &s,
+        s.hung_after,
+    );
+    assert_eq!(t.kernel_fault, None);
+    // A second: hung.
+    t.observe(
+        &stats(0, 0, 3),
+        &Latency::default(),
+        &owes,
+        4020 * ms,
         &s,
         s.hung_after,
     );
     assert!(t.kernel_fault.as_deref().unwrap().starts_with("hung"));
     // Any answer clears the pulse, and the fault.
     t.observe(
-        &stats(1, 300, 2),
+        &stats(1, 300, 3),
         &hist_of(&[300]),
         &Pulse::default(),
-        1300 * ms,
+        4100 * ms,
         &s,
         s.hung_after,
     );
@@ -125,6 +147,7 @@ fn hung_after_and_pass_over_follow_the_rings_own_answer_times() {
         trackers: Vec::new(),
         rotation: true,
         answer_p99_ms: None,
+        ring_p50_ms: None,
     };
     let ms = |d: Duration| d.as_secs_f64() * 1e3;
     // No figure yet: the configured bound.
