@@ -259,6 +259,10 @@ struct RunArgs {
     /// How --vip's new flows pick a backend.
     #[arg(long, value_enum)]
     selection: Option<crate::config::Selection>,
+    /// Which latency judges the `--vip` service's backends (auto, ttfb,
+    /// connect, off).
+    #[arg(long, value_enum)]
+    latency: Option<crate::config::LatencyMode>,
     /// Outer source addresses of dsr-ipip packets, ADDR/LEN (default: the
     /// interface's address).
     #[arg(long)]
@@ -337,10 +341,12 @@ impl RunArgs {
                 udp_idle_ms: None,
                 mode: this.mode,
                 selection: this.selection,
+                latency: this.latency,
             }),
             (None, false) => bail!("--backend given without --vip"),
             (None, true) if this.mode.is_some() => bail!("--mode given without --vip"),
             (None, true) if this.selection.is_some() => bail!("--selection given without --vip"),
+            (None, true) if this.latency.is_some() => bail!("--latency given without --vip"),
             (None, true) => {}
         }
         let what = this.config.as_ref().map_or_else(

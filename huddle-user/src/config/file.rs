@@ -133,6 +133,9 @@ pub struct ServiceFile {
     pub mode: Option<Mode>,
     /// `"round_robin"` (default) or `"maglev"`.
     pub selection: Option<Selection>,
+    /// `"auto"` (default), `"ttfb"`, `"connect"` or `"off"`: which latency
+    /// the backends are judged on.
+    pub latency: Option<LatencyMode>,
 }
 
 /// The whole file.

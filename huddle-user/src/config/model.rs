@@ -45,6 +45,7 @@ pub struct Service {
     pub udp_idle: Duration,
     pub mode: Mode,
     pub selection: Selection,
+    pub latency: LatencyMode,
 }
 
 /// What the huddle knows about a backend beyond its address.
@@ -117,6 +118,7 @@ impl Service {
             udp_idle: DEFAULT_UDP_IDLE,
             mode: Mode::Snat,
             selection: Selection::RoundRobin,
+            latency: LatencyMode::Auto,
         }
     }
 

@@ -75,6 +75,7 @@ fn bad_configs_name_the_field() {
         ("flow_table_size = 10\n[[service]]\nvip = \"10.0.0.1:80\"\nbackends = [\"10.0.0.2:80\"]\n", "flow_table_size"),
         ("maglev_key_file = \"/nonexistent/maglev.key\"\n[[service]]\nvip = \"10.0.0.1:80\"\nbackends = [\"10.0.0.2:80\"]\n", "maglev_key_file: reading /nonexistent/maglev.key"),
         ("maglev_table_size = 65536\n[[service]]\nvip = \"10.0.0.1:80\"\nbackends = [\"10.0.0.2:80\"]\n", "maglev_table_size: 65536 must be a prime"),
+        ("[[service]]\nvip = \"10.0.0.1:80\"\nlatency = \"fast\"\nbackends = [\"10.0.0.2:80\"]\n", "unknown variant `fast`"),
         ("[[service]]\nvip = \"10.0.0.1:80\"\nselection = \"hash\"\nbackends = [\"10.0.0.2:80\"]\n", "unknown variant `hash`"),
         ("[cluster]\nmembers = [\"10.0.0.5:9477\", \"10.0.0.6:9477\"]\n[[service]]\nvip = \"10.0.0.1:80\"\nbackends = [\"10.0.0.2:80\"]\n", "cluster.members: this balancer's huddle.listen (127.0.0.1:9477) must be one of them"),
         ("[huddle]\nlisten = \"10.0.0.5:9477\"\n[cluster]\nmembers = [\"10.0.0.5:9477\", \"10.0.0.6:9477\"]\n[[service]]\nvip = \"10.0.0.1:80\"\nbackends = [\"10.0.0.2:80\"]\n", "cluster.key_file: required"),

@@ -269,6 +269,7 @@ fn service(
         udp_idle,
         mode,
         selection: s.selection.unwrap_or_default(),
+        latency: s.latency.unwrap_or_default(),
     })
 }
 

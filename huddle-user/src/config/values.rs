@@ -102,6 +102,48 @@ pub enum Selection {
     Maglev,
 }
 
+/// Which latency a service's backends are judged on: where no rule can
+/// tell a slow backend from a protocol that is slow by design, the
+/// operator says.
+#[derive(
+    Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Deserialize, serde::Serialize, clap::ValueEnum,
+)]
+#[serde(rename_all = "snake_case")]
+pub enum LatencyMode {
+    /// The default: time to first byte, judged by its median, with the
+    /// rules for long and unanswered turns (`docs/design/huddle.md`).
+    #[default]
+    Auto,
+    /// Time to first byte (today the same as `auto`, and pinned so).
+    Ttfb,
+    /// Connect time (SYN to SYN-ACK) alone, for opaque streaming
+    /// protocols whose turns say nothing: unanswered requests never make
+    /// a backend hung or passed over (SYNs still do).
+    Connect,
+    /// No latency at all: CPU, memory, errors and load only; no request
+    /// or answer is ever owed.
+    Off,
+}
+
+impl LatencyMode {
+    /// Whether request turns are timed and owed (hung, pass-over).
+    #[must_use]
+    pub fn turns(self) -> bool {
+        matches!(self, LatencyMode::Auto | LatencyMode::Ttfb)
+    }
+}
+
+impl fmt::Display for LatencyMode {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            LatencyMode::Auto => "auto",
+            LatencyMode::Ttfb => "ttfb",
+            LatencyMode::Connect => "connect",
+            LatencyMode::Off => "off",
+        })
+    }
+}
+
 impl fmt::Display for Selection {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(match self {

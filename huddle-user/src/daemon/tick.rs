@@ -67,7 +67,8 @@ impl Balancer {
     fn observe_backend(&mut self, si: usize, bi: usize, at: Reading, tx: &mut TxWatch) {
         let id = self.huddles[si].trackers[bi].id;
         let dsr = self.cfg.services[si].mode.is_dsr();
-        let (own, pulse) = match self.read_backend(si, bi, id, dsr) {
+        let connect = dsr || self.cfg.services[si].latency == crate::config::LatencyMode::Connect;
+        let (own, pulse) = match self.read_backend(si, bi, id, connect) {
             Ok(r) => r,
             Err(e) => {
                 warn!("reading counters of backend {id}: {e:#}");
@@ -84,6 +85,10 @@ impl Balancer {
         if dsr {
             self.huddles[si].trackers[bi].observe_connect(&all.connect);
         }
+        if self.cfg.services[si].latency == crate::config::LatencyMode::Connect {
+            let min = self.cfg.huddle.min_samples;
+            self.huddles[si].trackers[bi].observe_connect_time(&all.stats, &all.connect, min);
+        }
         tx.sent += st.syns;
         // DSR replies bypass the balancer: a completed handshake is the
         // proof that SYNs arrived.
@@ -99,14 +104,15 @@ impl Balancer {
         );
     }
 
-    /// Backend `id`'s kernel counters and latency, and the answer it owes
-    /// (cleared first if its tracker asked).
+    /// Backend `id`'s kernel counters and latency (with its connect
+    /// histogram if `connect`), and the answer it owes (cleared first if
+    /// its tracker asked).
     fn read_backend(
         &mut self,
         si: usize,
         bi: usize,
         id: u32,
-        dsr: bool,
+        connect: bool,
     ) -> Result<(crate::cluster::pooled::Counts, Pulse)> {
         let mut pulse = self.dp.pulse(id)?;
         if std::mem::take(&mut self.huddles[si].trackers[bi].clear_pulse) {
@@ -118,7 +124,7 @@ impl Balancer {
             ttfb: self.dp.latency(id)?,
             connect: huddle_common::Latency::default(),
         };
-        if dsr {
+        if connect {
             own.connect = self.dp.connect_latency(id)?;
         }
         Ok((own, pulse))

@@ -31,14 +31,19 @@ struct Run {
     kinds: testbed::kinds::KindTally,
 }
 
-fn run(kinds: &[Kind]) -> Run {
-    let tag = format!("kd{}", kinds.len());
-    let mut bed = Testbed::new(&tag, N).expect("build testbed");
+/// Four 5 ms backends and the balancer with the README's defaults: a VIP
+/// and its backends, nothing tuned.
+fn started(tag: &str) -> Testbed {
+    let mut bed = Testbed::new(tag, N).expect("build testbed");
     bed.start_backends_with(Path::new(BACKEND), &["--delay-ms", "5"])
         .expect("start backends");
-    // The README's defaults: a VIP and its backends, nothing tuned.
     bed.start_huddle_service(Path::new(HUDDLE), &[])
         .expect("start huddle");
+    bed
+}
+
+fn run(kinds: &[Kind]) -> Run {
+    let bed = started(&format!("kd{}", kinds.len()));
     let vip = (VIP, 80).into();
     let others = Kinds::start(&bed.client, vip, kinds);
     let load = OpenLoop::start(&bed.client, vip, RATE, Duration::from_secs(2));
@@ -141,5 +146,50 @@ fn all_kinds_together_move_no_backend() {
     let _one = serial();
     if let Some(b) = check(&Kind::ALL) {
         panic!("{b}");
+    }
+}
+
+/// Among all the kinds, a backend that really turns slow (5x) or hangs
+/// (SIGSTOP) still leaves: within 500 ms and 300 ms, and the slow one
+/// takes at most 2% of the ordinary requests that follow.
+#[test]
+fn among_all_kinds_a_slow_or_hung_backend_still_leaves() {
+    require_root();
+    let _one = serial();
+    let vip = (VIP, 80).into();
+    let addr = |i: usize| format!("{}:{}", testbed::backend_ip(i), testbed::HTTP_PORT);
+    for (fault, bound) in [("5x slow", 500), ("hung", 300)] {
+        let bed = started("kdf");
+        let others = Kinds::start(&bed.client, vip, &Kind::ALL);
+        let load = OpenLoop::start(&bed.client, vip, RATE, Duration::from_secs(2));
+        std::thread::sleep(Duration::from_secs(secs() / 2));
+        let at = load.start.elapsed();
+        let t0 = std::time::Instant::now();
+        if fault == "hung" {
+            bed.signal_backend(2, libc::SIGSTOP);
+        } else {
+            bed.backend_admin(2, "delay_ms=25").unwrap();
+        }
+        let left = bed.wait_place(&addr(2), "outer", t0, Duration::from_secs(5));
+        std::thread::sleep(Duration::from_secs(secs() / 2));
+        let outcomes = load.stop();
+        if fault == "hung" {
+            bed.signal_backend(2, libc::SIGCONT);
+        }
+        others.stop();
+        let left = left.expect("the backend left");
+        let after = at + left;
+        let (by, _) = tally(&outcomes, after, Duration::from_secs(3600));
+        let total: u32 = by.values().sum();
+        let share = f64::from(*by.get("b2").unwrap_or(&0)) / f64::from(total.max(1));
+        println!(
+            "among all kinds, {fault} backend b2 left the inner ring {} ms after; it took {:.1}% of the {total} ordinary requests after",
+            left.as_millis(),
+            share * 100.0
+        );
+        assert!(left <= Duration::from_millis(bound), "{fault}: {left:?}");
+        if fault != "hung" {
+            assert!(share <= 0.02, "{fault}: {share}");
+        }
     }
 }

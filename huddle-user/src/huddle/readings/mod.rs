@@ -8,7 +8,7 @@
 //! its probe latency against the inner ring's median probe latency.
 
 use crate::{
-    config::{BackendOptions, Huddle as Settings, Proto, Service},
+    config::{BackendOptions, Huddle as Settings, LatencyMode, Proto, Service},
     huddle::rotation::{Engine, Move, Place, Reason},
     huddle::thermal::{self, Components, Reading},
     net::probe::ProbeResult,
@@ -19,6 +19,7 @@ use std::{collections::VecDeque, time::Duration};
 pub use window::Window;
 use window::{percentile, window, TickSamples, WINDOW_TICKS};
 
+mod connect;
 mod window;
 
 /// The least time an answer may be owed before new flows pass the backend
@@ -70,6 +71,11 @@ pub struct Tracker {
     /// DSR with the backend's agent timing requests: its exact figures,
     /// which calibrate the ACK clock (`agent_scraped`).
     pub agent: Option<AgentCal>,
+    /// The service's `latency`: which figure judges it, and whether its
+    /// request turns are owed at all.
+    pub latency: LatencyMode,
+    /// Connect samples (`latency = "connect"`).
+    pub connect: Option<connect::ConnectWindow>,
 }
 
 /// The backend agent's exact time to first byte against the ACK clock's
@@ -129,6 +135,26 @@ impl Tracker {
             clear_pulse: false,
             rtt: None,
             agent: None,
+            latency: LatencyMode::Auto,
+            connect: None,
+        }
+    }
+
+    /// `latency = "connect"`: this tick's connect figures.
+    pub fn observe_connect_time(&mut self, stats: &BackendStats, hist: &Latency, min_samples: u64) {
+        self.connect
+            .get_or_insert_with(connect::ConnectWindow::default)
+            .observe(stats, hist, min_samples);
+    }
+
+    /// The window this backend's latency is judged on: request samples,
+    /// connect samples, or none (the service's `latency`).
+    #[must_use]
+    pub fn judged_window(&self) -> Option<&Window> {
+        match self.latency {
+            LatencyMode::Auto | LatencyMode::Ttfb => Some(&self.window),
+            LatencyMode::Connect => self.connect.as_ref().map(|c| &c.window),
+            LatencyMode::Off => None,
         }
     }
 
@@ -315,12 +341,13 @@ impl Tracker {
         hung_after: Duration,
     ) {
         let hung_ns = hung_after.as_nanos() as u64;
-        if let Some(age) = owed(
-            pulse.turn_wait_ns,
-            now_ns,
-            stats.flows_new,
-            &mut self.wait_seen,
-        ) {
+        // With `latency = "connect"` or `"off"` a request owes nothing.
+        let turns = if self.latency.turns() {
+            pulse.turn_wait_ns
+        } else {
+            0
+        };
+        if let Some(age) = owed(turns, now_ns, stats.flows_new, &mut self.wait_seen) {
             let (_, flows_then) = self.wait_seen.unwrap_or_default();
             let opened = stats.flows_new.wrapping_sub(flows_then);
             // One turn owed long is no fault (a long poll, a stream, an
@@ -422,6 +449,7 @@ impl ServiceHuddle {
     #[must_use]
     pub fn new(service: &Service, ids: &[u32], s: &Settings, now: Duration) -> ServiceHuddle {
         let weights: Vec<f64> = service.options.iter().map(|o| o.weight).collect();
+        let latency = service.latency;
         let mut params = s.rotation_params;
         if !s.rotation {
             params.warmup = Duration::ZERO;
@@ -431,7 +459,11 @@ impl ServiceHuddle {
             trackers: ids
                 .iter()
                 .zip(&service.options)
-                .map(|(id, o)| Tracker::new(*id, o.clone(), service.proto == Proto::Udp))
+                .map(|(id, o)| {
+                    let mut t = Tracker::new(*id, o.clone(), service.proto == Proto::Udp);
+                    t.latency = latency;
+                    t
+                })
                 .collect(),
             rotation: s.rotation,
             answer_p99_ms: None,
@@ -471,8 +503,10 @@ impl ServiceHuddle {
             .map_or(hung, |p99| Duration::from_secs_f64(2.0 * p99 / 1e3))
             .clamp(PASS_OVER_MIN.min(hung), hung);
         let syn = turn.max(Duration::from_millis(20)).min(s.syn_timeout);
+        // Requests owe nothing under `latency = "connect"` or `"off"`.
+        let turns = self.trackers.first().is_none_or(|t| t.latency.turns());
         huddle_common::Tuning {
-            turn_skip_ns: turn.as_nanos() as u64,
+            turn_skip_ns: if turns { turn.as_nanos() as u64 } else { 0 },
             syn_skip_ns: syn.as_nanos() as u64,
             two_choices: u32::from(s.two_choices),
             maglev_size: 0,
@@ -491,7 +525,9 @@ impl ServiceHuddle {
             .iter()
             .enumerate()
             .map(|(i, t)| {
-                self.engine.members[i].place == Place::Inner && t.window.samples >= s.min_samples
+                self.engine.members[i].place == Place::Inner
+                    && t.judged_window()
+                        .is_some_and(|w| w.samples >= s.min_samples)
             })
             .collect();
         // Medians, not means: a handful of long turns (long polls, a slow
@@ -505,7 +541,7 @@ impl ServiceHuddle {
             inner
                 .iter()
                 .filter(|i| use_requests[**i])
-                .filter_map(|i| self.trackers[*i].window.p50_ms),
+                .filter_map(|i| self.trackers[*i].judged_window()?.p50_ms),
         );
         self.ring_p50_ms = req_median;
         let probe_median =
@@ -520,13 +556,14 @@ impl ServiceHuddle {
             let mut r = t.reading();
             let median = if use_requests[i] {
                 t.latency_source = match (&t.rtt, t.agent.as_ref().and_then(|a| a.bias_ms)) {
+                    _ if t.latency == LatencyMode::Connect => "connect",
                     (_, Some(_)) => "ack-clock, agent-calibrated",
                     (Some(_), None) => "ack-clock",
                     (None, None) => "request",
                 };
-                r.latency_ms = t.window.p50_ms;
+                r.latency_ms = t.judged_window().and_then(|w| w.p50_ms);
                 req_median
-            } else if let Some(p) = t.probe_ms() {
+            } else if let Some(p) = t.probe_ms().filter(|_| t.latency != LatencyMode::Off) {
                 t.latency_source = "probe";
                 r.latency_ms = Some(p);
                 probe_median

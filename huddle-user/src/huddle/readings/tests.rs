@@ -175,3 +175,59 @@ fn hung_after_and_pass_over_follow_the_rings_own_answer_times() {
     // UDP backends need not answer: never passed over.
     assert_eq!(h.tuning(&s, true), huddle_common::Tuning::default());
 }
+
+/// `latency = "connect"`: the backend is judged on its SYN-ACK times, and
+/// a request owes nothing (an opaque stream's turns say nothing), so new
+/// connections whose requests go unanswered do not make it hung, nor does
+/// the kernel pass it over for them; unanswered SYNs still count.
+#[test]
+fn with_latency_connect_requests_owe_nothing_and_connect_times_judge() {
+    let s = settings();
+    let mut svc = Service::plain(
+        "1.1.1.1:1".parse().unwrap(),
+        Proto::Tcp,
+        vec!["2.2.2.2:2".parse().unwrap(), "2.2.2.3:2".parse().unwrap()],
+    );
+    svc.latency = LatencyMode::Connect;
+    let mut h = ServiceHuddle::new(&svc, &[0, 1], &s, Duration::ZERO);
+    h.answer_p99_ms = Some(11.0);
+    let t = h.tuning(&s, false);
+    assert_eq!(t.turn_skip_ns, 0, "requests never make it passed over");
+    assert_eq!(t.syn_skip_ns, 22_000_000, "SYNs still do");
+    let ms = 1_000_000u64;
+    let owes = Pulse {
+        turn_wait_ns: 1000 * ms,
+        syn_wait_ns: 0,
+    };
+    let tr = &mut h.trackers[0];
+    for (flows, at) in [(1, 1100), (5, 1500), (9, 3000)] {
+        tr.observe(
+            &stats(0, 0, flows),
+            &Latency::default(),
+            &owes,
+            at * ms,
+            &s,
+            s.hung_after,
+        );
+        assert_eq!(tr.kernel_fault, None, "hung from an unanswered request");
+    }
+    // Its connect times are what it is judged on.
+    let mut connects = stats(0, 0, 0);
+    for (n, sample_ms) in [(0u64, 0u64), (12, 2), (24, 2)] {
+        connects.syn_acks = n;
+        connects.connect_ns = n * sample_ms * ms;
+        tr.observe_connect_time(
+            &connects,
+            &hist_of(&vec![sample_ms; n as usize]),
+            s.min_samples,
+        );
+    }
+    let w = tr.judged_window().unwrap();
+    assert!(
+        w.samples >= s.min_samples && w.p50_ms.unwrap() < 3.0,
+        "{w:?}"
+    );
+    // `off`: no window judges it.
+    tr.latency = LatencyMode::Off;
+    assert!(tr.judged_window().is_none());
+}
