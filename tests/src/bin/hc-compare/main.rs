@@ -104,6 +104,7 @@ fn opts() -> Result<Opts> {
         None => scenario::ALL.to_vec(),
         Some(want) => scenario::ALL
             .iter()
+            .chain(&scenario::EXTRA)
             .copied()
             .filter(|s| want.iter().any(|w| w == s.slug()))
             .collect(),
@@ -184,6 +185,8 @@ fn one(
     } else {
         0.0
     };
+    let kinds = (s == Scenario::Mixed)
+        .then(|| testbed::kinds::Kinds::start(&bed.client, b.vip(), &testbed::kinds::Kind::ALL));
     let load = OpenLoop::sessions(&bed.client, b.vip(), o.rate, o.timeout, o.per_conn);
     let total = Duration::from_secs_f64(o.secs);
     let mut done = false;
@@ -195,6 +198,12 @@ fn one(
         thread::sleep(scenario::STEP);
     }
     let outcomes = load.stop();
+    if let Some(k) = kinds {
+        let failed: u64 = k.stop().values().map(|(_, f)| f).sum();
+        if failed > 0 {
+            println!("      other kinds of traffic: {failed} exchanges failed");
+        }
+    }
     let mut rotations = Vec::new();
     if b.is_xdp() {
         let st = bed.status()?;

@@ -18,6 +18,9 @@ pub enum Scenario {
     Hung,
     /// Slowly degrading from 1x to 5x over the whole run.
     Degrading,
+    /// No fault, and beside the open loop every kind of `testbed::kinds`
+    /// (uploads, long polls, streams, idle keep-alives, ...): real traffic.
+    Mixed,
 }
 
 pub const ALL: [Scenario; 5] = [
@@ -28,6 +31,9 @@ pub const ALL: [Scenario; 5] = [
     Scenario::Degrading,
 ];
 
+/// Run only when named (`--scenarios mixed`): minutes more per balancer.
+pub const EXTRA: [Scenario; 1] = [Scenario::Mixed];
+
 impl Scenario {
     pub fn name(self) -> &'static str {
         match self {
@@ -36,6 +42,9 @@ impl Scenario {
             Scenario::Killed => "one backend killed at halfway",
             Scenario::Hung => "one backend hung at halfway (SIGSTOP)",
             Scenario::Degrading => "one backend degrading 1x -> 5x over the run",
+            Scenario::Mixed => {
+                "mixed traffic: uploads, long polls, streams, idle keep-alives beside the load"
+            }
         }
     }
 
@@ -46,6 +55,7 @@ impl Scenario {
             Scenario::Killed => "killed",
             Scenario::Hung => "hung",
             Scenario::Degrading => "degrading",
+            Scenario::Mixed => "mixed",
         }
     }
 
@@ -53,7 +63,7 @@ impl Scenario {
     /// backend and the plots), as a fraction of the run.
     pub fn fault_at(self) -> f64 {
         match self {
-            Scenario::Normal | Scenario::Degrading => 0.0,
+            Scenario::Normal | Scenario::Degrading | Scenario::Mixed => 0.0,
             _ => 0.5,
         }
     }
@@ -62,7 +72,7 @@ impl Scenario {
     /// fraction of the run; makes the backend degrade on schedule.
     pub fn drive(self, bed: &Testbed, base_ms: f64, frac: f64, done: &mut bool) -> Result<()> {
         match self {
-            Scenario::Normal => {}
+            Scenario::Normal | Scenario::Mixed => {}
             Scenario::Degrading => {
                 let ms = base_ms * (1.0 + 4.0 * frac.clamp(0.0, 1.0));
                 bed.backend_admin(DEGRADED, &format!("delay_ms={ms:.2}"))?;
