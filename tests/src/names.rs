@@ -42,18 +42,26 @@ pub fn unique(tag: &str) -> String {
 }
 
 /// For the tools (`hc-demo`, `hc-compare`): on SIGINT or SIGTERM, remove
-/// this process's namespaces, the processes in them and its pins, then
-/// exit.
+/// this process's namespaces, the processes in them, its pins and its
+/// testbed folders, then exit.
 pub fn remove_on_signal() {
-    huddle_user::sys::netns::remove_on_signal(drop_own_pins);
+    huddle_user::sys::netns::remove_on_signal(drop_own_leftovers);
 }
 
-/// Removes the pins of this process's balancers.
-fn drop_own_pins() {
+/// Removes the pins of this process's balancers and its testbeds' folders
+/// (logs, sockets), which their `Drop` would have removed. Measured: the
+/// `cli` tests, which stop `hc-demo` with a signal, left one folder a run.
+fn drop_own_leftovers() {
     let own = format!("{NAME_PREFIX}{}-", std::process::id());
     for d in std::fs::read_dir(PIN_ROOT).into_iter().flatten().flatten() {
         if d.file_name().to_string_lossy().starts_with(&own) {
             drop_pins(&d.path());
+        }
+    }
+    let tmp = std::env::temp_dir();
+    for d in std::fs::read_dir(&tmp).into_iter().flatten().flatten() {
+        if d.file_name().to_string_lossy().starts_with(&own) {
+            let _ = std::fs::remove_dir_all(d.path());
         }
     }
 }
