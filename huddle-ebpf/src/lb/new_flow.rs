@@ -95,7 +95,7 @@ pub fn new_flow<F: Balanced>(
         Earlier::Silent { avoid, retries } => (avoid, retries),
         Earlier::None => (NO_BACKEND, 0),
     };
-    let mut backend_id = select::choose(service, avoid, now);
+    let mut backend_id = select::choose(service, avoid, now, cfg.maglev_seed);
     if backend_id == NO_BACKEND {
         // Only the silent backend is left: a fresh tuple toward it.
         backend_id = avoid;

@@ -7,7 +7,7 @@
 //! aim at one.
 
 use crate::{
-    lb::maps::{CONFIG, MAGLEV, RING_GEN},
+    lb::maps::{MAGLEV, RING_GEN},
     lb::scratch,
 };
 use core::ptr::read_volatile;
@@ -20,9 +20,8 @@ const READ_TRIES: u32 = 3;
 /// hash (for when the first must be passed over); `None` if the table
 /// cannot be read.
 #[inline(always)]
-pub fn pick(service: u32, size: u32) -> Option<(u32, u32)> {
+pub fn pick(service: u32, size: u32, seed: u64) -> Option<(u32, u32)> {
     let flow = scratch::flow_key()?;
-    let seed = CONFIG.get(0)?.maglev_seed;
     // SAFETY: this CPU's element, used by this run only.
     let h = unsafe { (*flow).hash(seed) };
     let size = u64::from(size);

@@ -25,10 +25,11 @@ use huddle_common::{verdict::NO_BACKEND, Tuning};
 /// takes one in `TRICKLE` of its flows; if both are past, the next two
 /// entries are taken as they come. With Maglev (`Tuning::maglev_size`) the
 /// flow's entry in the service's table, never passed over; its second
-/// entry only when the first is `avoid`. `NO_BACKEND` when the ring is empty or
+/// entry only when the first is `avoid` (`maglev_seed`: the caller's
+/// `KernelConfig::maglev_seed`, already read). `NO_BACKEND` when the ring is empty or
 /// offers only `avoid`.
 #[inline(never)]
-pub fn choose(service: u32, avoid: u32, now: u64) -> u32 {
+pub fn choose(service: u32, avoid: u32, now: u64, maglev_seed: u64) -> u32 {
     let Some(limits) = TUNING.get_ptr(service) else {
         return NO_BACKEND;
     };
@@ -36,7 +37,7 @@ pub fn choose(service: u32, avoid: u32, now: u64) -> u32 {
     let limits = unsafe { &*limits };
     let maglev = limits.maglev_size != 0;
     let entries = if maglev {
-        maglev::pick(service, limits.maglev_size)
+        maglev::pick(service, limits.maglev_size, maglev_seed)
     } else {
         ring::pick(service)
     };
@@ -65,13 +66,10 @@ pub fn choose(service: u32, avoid: u32, now: u64) -> u32 {
             let two = limits.two_choices != 0 && b != avoid && sb < sa;
             return if two { b } else { a };
         }
-        if sa & SYN_LATE == 0 && trickle() {
-            return a;
-        }
         bump(&BACKEND_STATS, a, |s| s.skipped_owing += 1);
     }
     if b != avoid && b != a {
-        if sb & LATE == 0 || (sb & SYN_LATE == 0 && trickle()) {
+        if sb & LATE == 0 {
             return b;
         }
         bump(&BACKEND_STATS, b, |s| s.skipped_owing += 1);
@@ -107,12 +105,11 @@ const TRICKLE: u32 = 2;
 
 /// Set in `look`'s answer when the backend owes past a limit.
 const LATE: u64 = 1 << 63;
-/// Set with `LATE` when the SYN-ACK is what it owes past its limit.
-const SYN_LATE: u64 = 1 << 62;
 
 /// How long backend `id` has owed an answer or a SYN-ACK at `now` (the
 /// longer of the two, in ns; 0: nothing), with `LATE` set when either is
-/// past its limit (0: no limit). A wait started on another CPU after `now`
+/// past its limit (0: no limit; a turn past it, one time in `TRICKLE`
+/// not). A wait started on another CPU after `now`
 /// was read counts as none.
 #[inline(always)]
 fn look(id: u32, now: u64, limits: &Tuning) -> u64 {
@@ -135,10 +132,10 @@ fn look(id: u32, now: u64, limits: &Tuning) -> u64 {
         }
     };
     let (turn, syn) = (age(turn), age(syn));
-    let syn_late = limits.syn_skip_ns != 0 && syn > limits.syn_skip_ns;
-    let late = syn_late || (limits.turn_skip_ns != 0 && turn > limits.turn_skip_ns);
+    // Past the turn limit, one flow in `TRICKLE` still takes it; past the
+    // SYN limit, none.
+    let late = (limits.syn_skip_ns != 0 && syn > limits.syn_skip_ns)
+        || (limits.turn_skip_ns != 0 && turn > limits.turn_skip_ns && !trickle());
     let longer = if turn > syn { turn } else { syn };
-    (longer & !(LATE | SYN_LATE))
-        | if late { LATE } else { 0 }
-        | if syn_late { SYN_LATE } else { 0 }
+    (longer & !LATE) | if late { LATE } else { 0 }
 }

@@ -80,7 +80,7 @@ pub fn plan<F: Lookup>(cfg: &KernelConfig) -> *mut HalfOpen {
     let id = if tuple {
         old
     } else {
-        select::choose(service, old, now)
+        select::choose(service, old, now, cfg.maglev_seed)
     };
     let Some(backend) = BACKENDS.get(id) else {
         return none;
