@@ -68,6 +68,14 @@ fn window_takes_newest_ticks_until_enough_samples() {
     assert!((40.0..=62.5).contains(&p50), "{p50}");
 }
 
+/// A tick in which `t` still owes what `owes` says, `opened` connections
+/// opened so far, nothing answered, at `at_ms`: the fault it leaves.
+fn owing(t: &mut Tracker, owes: &Pulse, opened: u64, at_ms: u64, s: &Settings) -> Option<String> {
+    let (l, at) = (Latency::default(), at_ms * 1_000_000);
+    t.observe(&stats(0, 0, opened), &l, owes, at, s, s.hung_after);
+    t.kernel_fault.clone()
+}
+
 #[test]
 fn a_backend_owing_answers_too_long_is_hung() {
     let s = settings();
@@ -77,56 +85,18 @@ fn a_backend_owing_answers_too_long_is_hung() {
         turn_wait_ns: 1000 * ms,
         syn_wait_ns: 0,
     };
-    t.observe(
-        &stats(0, 0, 1),
-        &Latency::default(),
-        &owes,
-        1100 * ms,
-        &s,
-        s.hung_after,
-    );
-    assert_eq!(t.kernel_fault, None);
+    assert_eq!(owing(&mut t, &owes, 1, 1100, &s), None);
     // One turn, 250 ms: a slow request, not yet hung.
-    t.observe(
-        &stats(0, 0, 1),
-        &Latency::default(),
-        &owes,
-        1250 * ms,
-        &s,
-        s.hung_after,
-    );
-    assert_eq!(t.kernel_fault, None);
+    assert_eq!(owing(&mut t, &owes, 1, 1250, &s), None);
     // Held 3 s with nothing else coming (a long poll on a quiet
     // backend): still not hung, as nothing new went unanswered.
-    t.observe(
-        &stats(0, 0, 1),
-        &Latency::default(),
-        &owes,
-        4000 * ms,
-        &s,
-        s.hung_after,
-    );
-    assert_eq!(t.kernel_fault, None);
+    assert_eq!(owing(&mut t, &owes, 1, 4000, &s), None);
     // One new connection opened and unanswered: not yet.
-    t.observe(
-        &stats(0, 0, 2),
-        &Latency::default(),
-        &owes,
-        4010 * ms,
-        &s,
-        s.hung_after,
-    );
-    assert_eq!(t.kernel_fault, None);
+    assert_eq!(owing(&mut t, &owes, 2, 4010, &s), None);
     // A second: hung.
-    t.observe(
-        &stats(0, 0, 3),
-        &Latency::default(),
-        &owes,
-        4020 * ms,
-        &s,
-        s.hung_after,
-    );
-    assert!(t.kernel_fault.as_deref().unwrap().starts_with("hung"));
+    assert!(owing(&mut t, &owes, 3, 4020, &s)
+        .unwrap()
+        .starts_with("hung"));
     // Any answer clears the pulse, and the fault.
     t.observe(
         &stats(1, 300, 3),
