@@ -119,6 +119,11 @@ counters!(
         /// (also counted in `flows_closed`); the idle sweep's removals of
         /// such flows are counted with the rest in `SWEPT`.
         udp_unconfirmed_freed,
+        /// DSR turns whose answer the client acknowledged only with its
+        /// next request (the ACK rode on new data): answered, but the wait
+        /// holds the client's own time before that request (held-back
+        /// ACKs, think time), so it is no sample (`lb::latency::ackclock`).
+        unclocked,
     }
 );
 

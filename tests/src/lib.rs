@@ -7,6 +7,7 @@
 //! and a counter; everything is removed on drop, also when a test fails.
 
 mod addrs;
+pub mod adversary;
 mod bed;
 pub mod kinds;
 mod names;

@@ -208,6 +208,30 @@ fn the_ack_clock_times_handshakes_and_requests_from_the_clients_segments() {
         env.dp.pulse(env.dp.services[0].backend_ids[i]).unwrap()
     };
     assert_eq!(pulse.turn_wait_ns, 0, "nothing owed any more");
+    // A keep-alive request, then the next one carrying the ACK of the
+    // first's answer (held back, or the client's think time): answered,
+    // not timed; the new request's turn starts.
+    let request = |seq: u32, ack: u32| {
+        client(42000, L2)
+            .flags(ACK | PSH)
+            .seq_ack(seq, ack)
+            .payload(b"GET / HTTP/1.1\r\n\r\n")
+            .build()
+    };
+    env.run(&request(128, 7200)).unwrap();
+    std::thread::sleep(std::time::Duration::from_millis(40));
+    env.run(&request(146, 7400)).unwrap();
+    let st = stats(&env, 0, b);
+    assert_eq!(
+        (st.turns, st.answered, st.unclocked),
+        (3, 1, 1),
+        "an ACK on new data is no sample: {st:?}"
+    );
+    // Its answer acknowledged on its own: a sample again.
+    env.run(&client(42000, L2).flags(ACK).seq_ack(164, 7600).build())
+        .unwrap();
+    let st = stats(&env, 0, b);
+    assert_eq!((st.answered, st.unclocked), (2, 1));
 }
 
 /// The balancer sees only the client's side of a DSR flow, and that is

@@ -193,3 +193,93 @@ fn among_all_kinds_a_slow_or_hung_backend_still_leaves() {
         }
     }
 }
+
+/// Seconds of each adversary run (`HC_ADV_SECS`, default the 30).
+fn adv_secs() -> u64 {
+    std::env::var("HC_ADV_SECS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(30)
+        .clamp(3, 120)
+}
+
+/// An adversary opening 2% of the connections (4 a second beside the
+/// 200), each asking which backend it reached and working only those that
+/// reached b2, as well as a client can aim: dribbled requests in SNAT,
+/// held-back ACKs in `dsr-l2` (the balancer's ACK clock reads the answer
+/// from them). No backend may leave or be called unhealthy.
+#[test]
+fn an_adversary_aimed_at_one_backend_moves_nothing() {
+    use testbed::adversary::{Adversary, Trick};
+    require_root();
+    let _one = serial();
+    let mut broken = Vec::new();
+    for (mode, trick) in [("snat", Trick::Dribble), ("dsr-l2", Trick::HoldAcks)] {
+        let (bed, vip) = if mode == "snat" {
+            (started("kadv"), (VIP, 80).into())
+        } else {
+            let mut bed = Testbed::plain("kadvd", N).expect("build testbed");
+            bed.start_backends_with(Path::new(BACKEND), &["--delay-ms", "5"])
+                .expect("start backends");
+            bed.dsr_backends(Path::new(HUDDLE), false)
+                .expect("DSR backends");
+            let vip = format!("{VIP}:{}", testbed::HTTP_PORT);
+            let mut args = vec!["--vip".to_string(), vip, "--mode".into(), mode.into()];
+            for i in 0..N {
+                args.push("--backend".into());
+                args.push(format!("{}:{}", testbed::backend_ip(i), testbed::HTTP_PORT));
+            }
+            let args: Vec<&str> = args.iter().map(String::as_str).collect();
+            bed.start_huddle(Path::new(HUDDLE), &args)
+                .expect("start huddle");
+            (bed, (VIP, testbed::HTTP_PORT).into())
+        };
+        let adv = Adversary::start(&bed, vip, "b2", RATE * 0.02, trick).expect("adversary");
+        let load = OpenLoop::start(&bed.client, vip, RATE, Duration::from_secs(2));
+        std::thread::sleep(Duration::from_secs(adv_secs()));
+        let outcomes = load.stop();
+        let t = adv.stop();
+        let (by, failed) = tally(&outcomes, Duration::ZERO, Duration::from_secs(3600));
+        let total: u32 = by.values().sum();
+        let shares: Vec<String> = (0..N)
+            .map(|i| {
+                let n = f64::from(*by.get(&format!("b{i}")).unwrap_or(&0));
+                format!("{:.1}%", 100.0 * n / f64::from(total.max(1)))
+            })
+            .collect();
+        let moves: Vec<String> = bed
+            .huddle_log()
+            .lines()
+            .filter(|l| l.contains("-> outer ring") || l.contains("unhealthy"))
+            .map(str::to_string)
+            .collect();
+        let b2 = bed.status().ok().and_then(|st| {
+            let b = st.services[0]
+                .backends
+                .iter()
+                .find(|b| b.addr.starts_with(&format!("{}:", testbed::backend_ip(2))))?;
+            Some(format!(
+                "t={:.2} p50={:?} samples={}",
+                b.temperature, b.p50_ms, b.samples
+            ))
+        });
+        println!(
+            "{mode} adversary ({trick:?}) for {} s: {t:?}; {} moves out; ordinary shares {}, {} failed; b2 at the end {b2:?}",
+            adv_secs(),
+            moves.len(),
+            shares.join(" / "),
+            failed.len()
+        );
+        for l in &moves {
+            println!("  {l}");
+        }
+        if !moves.is_empty() || !failed.is_empty() || t.aimed == 0 {
+            broken.push(format!(
+                "{mode}: {} moves, {} failed, {t:?}",
+                moves.len(),
+                failed.len()
+            ));
+        }
+    }
+    assert!(broken.is_empty(), "{broken:#?}");
+}

@@ -6,12 +6,15 @@
 //! after the backend's first answer byte. So connect samples are SYN-ACK
 //! time plus a round trip, and request samples time to first byte plus a
 //! round trip (the control plane subtracts the backend's own median
-//! connect sample, its clients' round trip, from them). A request whose
-//! client acknowledges nothing new is a turn the backend still owes, as
-//! in SNAT mode, so a hung backend shows in `PULSE` the same way.
+//! connect sample, its clients' round trip, from them). Only an ACK
+//! without data times an answer: one riding on the client's next request
+//! came when the client chose to write. A request whose client
+//! acknowledges nothing new is a turn the backend still owes, as in SNAT
+//! mode, so a hung backend shows in `PULSE` the same way.
 
 use crate::{
     lb::latency::timing,
+    lb::maps::{bump, BACKEND_STATS},
     net::family::Family,
     net::parse::{Packet, TCP_ACK, TCP_PSH, TCP_RST},
 };
@@ -58,7 +61,14 @@ pub fn request<F: Family>(f: *mut FlowValue, p: &Packet<F>, backend: u32) {
             flags &= !flow_flags::TURN_WAIT;
             (*f).flags = flags;
             timing::settle(backend, false, true);
-            timing::ttfb_sample(backend, now.wrapping_sub((*f).turn_ns));
+            // An ACK on the next request says when the client wrote it,
+            // not when the answer came: a client holding back its ACKs
+            // would time a healthy backend as slow as it likes.
+            if data {
+                bump(&BACKEND_STATS, backend, |s| s.unclocked += 1);
+            } else {
+                timing::ttfb_sample(backend, now.wrapping_sub((*f).turn_ns));
+            }
         }
         if data {
             // More of an unanswered request restarts its wait (the
