@@ -28,6 +28,41 @@ impl Default for Latency {
     }
 }
 
+/// Per backend, per CPU: the source (a client's /24, or /64) that gives
+/// most of the backend's request samples, as a two-counter Misra-Gries
+/// summary: a source in a slot raises its count, any other source takes
+/// a slot at 0 or else lowers both. A source with more than a third of
+/// the samples holds a slot, and two heavy sources (a client aiming
+/// turns at the backend beside a big honest one) keep theirs rather than
+/// knocking each other out. The first slot's samples go to
+/// `LATENCY_HEAVY`, all others to `LATENCY`, so no one source can make a
+/// backend look slow by itself (the control plane takes the lower of the
+/// two medians).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct HeavySource {
+    /// `source_prefix` of the sources holding the slots, and their counts.
+    pub prefix: [u64; 2],
+    pub count: [u64; 2],
+}
+shared!(HeavySource, 32);
+
+/// The most `HeavySource::count` grows: a heavy source that stops is
+/// displaced after this many samples from others.
+pub const HEAVY_HOLD: u64 = 32;
+
+/// A client address's source for `HeavySource`: its /24 (IPv4, tagged so
+/// it is no IPv6 prefix) or its /64.
+#[inline(always)]
+#[must_use]
+pub fn source_prefix(a: &crate::Addr, family: u8) -> u64 {
+    if family == crate::FAMILY_V4 {
+        (1 << 63) | u64::from(a[0]) << 16 | u64::from(a[1]) << 8 | u64::from(a[2])
+    } else {
+        u64::from_be_bytes([a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7]])
+    }
+}
+
 /// Per backend, shared by all CPUs: `bpf_ktime_get_ns()` since when the
 /// backend owes an answer, 0 when it owes none. Plain stores: a lost race
 /// only delays detection until the next request.

@@ -59,7 +59,9 @@ pub use gen::*;
 pub use halfopen::*;
 pub use hash::*;
 pub use hop::*;
-pub use latency::{latency_bucket, Latency, Pulse, LATENCY_BUCKETS};
+pub use latency::{
+    latency_bucket, source_prefix, HeavySource, Latency, Pulse, HEAVY_HOLD, LATENCY_BUCKETS,
+};
 pub use limits::*;
 pub use maglev::*;
 pub use nat::*;

@@ -47,6 +47,13 @@ pub const GLOBAL_STATS: &str = "GLOBAL_STATS";
 /// `PerCpuArray<Latency>` indexed by backend id: time-to-first-byte
 /// histogram.
 pub const LATENCY: &str = "LATENCY";
+/// `PerCpuArray<Latency>` indexed by backend id: the time-to-first-byte
+/// samples of the backend's heavy source (`HEAVY`); `LATENCY` has the
+/// rest.
+pub const LATENCY_HEAVY: &str = "LATENCY_HEAVY";
+/// `PerCpuArray<HeavySource>` indexed by backend id: the client /24s
+/// (/64s) that give most of this CPU's samples of the backend.
+pub const HEAVY: &str = "HEAVY";
 /// `PerCpuArray<Latency>` indexed by backend id: SYN to SYN-ACK
 /// (connect time) histogram.
 pub const CONNECT: &str = "CONNECT";
@@ -113,7 +120,7 @@ pub const GUARDED: &str = "GUARDED";
 /// `Array<GuardFilter>`, one element: which addresses `GUARDED` may
 /// hold, a bit per hash (`guard_bit`); written as a superset of it.
 pub const GUARD_FILTER: &str = "GUARD_FILTER";
-pub const ALL: [&str; 33] = [
+pub const ALL: [&str; 35] = [
     SERVICES,
     SERVICES6,
     SERVICE_INDEX,
@@ -129,6 +136,8 @@ pub const ALL: [&str; 33] = [
     SERVICE_STATS,
     GLOBAL_STATS,
     LATENCY,
+    LATENCY_HEAVY,
+    HEAVY,
     PULSE,
     HALF_OPEN,
     HALF_OPEN_NAT,

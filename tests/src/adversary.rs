@@ -32,6 +32,13 @@ pub enum Trick {
     /// ACK (an nft rule drops them), so the answer is acknowledged only by
     /// the next request, sent `HOLD` after the answer came.
     HoldAcks,
+    /// As `HoldAcks`, but the ACK is let out late on its own: pure ACKs
+    /// are dropped while each answer comes, then allowed again, and the
+    /// backend's retransmission of the unacknowledged answer (its RTO,
+    /// about 200 ms) draws a pure ACK from the client's kernel, which the
+    /// balancer takes as the answer's arrival. What a client crafting its
+    /// own segments does at any delay it likes.
+    LateAcks,
 }
 
 /// How long a held-back ACK waits: 5x the testbed backends' 5 ms, the
@@ -142,17 +149,25 @@ fn host(bed: &Testbed, trick: Trick) -> Result<Netns> {
     for other in std::iter::once(&bed.lb).chain(&bed.backends) {
         other.ip(&["route", "add", "10.213.7.0/24", "dev", "eth0"])?;
     }
-    if trick == Trick::HoldAcks {
+    if trick != Trick::Dribble {
         ns.exec("nft", &["add", "table", "ip", "adv"])?;
         ns.exec(
             "nft",
             &["add chain ip adv out { type filter hook output priority 0 ; }"],
         )?;
         // Segments with only ACK set and no payload (a 20-byte IP header,
-        // up to 60 bytes of TCP header with options).
+        // up to 60 bytes of TCP header with options); `LateAcks` marks
+        // its socket while it holds them.
+        let only = if trick == Trick::LateAcks {
+            "meta mark 1 "
+        } else {
+            ""
+        };
         ns.exec(
             "nft",
-            &["add rule ip adv out tcp flags & (fin|syn|rst|psh|ack) == ack ip length < 81 drop"],
+            &[&format!(
+                "add rule ip adv out {only}tcp flags & (fin|syn|rst|psh|ack) == ack ip length < 81 drop"
+            )],
         )?;
     }
     Ok(ns)
@@ -190,8 +205,19 @@ fn connection(
                 thread::sleep(HOLD);
                 s.write_all(b"GET / HTTP/1.1\r\nHost: vip\r\n\r\n")?;
             }
+            Trick::LateAcks => {
+                mark(&s, 1)?;
+                s.write_all(b"GET / HTTP/1.1\r\nHost: vip\r\n\r\n")?;
+            }
         }
         body(&mut r)?;
+        if trick == Trick::LateAcks {
+            // The answer is in, its ACK dropped: let the next pure ACK
+            // (to the backend's retransmission) out before writing again.
+            thread::sleep(HOLD);
+            mark(&s, 0)?;
+            thread::sleep(Duration::from_millis(300));
+        }
         c[2].fetch_add(1, Ordering::Relaxed);
     }
     Ok(())
@@ -215,4 +241,23 @@ fn body(r: &mut BufReader<TcpStream>) -> Result<String> {
     let mut b = vec![0u8; len.unwrap_or(0)];
     r.read_exact(&mut b)?;
     Ok(String::from_utf8_lossy(&b).trim().to_string())
+}
+
+/// Sets the socket's mark (what the nft rule of `LateAcks` looks for).
+fn mark(s: &TcpStream, v: u32) -> Result<()> {
+    use std::os::fd::AsRawFd;
+    // SAFETY: setsockopt on an open socket with a valid u32 option value.
+    let rc = unsafe {
+        libc::setsockopt(
+            s.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_MARK,
+            std::ptr::from_ref(&v).cast(),
+            std::mem::size_of::<u32>() as libc::socklen_t,
+        )
+    };
+    if rc != 0 {
+        bail!("SO_MARK: {}", std::io::Error::last_os_error());
+    }
+    Ok(())
 }

@@ -201,6 +201,17 @@ pub static GLOBAL_STATS: PerCpuArray<GlobalStats> = PerCpuArray::with_max_entrie
 #[map]
 pub static LATENCY: PerCpuArray<Latency> = PerCpuArray::with_max_entries(MAX_BACKENDS, 0);
 
+/// Backend id -> this CPU's time-to-first-byte histogram of the samples
+/// of the backend's heavy source (`HEAVY`); `LATENCY` has the others.
+#[map]
+pub static LATENCY_HEAVY: PerCpuArray<Latency> = PerCpuArray::with_max_entries(MAX_BACKENDS, 0);
+
+/// Backend id -> the source that gave most of this CPU's recent samples
+/// of it (`lb::latency::sources`).
+#[map]
+pub static HEAVY: PerCpuArray<huddle_common::HeavySource> =
+    PerCpuArray::with_max_entries(MAX_BACKENDS, 0);
+
 /// Backend id -> this CPU's connect-time (SYN to SYN-ACK) histogram.
 #[map]
 pub static CONNECT: PerCpuArray<Latency> = PerCpuArray::with_max_entries(MAX_BACKENDS, 0);

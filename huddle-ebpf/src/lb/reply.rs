@@ -178,7 +178,7 @@ fn on_flow<F: Balanced>(
         && p.tcp_flags & (TCP_RST | TCP_ACK | TCP_SYN) == TCP_RST | TCP_ACK
         && p.ack == unsafe { (*slot).syn.isn }.wrapping_add(1);
     let stale = awaiting && stale;
-    timing::reply(flow, p, backend);
+    timing::reply(flow, p, backend, &sc.nval.flow);
     if refused || stale {
         sc.retry_tuple = u32::from(stale);
         return true;

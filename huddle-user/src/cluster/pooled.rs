@@ -30,6 +30,10 @@ pub struct BackendReading {
     /// Time-to-first-byte and connect-time histograms (kernel buckets).
     pub ttfb: Vec<u64>,
     pub connect: Vec<u64>,
+    /// The part of `ttfb` from the backend's heavy source (`HeavySource`);
+    /// empty from a build without it.
+    #[serde(default)]
+    pub ttfb_heavy: Vec<u64>,
 }
 
 /// What `/readings` answers.
@@ -59,6 +63,7 @@ pub fn reading(
     backend: SocketAddr,
     st: &BackendStats,
     ttfb: &Latency,
+    heavy: &Latency,
     connect: &Latency,
 ) -> BackendReading {
     let mut stats = Vec::new();
@@ -68,6 +73,7 @@ pub fn reading(
         stats,
         ttfb: ttfb.buckets.to_vec(),
         connect: connect.buckets.to_vec(),
+        ttfb_heavy: heavy.buckets.to_vec(),
     }
 }
 
@@ -75,7 +81,9 @@ pub fn reading(
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct Counts {
     pub stats: BackendStats,
+    /// All time-to-first-byte samples, and those of the heavy source.
     pub ttfb: Latency,
+    pub ttfb_heavy: Latency,
     pub connect: Latency,
 }
 
@@ -89,6 +97,11 @@ impl Counts {
         Some(Counts {
             stats: BackendStats::from_values(&r.stats)?,
             ttfb: hist(&r.ttfb)?,
+            ttfb_heavy: if r.ttfb_heavy.is_empty() {
+                Latency::default()
+            } else {
+                hist(&r.ttfb_heavy)?
+            },
             connect: hist(&r.connect)?,
         })
     }
@@ -97,6 +110,7 @@ impl Counts {
     pub fn add(&mut self, o: &Counts) {
         self.stats.accumulate(&o.stats);
         add_hist(&mut self.ttfb, &o.ttfb);
+        add_hist(&mut self.ttfb_heavy, &o.ttfb_heavy);
         add_hist(&mut self.connect, &o.connect);
     }
 
@@ -112,6 +126,7 @@ impl Counts {
         Some(Counts {
             stats: self.stats.checked_sub(&before.stats)?,
             ttfb: dh(&self.ttfb, &before.ttfb)?,
+            ttfb_heavy: dh(&self.ttfb_heavy, &before.ttfb_heavy)?,
             connect: dh(&self.connect, &before.connect)?,
         })
     }
@@ -198,7 +213,13 @@ mod tests {
             fields: fields(),
             services: [(
                 "10.0.100.1:80/tcp".to_string(),
-                vec![reading(b, &st, &ttfb, &Latency::default())],
+                vec![reading(
+                    b,
+                    &st,
+                    &ttfb,
+                    &Latency::default(),
+                    &Latency::default(),
+                )],
             )]
             .into(),
         }

@@ -24,8 +24,11 @@ impl Balancer {
                 .filter_map(|(id, addr)| {
                     let st = self.dp.backend_stats(*id).ok()?;
                     let ttfb = self.dp.latency(*id).ok()?;
+                    let heavy = self.dp.latency_heavy(*id).unwrap_or_default();
                     let connect = self.dp.connect_latency(*id).unwrap_or_default();
-                    Some(crate::cluster::pooled::reading(*addr, &st, &ttfb, &connect))
+                    Some(crate::cluster::pooled::reading(
+                        *addr, &st, &ttfb, &heavy, &connect,
+                    ))
                 })
                 .collect();
             services.insert(self.cfg.services[si].name(), readings);

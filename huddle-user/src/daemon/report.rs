@@ -133,6 +133,7 @@ impl Balancer {
             agent_ttfb_ms: t.agent.as_ref().and_then(|a| a.ttfb_ms),
             ack_clock_ms: t.agent.as_ref().and_then(|a| a.ack_ms),
             samples: t.window.samples,
+            heavy_samples: t.window.heavy_samples,
             mean_ms: t.window.mean_ms,
             p50_ms: t.window.p50_ms,
             p99_ms: t.window.p99_ms,

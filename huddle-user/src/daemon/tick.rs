@@ -94,6 +94,7 @@ impl Balancer {
         // proof that SYNs arrived.
         tx.answered += if dsr { st.syn_acks } else { st.pkts_from };
         self.watch_nat_reuse(si, bi, id, st.nat_reuse_early);
+        self.huddles[si].trackers[bi].observe_heavy(&all.ttfb_heavy);
         self.huddles[si].trackers[bi].observe(
             &all.stats,
             &all.ttfb,
@@ -122,6 +123,7 @@ impl Balancer {
         let mut own = crate::cluster::pooled::Counts {
             stats: self.dp.backend_stats(id)?,
             ttfb: self.dp.latency(id)?,
+            ttfb_heavy: self.dp.latency_heavy(id)?,
             connect: huddle_common::Latency::default(),
         };
         if connect {

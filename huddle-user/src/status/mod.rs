@@ -114,6 +114,10 @@ pub struct BackendStatus {
     pub ack_clock_ms: Option<f64>,
     /// Request latency (time to first byte) over the newest ticks.
     pub samples: u64,
+    /// Of those, the heaviest client /24's (/64's): the median is the
+    /// lower of its and the others' when both have enough.
+    #[serde(default)]
+    pub heavy_samples: u64,
     pub mean_ms: Option<f64>,
     pub p50_ms: Option<f64>,
     pub p99_ms: Option<f64>,

@@ -446,3 +446,51 @@ fn a_df_packet_too_big_once_wrapped_gets_fragmentation_needed_from_the_vip() {
         (1 + answered, 400 - answered)
     );
 }
+
+/// The ACK clock's samples of one source go to its backend's heavy-source
+/// histogram once it gave most of them; another /24's to the other one.
+#[test]
+fn a_backends_samples_are_kept_apart_by_their_heaviest_source() {
+    let env = env("dsr-heavy");
+    let other = Ipv4Addr::new(10, 213, 7, 2);
+    let from = |ip: Ipv4Addr, sport: u16| {
+        Frame::tcp((ip, sport), (VIP, L2)).macs(mac_of(ip), BALANCER_MAC)
+    };
+    // A flow of `ip` and its backend.
+    let open = |ip: Ipv4Addr, sport: u16| {
+        let (_, out) = env
+            .run(&from(ip, sport).syn().seq_ack(100, 0).build())
+            .unwrap();
+        env.run(&from(ip, sport).flags(ACK).seq_ack(101, 7001).build())
+            .unwrap();
+        by_mac(&out)
+    };
+    // `n` request turns on it, each answered (the client's pure ACK).
+    let turns = |ip: Ipv4Addr, sport: u16, n: u32| {
+        for k in 0..n {
+            let req = from(ip, sport)
+                .flags(ACK | PSH)
+                .seq_ack(101 + 18 * k, 7001 + 200 * k)
+                .payload(b"GET / HTTP/1.1\r\n\r\n");
+            env.run(&req.build()).unwrap();
+            let ack = from(ip, sport)
+                .flags(ACK)
+                .seq_ack(119 + 18 * k, 7201 + 200 * k);
+            env.run(&ack.build()).unwrap();
+        }
+    };
+    let b = open(CLIENT, 43000);
+    let sport = (43001..44000)
+        .find(|p| open(other, *p) == b)
+        .expect("a flow of the other /24 on the same backend");
+    turns(CLIENT, 43000, 3);
+    turns(other, sport, 1);
+    let i = (0..3).position(|i| backend(i) == b).unwrap();
+    let id = env.dp.services[0].backend_ids[i];
+    let count = |h: huddle_common::Latency| h.buckets.iter().sum::<u64>();
+    let (all, heavy) = (
+        count(env.dp.latency(id).unwrap()),
+        count(env.dp.latency_heavy(id).unwrap()),
+    );
+    assert_eq!((all, heavy), (4, 3), "the heavy source's 3, the other's 1");
+}

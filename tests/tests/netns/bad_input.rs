@@ -432,6 +432,7 @@ fn a_member_with_the_key_that_lies_changes_nothing_past_the_caps() {
         &Default::default(),
         &Default::default(),
         &Default::default(),
+        &Default::default(),
     );
     for i in 0..1000 {
         services.insert(
@@ -441,6 +442,7 @@ fn a_member_with_the_key_that_lies_changes_nothing_past_the_caps() {
     }
     let stranger = pooled::reading(
         "10.213.0.99:80".parse().unwrap(),
+        &Default::default(),
         &Default::default(),
         &Default::default(),
         &Default::default(),

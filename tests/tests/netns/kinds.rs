@@ -207,14 +207,25 @@ fn adv_secs() -> u64 {
 /// 200), each asking which backend it reached and working only those that
 /// reached b2, as well as a client can aim: dribbled requests in SNAT,
 /// held-back ACKs in `dsr-l2` (the balancer's ACK clock reads the answer
-/// from them). No backend may leave or be called unhealthy.
+/// from them), riding on the next request or let out late on their own.
+/// No backend may leave or be called unhealthy.
 #[test]
 fn an_adversary_aimed_at_one_backend_moves_nothing() {
     use testbed::adversary::{Adversary, Trick};
     require_root();
     let _one = serial();
     let mut broken = Vec::new();
-    for (mode, trick) in [("snat", Trick::Dribble), ("dsr-l2", Trick::HoldAcks)] {
+    // `HC_ADV_ONLY=LateAcks` runs one trick.
+    let only = std::env::var("HC_ADV_ONLY").ok();
+    let runs = [
+        ("snat", Trick::Dribble),
+        ("dsr-l2", Trick::HoldAcks),
+        ("dsr-l2", Trick::LateAcks),
+    ];
+    for (mode, trick) in runs
+        .into_iter()
+        .filter(|(_, t)| only.as_ref().is_none_or(|o| *o == format!("{t:?}")))
+    {
         let (bed, vip) = if mode == "snat" {
             (started("kadv"), (VIP, 80).into())
         } else {

@@ -67,7 +67,8 @@ pub fn request<F: Family>(f: *mut FlowValue, p: &Packet<F>, backend: u32) {
             if data {
                 bump(&BACKEND_STATS, backend, |s| s.unclocked += 1);
             } else {
-                timing::ttfb_sample(backend, now.wrapping_sub((*f).turn_ns));
+                let waited = now.wrapping_sub((*f).turn_ns);
+                timing::ttfb_sample(backend, waited, &F::wide(p.src()), F::FAMILY);
             }
         }
         if data {

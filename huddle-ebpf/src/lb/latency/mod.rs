@@ -2,4 +2,5 @@
 //! answered through it (source NAT), or the client's ACKs (DSR).
 
 pub mod ackclock;
+pub mod sources;
 pub mod timing;

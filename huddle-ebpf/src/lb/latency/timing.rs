@@ -8,12 +8,13 @@
 //! accepts work and never answers before any reply could tell it.
 
 use crate::{
-    lb::maps::{bump, BACKEND_STATS, CONNECT, LATENCY, PULSE},
+    lb::latency::sources,
+    lb::maps::{bump, BACKEND_STATS, CONNECT, LATENCY, LATENCY_HEAVY, PULSE},
     net::family::Family,
     net::parse::{Packet, TCP_ACK, TCP_PSH, TCP_RST, TCP_SYN},
 };
 use aya_ebpf::helpers::bpf_ktime_get_ns;
-use huddle_common::{flow_flags, latency_bucket, FlowValue, LATENCY_BUCKETS};
+use huddle_common::{flow_flags, latency_bucket, Addr, FlowKey, FlowValue, LATENCY_BUCKETS};
 
 /// The wait a new flow starts with: a SYN waits for its SYN-ACK, a first
 /// datagram for its answer. Returns the flow's initial wait flags; the
@@ -116,10 +117,11 @@ fn owe(backend: u32, now: u64, syn: bool) {
 }
 
 /// Backend to client: any answer clears what the backend owes; the first
-/// answer to this flow's pending wait is a latency sample. `f` is null
-/// when the flow is gone or no longer this backend's.
+/// answer to this flow's pending wait is a latency sample of the flow's
+/// `client`. `f` is null when the flow is gone or no longer this
+/// backend's.
 #[inline(always)]
-pub fn reply<F: Family>(f: *mut FlowValue, p: &Packet<F>, backend: u32) {
+pub fn reply<F: Family>(f: *mut FlowValue, p: &Packet<F>, backend: u32, client: &FlowKey) {
     let syn_answer = p.has_flag(TCP_SYN | TCP_RST);
     let data = p.payload_len > 0;
     if !syn_answer && !data {
@@ -148,7 +150,7 @@ pub fn reply<F: Family>(f: *mut FlowValue, p: &Packet<F>, backend: u32) {
         }
         if data {
             (*f).flags = flags & !flow_flags::TURN_WAIT;
-            ttfb_sample(backend, waited);
+            ttfb_sample(backend, waited, &client.client, client.family);
         } else if p.has_flag(TCP_RST) {
             (*f).flags = flags & !flow_flags::TURN_WAIT;
             bump(&BACKEND_STATS, backend, |s| s.reset_turns += 1);
@@ -172,15 +174,22 @@ pub fn connect_sample(backend: u32, waited: u64) {
     });
 }
 
-/// A turn answered after `waited` ns: counted and put in `LATENCY`.
+/// A turn of `client` answered after `waited` ns: counted and put in
+/// `LATENCY`, or `LATENCY_HEAVY` if the client is the backend's heavy
+/// source (`sources`).
 #[inline(always)]
-pub fn ttfb_sample(backend: u32, waited: u64) {
+pub fn ttfb_sample(backend: u32, waited: u64, client: &Addr, family: u8) {
     bump(&BACKEND_STATS, backend, |s| {
         s.answered += 1;
         s.ttfb_ns += waited;
     });
     let b = latency_bucket(waited);
-    bump(&LATENCY, backend, |l| {
+    let hist = if sources::is_heavy(backend, client, family) {
+        &LATENCY_HEAVY
+    } else {
+        &LATENCY
+    };
+    bump(hist, backend, |l| {
         // The bound is already true; the verifier needs to see it.
         if b < LATENCY_BUCKETS {
             l.buckets[b] += 1;

@@ -28,6 +28,8 @@ impl ConnectWindow {
             count: stats.syn_acks.wrapping_sub(count),
             sum_ns: stats.connect_ns.wrapping_sub(sum),
             hist: Box::new([0; LATENCY_BUCKETS]),
+            // Connect samples are not split by source.
+            heavy: Box::new([0; LATENCY_BUCKETS]),
         };
         for (i, b) in tick.hist.iter_mut().enumerate() {
             *b = hist.buckets[i].wrapping_sub(before.buckets[i]);

@@ -40,6 +40,9 @@ pub struct Tracker {
     /// and it is not probed.
     pub udp: bool,
     prev: Option<(BackendStats, Latency)>,
+    /// The heavy source's part of the histogram (`observe_heavy`): now,
+    /// and at the last `observe`.
+    heavy: (Latency, Latency),
     ticks: VecDeque<TickSamples>,
     pub window: Window,
     /// Failed over attempted (connections, requests, probes) last tick.
@@ -88,6 +91,7 @@ impl Tracker {
             opts,
             udp,
             prev: None,
+            heavy: (Latency::default(), Latency::default()),
             ticks: VecDeque::new(),
             window: Window::default(),
             error_rate: 0.0,
@@ -165,6 +169,12 @@ impl Tracker {
             }
         }
         cal.last = Some((now, answered, ack_ns));
+    }
+
+    /// Takes the cumulative histogram of the samples from the backend's
+    /// heavy source (before `observe`; see `HeavySource`).
+    pub fn observe_heavy(&mut self, heavy: &Latency) {
+        self.heavy.0 = *heavy;
     }
 
     /// DSR: takes this tick's connect histogram (before `observe`), whose
@@ -260,9 +270,15 @@ impl Tracker {
             count: d(stats.answered, ps.answered),
             sum_ns: d(stats.ttfb_ns, ps.ttfb_ns),
             hist: Box::new([0; LATENCY_BUCKETS]),
+            heavy: Box::new([0; LATENCY_BUCKETS]),
         };
-        for (i, b) in tick.hist.iter_mut().enumerate() {
-            *b = d(hist.buckets[i], ph.buckets[i]);
+        let (heavy, heavy_before) = self.heavy;
+        self.heavy.1 = heavy;
+        for i in 0..LATENCY_BUCKETS {
+            tick.hist[i] = d(hist.buckets[i], ph.buckets[i]);
+            // Never more than all of the bucket (a fresh data plane's
+            // counters start again).
+            tick.heavy[i] = d(heavy.buckets[i], heavy_before.buckets[i]).min(tick.hist[i]);
         }
         self.ticks.push_front(tick);
         self.ticks.truncate(WINDOW_TICKS);

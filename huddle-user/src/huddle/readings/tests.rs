@@ -201,3 +201,54 @@ fn with_latency_connect_requests_owe_nothing_and_connect_times_judge() {
     tr.latency = LatencyMode::Off;
     assert!(tr.judged_window().is_none());
 }
+
+/// One tick: `heavy_ms` samples from the backend's heavy source and
+/// `rest_ms` from everyone else, on top of the cumulative `so_far`.
+fn tick_of(t: &mut Tracker, so_far: &mut (Vec<u64>, Vec<u64>), heavy_ms: &[u64], rest_ms: &[u64]) {
+    let s = settings();
+    so_far.0.extend(heavy_ms);
+    so_far.1.extend(rest_ms);
+    let all: Vec<u64> = so_far.0.iter().chain(&so_far.1).copied().collect();
+    let sum: u64 = all.iter().sum();
+    t.observe_heavy(&hist_of(&so_far.0));
+    t.observe(
+        &stats(all.len() as u64, sum, all.len() as u64),
+        &hist_of(&all),
+        &Pulse::default(),
+        0,
+        &s,
+        s.hung_after,
+    );
+}
+
+#[test]
+fn one_source_alone_cannot_make_a_backend_slow_but_a_sole_one_is_heard() {
+    // 30 slow samples from the heavy source, 10 fast from the rest: the
+    // median of all would be 30 ms; the rest's 5 ms is taken.
+    let mut t = tracker();
+    let mut so_far = (Vec::new(), Vec::new());
+    tick_of(&mut t, &mut so_far, &[], &[]);
+    tick_of(&mut t, &mut so_far, &[30; 30], &[5; 10]);
+    let p50 = t.window.p50_ms.unwrap();
+    assert!(p50 < 6.5, "outvoted: {p50}");
+    assert_eq!((t.window.samples, t.window.heavy_samples), (40, 30));
+    // A sole client (every sample its own) finds it slow: slow.
+    let mut t = tracker();
+    let mut so_far = (Vec::new(), Vec::new());
+    tick_of(&mut t, &mut so_far, &[], &[]);
+    tick_of(&mut t, &mut so_far, &[30; 30], &[]);
+    assert!(t.window.p50_ms.unwrap() > 25.0);
+    // Everyone finds it slow: slow, whoever is heavy.
+    let mut t = tracker();
+    let mut so_far = (Vec::new(), Vec::new());
+    tick_of(&mut t, &mut so_far, &[], &[]);
+    tick_of(&mut t, &mut so_far, &[30; 8], &[30; 12]);
+    assert!(t.window.p50_ms.unwrap() > 25.0);
+    // A few samples of the rest (under half of `min_samples`) do not
+    // outvote the heavy source: too little to judge on.
+    let mut t = tracker();
+    let mut so_far = (Vec::new(), Vec::new());
+    tick_of(&mut t, &mut so_far, &[], &[]);
+    tick_of(&mut t, &mut so_far, &[30; 30], &[5; 2]);
+    assert!(t.window.p50_ms.unwrap() > 25.0);
+}

@@ -14,28 +14,41 @@ pub(super) struct TickSamples {
     pub(super) count: u64,
     pub(super) sum_ns: u64,
     pub(super) hist: Box<[u64; LATENCY_BUCKETS]>,
+    /// The part of `hist` from the backend's heavy source.
+    pub(super) heavy: Box<[u64; LATENCY_BUCKETS]>,
 }
 
 /// Latency over the newest ticks that hold enough samples.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct Window {
     pub samples: u64,
+    /// Of `samples`' histogram, those of the backend's heavy source.
+    pub heavy_samples: u64,
     pub mean_ms: Option<f64>,
     pub p50_ms: Option<f64>,
     pub p99_ms: Option<f64>,
 }
 
 /// Mean and percentiles over the newest ticks holding `min_samples`.
+///
+/// The median is the lower of the heavy source's and everyone else's when
+/// each has at least half of `min_samples` in the newest ticks (each over
+/// its own, as few as hold them): a backend is slow when both its
+/// heaviest client (or /24) and the rest find it slow, so one client
+/// aiming slow-looking turns at it is outvoted, and a backend with a
+/// single client is judged on that client's samples alone.
 pub(super) fn window(ticks: &VecDeque<TickSamples>, min_samples: u64) -> Window {
     let mut count = 0;
     let mut sum = 0u64;
     let mut hist = [0u64; LATENCY_BUCKETS];
+    let mut heavy_samples = 0;
     for t in ticks {
         count += t.count;
         sum = sum.wrapping_add(t.sum_ns);
         for (h, v) in hist.iter_mut().zip(t.hist.iter()) {
             *h += v;
         }
+        heavy_samples += t.heavy.iter().sum::<u64>();
         if count >= min_samples {
             break;
         }
@@ -44,12 +57,38 @@ pub(super) fn window(ticks: &VecDeque<TickSamples>, min_samples: u64) -> Window 
         return Window::default();
     }
     let total: u64 = hist.iter().sum();
+    let split = (min_samples / 2).max(1);
+    let of = |heavy: bool| median_of(ticks, heavy, split);
+    let p50_ms = match (of(true), of(false)) {
+        (Some(a), Some(b)) => Some(a.min(b)),
+        _ => percentile(&hist, total, 0.50),
+    };
     Window {
         samples: count,
+        heavy_samples,
         mean_ms: Some(sum as f64 / count as f64 / 1e6),
-        p50_ms: percentile(&hist, total, 0.50),
+        p50_ms,
         p99_ms: percentile(&hist, total, 0.99),
     }
+}
+
+/// The median of the heavy source's samples (`heavy`) or of everyone
+/// else's, over the newest ticks holding `least` of them; `None` if the
+/// whole window holds fewer.
+fn median_of(ticks: &VecDeque<TickSamples>, heavy: bool, least: u64) -> Option<f64> {
+    let mut hist = [0u64; LATENCY_BUCKETS];
+    let mut n = 0;
+    for t in ticks {
+        for (h, (all, of_heavy)) in hist.iter_mut().zip(t.hist.iter().zip(t.heavy.iter())) {
+            let v = if heavy { *of_heavy } else { all - of_heavy };
+            *h += v;
+            n += v;
+        }
+        if n >= least {
+            return percentile(&hist, n, 0.50);
+        }
+    }
+    None
 }
 
 /// The `q` quantile of a histogram, interpolated within its bucket, in ms.

@@ -121,7 +121,7 @@ impl Dataplane {
 /// them out differently: settings, caches, counters and handshakes in
 /// flight (their clients resend the SYN). Flows, NAT entries, services,
 /// backends and rings must carry over, or a restart would misroute.
-pub(super) const RECREATABLE: [&str; 17] = [
+pub(super) const RECREATABLE: [&str; 19] = [
     maps::MAGLEV,
     maps::CONFIG,
     maps::SERVICE_INDEX,
@@ -137,6 +137,8 @@ pub(super) const RECREATABLE: [&str; 17] = [
     maps::SERVICE_STATS,
     maps::GLOBAL_STATS,
     maps::LATENCY,
+    maps::LATENCY_HEAVY,
+    maps::HEAVY,
     maps::CONNECT,
     maps::TUNING,
 ];
@@ -259,6 +261,7 @@ impl StatMaps {
             service_stats: take(ebpf, maps::SERVICE_STATS)?,
             global_stats: take(ebpf, maps::GLOBAL_STATS)?,
             latency: take(ebpf, maps::LATENCY)?,
+            latency_heavy: take(ebpf, maps::LATENCY_HEAVY)?,
             connect: take(ebpf, maps::CONNECT)?,
             pulse: take(ebpf, maps::PULSE)?,
         })

@@ -188,6 +188,7 @@ struct StatMaps {
     service_stats: PerCpuArray<MapData, ServiceStats>,
     global_stats: PerCpuArray<MapData, GlobalStats>,
     latency: PerCpuArray<MapData, Latency>,
+    latency_heavy: PerCpuArray<MapData, Latency>,
     connect: PerCpuArray<MapData, Latency>,
     pulse: Array<MapData, Pulse>,
 }

@@ -62,9 +62,21 @@ impl Dataplane {
         Ok(sum(&self.stats.global_stats.get(&0, 0)?))
     }
 
-    /// Sum over CPUs of one backend's time-to-first-byte histogram.
+    /// Sum over CPUs of one backend's time-to-first-byte histogram (all
+    /// sources).
     pub fn latency(&self, id: u32) -> Result<Latency> {
-        histogram(&self.stats.latency, id)
+        let mut all = histogram(&self.stats.latency, id)?;
+        let heavy = self.latency_heavy(id)?;
+        for (a, h) in all.buckets.iter_mut().zip(heavy.buckets.iter()) {
+            *a = a.wrapping_add(*h);
+        }
+        Ok(all)
+    }
+
+    /// The part of `latency` from the backend's heavy source
+    /// (`HeavySource`).
+    pub fn latency_heavy(&self, id: u32) -> Result<Latency> {
+        histogram(&self.stats.latency_heavy, id)
     }
 
     /// Sum over CPUs of one backend's connect-time histogram.
