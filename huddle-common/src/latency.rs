@@ -73,8 +73,19 @@ pub struct Pulse {
     pub turn_wait_ns: u64,
     /// First SYN not followed by any SYN-ACK or RST from the backend.
     pub syn_wait_ns: u64,
+    /// New flows sent to the backend since `turn_wait_ns` (counted up to
+    /// `HUNG_NEW_FLOWS`), and when the last of those went: the evidence.
+    /// One owed turn is no fault (a long poll); new connections going
+    /// unanswered as well are. Until it has had that many, a backend
+    /// owing past the pass-over limit still gets new flows.
+    pub opened: u64,
+    pub evidence_ns: u64,
 }
-shared!(Pulse, 16);
+shared!(Pulse, 32);
+
+/// New flows a backend owing an answer still gets, and that must go
+/// unanswered, with nothing else answered, before it is hung.
+pub const HUNG_NEW_FLOWS: u64 = 2;
 
 /// Index of the most significant set bit (0 for 0), without a loop or a
 /// count-leading-zeros instruction (BPF has none).

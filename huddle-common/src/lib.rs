@@ -60,7 +60,8 @@ pub use halfopen::*;
 pub use hash::*;
 pub use hop::*;
 pub use latency::{
-    latency_bucket, source_prefix, HeavySource, Latency, Pulse, HEAVY_HOLD, LATENCY_BUCKETS,
+    latency_bucket, source_prefix, HeavySource, Latency, Pulse, HEAVY_HOLD, HUNG_NEW_FLOWS,
+    LATENCY_BUCKETS,
 };
 pub use limits::*;
 pub use maglev::*;

@@ -14,7 +14,9 @@ use crate::{
     net::parse::{Packet, TCP_ACK, TCP_PSH, TCP_RST, TCP_SYN},
 };
 use aya_ebpf::helpers::bpf_ktime_get_ns;
-use huddle_common::{flow_flags, latency_bucket, Addr, FlowKey, FlowValue, LATENCY_BUCKETS};
+use huddle_common::{
+    flow_flags, latency_bucket, Addr, FlowKey, FlowValue, HUNG_NEW_FLOWS, LATENCY_BUCKETS,
+};
 
 /// The wait a new flow starts with: a SYN waits for its SYN-ACK, a first
 /// datagram for its answer. Returns the flow's initial wait flags; the
@@ -97,20 +99,36 @@ pub fn start_turn(backend: u32, now: u64) {
 }
 
 /// Records that `backend` owes an answer from `now` on, unless it already
-/// owed one.
+/// owed one (a turn's starts its evidence count afresh).
 #[inline(always)]
 fn owe(backend: u32, now: u64, syn: bool) {
     if let Some(p) = PULSE.get_ptr_mut(backend) {
         // SAFETY: shared map value; plain loads and stores are atomic at
         // this width, and a lost race only delays detection.
         unsafe {
-            let slot = if syn {
-                &mut (*p).syn_wait_ns
-            } else {
-                &mut (*p).turn_wait_ns
-            };
-            if *slot == 0 {
-                *slot = now;
+            if syn {
+                if (*p).syn_wait_ns == 0 {
+                    (*p).syn_wait_ns = now;
+                }
+            } else if (*p).turn_wait_ns == 0 {
+                (*p).turn_wait_ns = now;
+                (*p).opened = 0;
+            }
+        }
+    }
+}
+
+/// A new flow went to `backend` at `now`: while it owes an answer, one of
+/// the evidence flows (`Pulse::opened`). At most `HUNG_NEW_FLOWS` writes
+/// of the shared line per owed answer.
+#[inline(always)]
+pub fn opened(backend: u32, now: u64) {
+    if let Some(p) = PULSE.get_ptr_mut(backend) {
+        // SAFETY: as in `owe`.
+        unsafe {
+            if (*p).turn_wait_ns != 0 && (*p).opened < HUNG_NEW_FLOWS {
+                (*p).opened += 1;
+                (*p).evidence_ns = now;
             }
         }
     }

@@ -13,16 +13,15 @@ pub mod maglev;
 pub mod ring;
 
 use crate::lb::maps::{bump, BACKEND_STATS, PULSE, TUNING};
-use aya_ebpf::helpers::bpf_get_prandom_u32;
 use core::ptr::read_volatile;
-use huddle_common::{verdict::NO_BACKEND, Tuning};
+use huddle_common::{verdict::NO_BACKEND, Tuning, HUNG_NEW_FLOWS};
 
 /// The backend for a new flow of `service` at `now`. Of the ring's next
 /// two entries it takes the first (with `Tuning::two_choices`, the one
 /// that has owed an answer for less time), unless it owes for longer than
 /// the limits (then the second), never `avoid` (the backend that just
-/// refused or ignored this connection); a backend past the limits still
-/// takes one in `TRICKLE` of its flows; if both are past, the next two
+/// refused or ignored this connection); a backend owing a turn still takes
+/// its evidence flows (`look`); if both are past, the next two
 /// entries are taken as they come. With Maglev (`Tuning::maglev_size`) the
 /// flow's entry in the service's table, never passed over; its second
 /// entry only when the first is `avoid` (`maglev_seed`: the caller's
@@ -82,35 +81,22 @@ pub fn choose(service: u32, avoid: u32, now: u64, maglev_seed: u64) -> u32 {
     }
 }
 
-/// Whether a new flow goes to a backend that owes past its limit anyway:
-/// one in `TRICKLE`. Passing over must not starve the evidence: a backend
-/// owing one long turn (a long poll) is healthy if it answers new
-/// requests, and only new flows can show that; a hung one is found by the
-/// control plane from these flows going unanswered. Random, so no state
-/// is written.
-#[inline(always)]
-fn trickle() -> bool {
-    // SAFETY: a plain helper call.
-    let r = unsafe { bpf_get_prandom_u32() };
-    r % TRICKLE == 0
-}
-
-/// One in this many flows a backend passed over for an owed answer would
-/// have had still go to it. Not one owing a SYN-ACK: a healthy backend's
-/// kernel answers SYNs at once whatever the traffic, so a late one is no
-/// traffic's doing, and its SYNs would only wait to be retried elsewhere
-/// (measured: 55 of 802 SYNs toward a backend whose firewall drops them,
-/// against 50 allowed).
-const TRICKLE: u32 = 2;
-
 /// Set in `look`'s answer when the backend owes past a limit.
 const LATE: u64 = 1 << 63;
 
 /// How long backend `id` has owed an answer or a SYN-ACK at `now` (the
 /// longer of the two, in ns; 0: nothing), with `LATE` set when either is
-/// past its limit (0: no limit; a turn past it, one time in `TRICKLE`
-/// not). A wait started on another CPU after `now`
-/// was read counts as none.
+/// past its limit (0: no limit). A turn past it is late only once the
+/// backend has had its `HUNG_NEW_FLOWS` evidence flows (`Pulse::opened`):
+/// passing over must not starve the evidence, since a backend owing one
+/// long turn (a long poll) is healthy if it answers new requests, and
+/// only new flows can show that; a hung one is found by the control plane
+/// from those going unanswered. Not a SYN-ACK owed: a healthy backend's
+/// kernel answers SYNs at once whatever the traffic, so a late one is no
+/// traffic's doing, and its SYNs would only wait to be retried elsewhere
+/// (measured: 55 of 802 SYNs toward a backend whose firewall drops them,
+/// against 50 allowed). A wait started on another CPU after `now` was
+/// read counts as none.
 #[inline(always)]
 fn look(id: u32, now: u64, limits: &Tuning) -> u64 {
     let Some(p) = PULSE.get_ptr(id) else {
@@ -118,10 +104,11 @@ fn look(id: u32, now: u64, limits: &Tuning) -> u64 {
     };
     // SAFETY: a map value pointer, valid for this run; other CPUs write it
     // with plain stores, so each load sees an old or a new value.
-    let (turn, syn) = unsafe {
+    let (turn, syn, opened) = unsafe {
         (
             read_volatile(&(*p).turn_wait_ns),
             read_volatile(&(*p).syn_wait_ns),
+            read_volatile(&(*p).opened),
         )
     };
     let age = |since: u64| {
@@ -132,10 +119,8 @@ fn look(id: u32, now: u64, limits: &Tuning) -> u64 {
         }
     };
     let (turn, syn) = (age(turn), age(syn));
-    // Past the turn limit, one flow in `TRICKLE` still takes it; past the
-    // SYN limit, none.
     let late = (limits.syn_skip_ns != 0 && syn > limits.syn_skip_ns)
-        || (limits.turn_skip_ns != 0 && turn > limits.turn_skip_ns && !trickle());
+        || (limits.turn_skip_ns != 0 && turn > limits.turn_skip_ns && opened >= HUNG_NEW_FLOWS);
     let longer = if turn > syn { turn } else { syn };
     (longer & !LATE) | if late { LATE } else { 0 }
 }

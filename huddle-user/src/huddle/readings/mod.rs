@@ -14,7 +14,7 @@ use crate::{
     net::probe::ProbeResult,
     net::scrape::HostTracker,
 };
-use huddle_common::{BackendStats, Latency, Pulse, LATENCY_BUCKETS};
+use huddle_common::{BackendStats, Latency, Pulse, HUNG_NEW_FLOWS, LATENCY_BUCKETS};
 use std::{collections::VecDeque, time::Duration};
 pub use window::Window;
 use window::{percentile, window, TickSamples, WINDOW_TICKS};
@@ -27,10 +27,6 @@ pub use dsr::{AgentCal, Rtt};
 /// The least time an answer may be owed before new flows pass the backend
 /// over: below it a late answer is scheduling noise, not a stuck server.
 const PASS_OVER_MIN: Duration = Duration::from_millis(10);
-
-/// New connections that must go unanswered, with nothing else answered,
-/// before a backend is hung.
-const HUNG_NEW_FLOWS: u64 = 2;
 
 /// Everything the huddle tracks about one backend.
 pub struct Tracker {
@@ -338,18 +334,19 @@ impl Tracker {
             0
         };
         if let Some(age) = owed(turns, now_ns, stats.flows_new, &mut self.wait_seen) {
-            let (_, flows_then) = self.wait_seen.unwrap_or_default();
-            let opened = stats.flows_new.wrapping_sub(flows_then);
             // One turn owed long is no fault (a long poll, a stream, an
-            // upload's body): hung is new connections, opened since the
-            // backend last answered anything, that get no answer either.
-            // A backend passed over still gets some (the kernel's
-            // trickle), so the evidence keeps coming; the health probe
-            // covers one that gets no traffic at all.
-            if age > hung_ns && opened >= HUNG_NEW_FLOWS {
+            // upload's body): hung is new connections, sent to it since it
+            // last answered anything (the kernel's evidence flows, which
+            // the pass-over never withholds), still unanswered after half
+            // of `hung_after`. The health probe covers a backend that
+            // gets no traffic at all.
+            let evidence = pulse.opened >= HUNG_NEW_FLOWS
+                && now_ns.saturating_sub(pulse.evidence_ns) > hung_ns / 2;
+            if age > hung_ns && evidence {
                 self.kernel_fault = Some(format!(
-                    "hung: no answer for {} ms, {opened} connections opened since",
-                    age / 1_000_000
+                    "hung: no answer for {} ms, {} connections opened since",
+                    age / 1_000_000,
+                    pulse.opened
                 ));
             }
         }

@@ -81,20 +81,25 @@ fn a_backend_owing_answers_too_long_is_hung() {
     let s = settings();
     let mut t = tracker();
     let ms = 1_000_000u64;
-    let owes = Pulse {
+    // Owing since 1 s, with `opened` evidence flows, the last at `last`.
+    let owes = |opened: u64, last: u64| Pulse {
         turn_wait_ns: 1000 * ms,
         syn_wait_ns: 0,
+        opened,
+        evidence_ns: last * ms,
     };
-    assert_eq!(owing(&mut t, &owes, 1, 1100, &s), None);
+    assert_eq!(owing(&mut t, &owes(0, 0), 1, 1100, &s), None);
     // One turn, 250 ms: a slow request, not yet hung.
-    assert_eq!(owing(&mut t, &owes, 1, 1250, &s), None);
+    assert_eq!(owing(&mut t, &owes(0, 0), 1, 1250, &s), None);
     // Held 3 s with nothing else coming (a long poll on a quiet
     // backend): still not hung, as nothing new went unanswered.
-    assert_eq!(owing(&mut t, &owes, 1, 4000, &s), None);
-    // One new connection opened and unanswered: not yet.
-    assert_eq!(owing(&mut t, &owes, 2, 4010, &s), None);
-    // A second: hung.
-    assert!(owing(&mut t, &owes, 3, 4020, &s)
+    assert_eq!(owing(&mut t, &owes(0, 0), 1, 4000, &s), None);
+    // One new connection sent to it and unanswered: not yet.
+    assert_eq!(owing(&mut t, &owes(1, 4000), 2, 4150, &s), None);
+    // A second, just sent: it may still be answered.
+    assert_eq!(owing(&mut t, &owes(2, 4160), 3, 4170, &s), None);
+    // Unanswered for half of `hung_after` (100 ms): hung.
+    assert!(owing(&mut t, &owes(2, 4160), 3, 4270, &s)
         .unwrap()
         .starts_with("hung"));
     // Any answer clears the pulse, and the fault.
@@ -167,7 +172,8 @@ fn with_latency_connect_requests_owe_nothing_and_connect_times_judge() {
     let ms = 1_000_000u64;
     let owes = Pulse {
         turn_wait_ns: 1000 * ms,
-        syn_wait_ns: 0,
+        opened: 2,
+        ..Pulse::default()
     };
     let tr = &mut h.trackers[0];
     for (flows, at) in [(1, 1100), (5, 1500), (9, 3000)] {
