@@ -187,6 +187,14 @@ fn among_all_kinds_a_slow_or_hung_backend_still_leaves() {
             left.as_millis(),
             share * 100.0
         );
+        // Why it left (the rotation line names the rule and its figures).
+        for l in bed
+            .huddle_log()
+            .lines()
+            .filter(|l| l.contains("-> outer ring"))
+        {
+            println!("  {}", l.split(" event=").next().unwrap_or(l));
+        }
         assert!(left <= Duration::from_millis(bound), "{fault}: {left:?}");
         if fault != "hung" {
             assert!(share <= 0.02, "{fault}: {share}");

@@ -338,11 +338,11 @@ impl Tracker {
             // upload's body): hung is new connections, sent to it since it
             // last answered anything (the kernel's evidence flows, which
             // the pass-over never withholds), still unanswered after half
-            // of `hung_after`. The health probe covers a backend that
-            // gets no traffic at all.
+            // of `hung_after`, with nothing else answered all that time.
+            // The health probe covers a backend that gets no traffic.
             let evidence = pulse.opened >= HUNG_NEW_FLOWS
                 && now_ns.saturating_sub(pulse.evidence_ns) > hung_ns / 2;
-            if age > hung_ns && evidence {
+            if evidence {
                 self.kernel_fault = Some(format!(
                     "hung: no answer for {} ms, {} connections opened since",
                     age / 1_000_000,
