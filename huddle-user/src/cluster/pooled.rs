@@ -259,4 +259,18 @@ mod tests {
         let mut p = Pool::default();
         assert_eq!(p.take("10.0.0.1:1".parse().unwrap(), &short), 1);
     }
+
+    /// A peer of a build without the heavy-source split sends no
+    /// `ttfb_heavy`: its samples all count as the others', none is lost.
+    #[test]
+    fn a_reading_without_the_heavy_part_reads_as_none_heavy() {
+        let mut old = serde_json::to_value(answer(3, 3)).unwrap();
+        for r in old["services"]["10.0.100.1:80/tcp"].as_array_mut().unwrap() {
+            r.as_object_mut().unwrap().remove("ttfb_heavy");
+        }
+        let old: ReadingsAnswer = serde_json::from_value(old).unwrap();
+        let c = Counts::decode(&old.services["10.0.100.1:80/tcp"][0]).unwrap();
+        assert_eq!(c.ttfb.buckets[40], 3);
+        assert_eq!(c.ttfb_heavy, Latency::default());
+    }
 }
