@@ -1,6 +1,7 @@
 //! Readings, windows, hung and pass-over limits, on made-up counters.
 
 use super::*;
+use huddle_common::{BackendStats, Latency, Pulse};
 
 fn settings() -> Settings {
     Settings::default()

@@ -1,0 +1,408 @@
+//! One backend's tracker: its kernel counters, probes and host metrics
+//! turned into one reading per tick, and the faults they show (hung,
+//! unreachable, refusing).
+
+use super::{
+    connect,
+    dsr::{AgentCal, Rtt},
+    window::{percentile, window, TickSamples, Window, WINDOW_TICKS},
+};
+use crate::{
+    config::{BackendOptions, Huddle as Settings, LatencyMode},
+    huddle::thermal::{Components, Reading},
+    net::probe::ProbeResult,
+    net::scrape::HostTracker,
+};
+use huddle_common::{BackendStats, Latency, Pulse, HUNG_NEW_FLOWS, LATENCY_BUCKETS};
+use std::{collections::VecDeque, time::Duration};
+
+/// Everything the huddle tracks about one backend.
+pub struct Tracker {
+    pub id: u32,
+    pub opts: BackendOptions,
+    /// A UDP backend: may be one-way, so owing an answer proves nothing,
+    /// and it is not probed.
+    pub udp: bool,
+    prev: Option<(BackendStats, Latency)>,
+    /// The heavy source's part of the histogram (`observe_heavy`): now,
+    /// and at the last `observe`.
+    heavy: (Latency, Latency),
+    ticks: VecDeque<TickSamples>,
+    pub window: Window,
+    /// Failed over attempted (connections, requests, probes) last tick.
+    pub error_rate: f64,
+    pub active_flows: u64,
+    pub host: HostTracker,
+    pub host_error: Option<String>,
+    pub probe: Option<ProbeResult>,
+    pub(super) probe_fresh: bool,
+    fails: u32,
+    passes: u32,
+    /// A fault the kernel's counters show this tick.
+    pub kernel_fault: Option<String>,
+    /// (pulse value, connections opened when it was first seen).
+    wait_seen: Option<(u64, u64)>,
+    syn_seen: Option<(u64, u64)>,
+    pub unhealthy: Option<String>,
+    pub temperature: f64,
+    pub components: Components,
+    /// Which latency the temperature used: "request", "probe" or "none".
+    pub latency_source: &'static str,
+    /// The latency it used (ms), if any.
+    pub latency_ms: Option<f64>,
+    /// Set when a successful probe proves the backend answers again: the
+    /// daemon then clears the kernel's stale "owes an answer" record.
+    pub clear_pulse: bool,
+    /// DSR: the kernel's request samples run from the client's request to
+    /// its ACK of the answer, a client round trip more than the time to
+    /// first byte; this estimates that round trip (`observe_connect`).
+    pub rtt: Option<Rtt>,
+    /// DSR with the backend's agent timing requests: its exact figures,
+    /// which calibrate the ACK clock (`agent_scraped`).
+    pub agent: Option<AgentCal>,
+    /// The service's `latency`: which figure judges it, and whether its
+    /// request turns are owed at all.
+    pub latency: LatencyMode,
+    /// Connect samples (`latency = "connect"`).
+    pub connect: Option<connect::ConnectWindow>,
+}
+
+impl Tracker {
+    #[must_use]
+    pub fn new(id: u32, opts: BackendOptions, udp: bool) -> Tracker {
+        Tracker {
+            id,
+            opts,
+            udp,
+            prev: None,
+            heavy: (Latency::default(), Latency::default()),
+            ticks: VecDeque::new(),
+            window: Window::default(),
+            error_rate: 0.0,
+            active_flows: 0,
+            host: HostTracker::default(),
+            host_error: None,
+            probe: None,
+            probe_fresh: false,
+            fails: 0,
+            passes: 0,
+            kernel_fault: None,
+            wait_seen: None,
+            syn_seen: None,
+            unhealthy: None,
+            temperature: 0.0,
+            components: Components::default(),
+            latency_source: "none",
+            latency_ms: None,
+            clear_pulse: false,
+            rtt: None,
+            agent: None,
+            latency: LatencyMode::Auto,
+            connect: None,
+        }
+    }
+
+    /// `latency = "connect"`: this tick's connect figures.
+    pub fn observe_connect_time(&mut self, stats: &BackendStats, hist: &Latency, min_samples: u64) {
+        self.connect
+            .get_or_insert_with(connect::ConnectWindow::default)
+            .observe(stats, hist, min_samples);
+    }
+
+    /// The window this backend's latency is judged on: request samples,
+    /// connect samples, or none (the service's `latency`).
+    #[must_use]
+    pub fn judged_window(&self) -> Option<&Window> {
+        match self.latency {
+            LatencyMode::Auto | LatencyMode::Ttfb => Some(&self.window),
+            LatencyMode::Connect => self.connect.as_ref().map(|c| &c.window),
+            LatencyMode::Off => None,
+        }
+    }
+
+    /// DSR: the agent's cumulative samples at a scrape (`None`: its page
+    /// has none for this VIP). With `min_samples` from both it and the ACK
+    /// clock since the last scrape, the ACK clock's bias is updated.
+    pub fn agent_scraped(
+        &mut self,
+        sample: Option<crate::net::scrape::AgentSample>,
+        min_samples: u64,
+    ) {
+        let Some(now) = sample else {
+            self.agent = None;
+            return;
+        };
+        let (answered, ack_ns) = self
+            .prev
+            .as_ref()
+            .map_or((0, 0), |(st, _)| (st.answered, st.ttfb_ns));
+        let cal = self.agent.get_or_insert_with(AgentCal::default);
+        if let Some((then, a0, n0)) = cal.last {
+            let (dc, ds) = (
+                now.count.wrapping_sub(then.count),
+                now.sum_ns.wrapping_sub(then.sum_ns),
+            );
+            let (da, dn) = (answered.wrapping_sub(a0), ack_ns.wrapping_sub(n0));
+            if dc >= min_samples && da >= min_samples && dc < u64::MAX / 2 && da < u64::MAX / 2 {
+                let agent = ds as f64 / dc as f64 / 1e6;
+                let ack = dn as f64 / da as f64 / 1e6;
+                let bias = (ack - agent).max(0.0);
+                cal.ttfb_ms = Some(agent);
+                cal.ack_ms = Some(ack);
+                cal.bias_ms = Some(cal.bias_ms.map_or(bias, |b| 0.5 * b + 0.5 * bias));
+            }
+        }
+        cal.last = Some((now, answered, ack_ns));
+    }
+
+    /// Takes the cumulative histogram of the samples from the backend's
+    /// heavy source (before `observe`; see `HeavySource`).
+    pub fn observe_heavy(&mut self, heavy: &Latency) {
+        self.heavy.0 = *heavy;
+    }
+
+    /// DSR: takes this tick's connect histogram (before `observe`), whose
+    /// median round trip `observe` then takes off the request samples.
+    pub fn observe_connect(&mut self, connect: &Latency) {
+        let rtt = self.rtt.get_or_insert_with(Rtt::default);
+        let prev = rtt.prev.replace(*connect).unwrap_or(*connect);
+        let mut tick = Box::new([0u64; LATENCY_BUCKETS]);
+        for (i, b) in tick.iter_mut().enumerate() {
+            *b = connect.buckets[i].wrapping_sub(prev.buckets[i]);
+        }
+        rtt.ticks.push_front(tick);
+        rtt.ticks.truncate(WINDOW_TICKS);
+        let mut hist = [0u64; LATENCY_BUCKETS];
+        for t in &rtt.ticks {
+            for (h, v) in hist.iter_mut().zip(t.iter()) {
+                *h += v;
+            }
+        }
+        let total = hist.iter().sum();
+        // Keep the last estimate through ticks without new connections.
+        if let Some(p) = percentile(&hist, total, 0.5) {
+            rtt.p50_ms = Some(p);
+        }
+    }
+
+    /// Records a probe result.
+    pub fn probed(&mut self, r: ProbeResult) {
+        if r.local {
+            // This host's fault (out of descriptors, say): no evidence
+            // either way about the backend.
+            return;
+        }
+        if r.error.is_some() {
+            self.fails += 1;
+            self.passes = 0;
+        } else {
+            self.passes += 1;
+            self.fails = 0;
+            if self.wait_seen.is_some() || self.syn_seen.is_some() {
+                self.clear_pulse = true;
+            }
+        }
+        self.probe = Some(r);
+        self.probe_fresh = true;
+    }
+
+    /// Takes this tick's kernel figures. `now_ns` is CLOCK_MONOTONIC, the
+    /// kernel's `bpf_ktime_get_ns` clock.
+    pub fn observe(
+        &mut self,
+        stats: &BackendStats,
+        hist: &Latency,
+        pulse: &Pulse,
+        now_ns: u64,
+        s: &Settings,
+        hung_after: Duration,
+    ) {
+        let (ps, ph) = self.prev.take().unwrap_or((*stats, *hist));
+        self.prev = Some((*stats, *hist));
+        self.latency_window(stats, hist, (&ps, &ph), s);
+        self.active_flows = stats
+            .flows_new
+            .saturating_sub(stats.flows_closed)
+            .min(u64::MAX / 2);
+        let refused = self.errors(stats, &ps);
+        self.kernel_fault = None;
+        if refused >= 2
+            && refused as f64
+                >= s.error_threshold * stats.flows_new.wrapping_sub(ps.flows_new).max(1) as f64
+        {
+            // Out of the SYNs sent (`flows_new` counts completed
+            // handshakes only, which a refusing backend has none of).
+            let syns = stats.syns.wrapping_sub(ps.syns).max(refused);
+            self.kernel_fault = Some(format!("refused {refused} of {syns} connection attempts"));
+        }
+        if !self.udp {
+            self.owed_answers(stats, pulse, now_ns, s, hung_after);
+        }
+    }
+
+    /// This tick's latency samples (the change in the kernel's histogram
+    /// since `prev`) into the window, less the network's round trip.
+    fn latency_window(
+        &mut self,
+        stats: &BackendStats,
+        hist: &Latency,
+        (ps, ph): (&BackendStats, &Latency),
+        s: &Settings,
+    ) {
+        let d = |now: u64, before: u64| now.wrapping_sub(before);
+        let mut tick = TickSamples {
+            count: d(stats.answered, ps.answered),
+            sum_ns: d(stats.ttfb_ns, ps.ttfb_ns),
+            hist: Box::new([0; LATENCY_BUCKETS]),
+            heavy: Box::new([0; LATENCY_BUCKETS]),
+        };
+        let (heavy, heavy_before) = self.heavy;
+        self.heavy.1 = heavy;
+        for i in 0..LATENCY_BUCKETS {
+            tick.hist[i] = d(hist.buckets[i], ph.buckets[i]);
+            // Never more than all of the bucket (a fresh data plane's
+            // counters start again).
+            tick.heavy[i] = d(heavy.buckets[i], heavy_before.buckets[i]).min(tick.hist[i]);
+        }
+        self.ticks.push_front(tick);
+        self.ticks.truncate(WINDOW_TICKS);
+        self.window = window(&self.ticks, s.min_samples);
+        let correction = match self.agent.as_ref().and_then(|a| a.bias_ms) {
+            Some(b) => Some(b),
+            None => self.rtt.as_ref().and_then(|r| r.p50_ms),
+        };
+        if let Some(rtt) = correction {
+            let less = |v: Option<f64>| v.map(|v| (v - rtt).max(0.0));
+            self.window.mean_ms = less(self.window.mean_ms);
+            self.window.p50_ms = less(self.window.p50_ms);
+            self.window.p99_ms = less(self.window.p99_ms);
+        }
+    }
+
+    /// Errors over attempts this tick (refusals and reset turns over new
+    /// connections and turns, with a fresh probe as one more attempt).
+    /// Returns the refusals.
+    fn errors(&mut self, stats: &BackendStats, ps: &BackendStats) -> u64 {
+        let d = |now: u64, before: u64| now.wrapping_sub(before);
+        let refused = d(stats.refused, ps.refused);
+        let resets = d(stats.reset_turns, ps.reset_turns);
+        let conns = d(stats.flows_new, ps.flows_new);
+        let turns = d(stats.turns, ps.turns);
+        let mut errors = refused + resets;
+        let mut attempts = conns + turns;
+        if self.probe_fresh {
+            attempts += 1;
+            if self.probe.as_ref().is_some_and(|p| p.error.is_some()) {
+                errors += 1;
+            }
+        }
+        self.error_rate = if attempts == 0 {
+            0.0
+        } else {
+            (errors as f64 / attempts as f64).min(1.0)
+        };
+        refused
+    }
+
+    /// Faults from answers owed: hung (owes a turn's answer, none comes),
+    /// unreachable (owes a SYN-ACK).
+    fn owed_answers(
+        &mut self,
+        stats: &BackendStats,
+        pulse: &Pulse,
+        now_ns: u64,
+        s: &Settings,
+        hung_after: Duration,
+    ) {
+        let hung_ns = hung_after.as_nanos() as u64;
+        // With `latency = "connect"` or `"off"` a request owes nothing.
+        let turns = if self.latency.turns() {
+            pulse.turn_wait_ns
+        } else {
+            0
+        };
+        if let Some(age) = owed(turns, now_ns, stats.flows_new, &mut self.wait_seen) {
+            // One turn owed long is no fault (a long poll, a stream, an
+            // upload's body): hung is new connections, sent to it since it
+            // last answered anything (the kernel's evidence flows, which
+            // the pass-over never withholds), still unanswered after half
+            // of `hung_after`, with nothing else answered all that time.
+            // The health probe covers a backend that gets no traffic.
+            let evidence = pulse.opened >= HUNG_NEW_FLOWS
+                && now_ns.saturating_sub(pulse.evidence_ns) > hung_ns / 2;
+            if evidence {
+                self.kernel_fault = Some(format!(
+                    "hung: no answer for {} ms, {} connections opened since",
+                    age / 1_000_000,
+                    pulse.opened
+                ));
+            }
+        }
+        let syn_ns = s.syn_timeout.as_nanos() as u64;
+        if let Some(age) = owed(
+            pulse.syn_wait_ns,
+            now_ns,
+            stats.flows_new,
+            &mut self.syn_seen,
+        ) {
+            let (_, conns_then) = self.syn_seen.unwrap_or_default();
+            let piled = stats.flows_new.wrapping_sub(conns_then) >= 1;
+            if (age > syn_ns && piled) || age > syn_ns.saturating_mul(5) {
+                self.kernel_fault = Some(format!(
+                    "unreachable: SYNs unanswered for {} ms",
+                    age / 1_000_000
+                ));
+            }
+        }
+    }
+
+    /// Health after this tick's kernel figures and probes.
+    pub(super) fn judge(&mut self, s: &Settings) {
+        let probe_fault = (self.fails >= s.probe.fall).then(|| {
+            let why = self
+                .probe
+                .as_ref()
+                .and_then(|p| p.error.clone())
+                .unwrap_or_default();
+            format!("{} probes failed: {why}", self.fails)
+        });
+        if let Some(f) = self.kernel_fault.clone().or(probe_fault) {
+            if self.kernel_fault.is_some() {
+                self.passes = 0;
+            }
+            self.unhealthy = Some(f);
+        } else if self.unhealthy.is_some() && self.passes >= s.probe.rise {
+            self.unhealthy = None;
+        }
+    }
+
+    pub(super) fn reading(&self) -> Reading {
+        Reading {
+            latency_ms: None,
+            cpu: self.host.cpu,
+            memory: self.host.memory,
+            error_rate: self.error_rate,
+            load: self.active_flows as f64 / self.opts.capacity.max(1) as f64,
+        }
+    }
+
+    pub(super) fn probe_ms(&self) -> Option<f64> {
+        self.probe
+            .as_ref()
+            .filter(|p| p.error.is_none())
+            .map(|p| p.latency_ms)
+    }
+}
+
+/// How long a backend has owed an answer, if it does. Remembers, per
+/// distinct wait, the counter value when it was first seen.
+fn owed(since: u64, now_ns: u64, counter: u64, seen: &mut Option<(u64, u64)>) -> Option<u64> {
+    if since == 0 {
+        *seen = None;
+        return None;
+    }
+    if seen.is_none_or(|(s, _)| s != since) {
+        *seen = Some((since, counter));
+    }
+    Some(now_ns.saturating_sub(since))
+}
