@@ -6,11 +6,14 @@
 //! the answers) or answers whose ACKs it holds back until its next request
 //! (in DSR, where the balancer reads the answer from the client's ACK).
 
-use crate::{plug, Testbed, LB_IP};
+use crate::{
+    kinds::{answer, connect},
+    plug, Testbed, LB_IP,
+};
 use anyhow::{bail, Result};
 use huddle_user::sys::netns::Netns;
 use std::{
-    io::{BufRead, BufReader, Read, Write},
+    io::{BufReader, Write},
     net::{Ipv4Addr, SocketAddr, TcpStream},
     sync::{
         atomic::{AtomicBool, AtomicU64, Ordering},
@@ -181,13 +184,10 @@ fn connection(
     stop: &AtomicBool,
     c: &[AtomicU64; 4],
 ) -> Result<()> {
-    let mut s = TcpStream::connect_timeout(&vip, Duration::from_secs(2))?;
-    s.set_read_timeout(Some(Duration::from_secs(10)))?;
-    s.set_write_timeout(Some(Duration::from_secs(5)))?;
-    s.set_nodelay(true)?;
+    let mut s = connect(vip)?;
     let mut r = BufReader::new(s.try_clone()?);
     s.write_all(b"GET / HTTP/1.1\r\nHost: vip\r\n\r\n")?;
-    if body(&mut r)? != target {
+    if answer(&mut r)? != target {
         return Ok(());
     }
     c[1].fetch_add(1, Ordering::Relaxed);
@@ -210,7 +210,7 @@ fn connection(
                 s.write_all(b"GET / HTTP/1.1\r\nHost: vip\r\n\r\n")?;
             }
         }
-        body(&mut r)?;
+        answer(&mut r)?;
         if trick == Trick::LateAcks {
             // The answer is in, its ACK dropped: let the next pure ACK
             // (to the backend's retransmission) out before writing again.
@@ -221,26 +221,6 @@ fn connection(
         c[2].fetch_add(1, Ordering::Relaxed);
     }
     Ok(())
-}
-
-/// Reads one answer; its body, trimmed.
-fn body(r: &mut BufReader<TcpStream>) -> Result<String> {
-    let mut len = None;
-    loop {
-        let mut line = String::new();
-        if r.read_line(&mut line)? == 0 {
-            bail!("closed before the answer");
-        }
-        if let Some(v) = line.to_ascii_lowercase().strip_prefix("content-length:") {
-            len = Some(v.trim().parse::<usize>()?);
-        }
-        if line == "\r\n" {
-            break;
-        }
-    }
-    let mut b = vec![0u8; len.unwrap_or(0)];
-    r.read_exact(&mut b)?;
-    Ok(String::from_utf8_lossy(&b).trim().to_string())
 }
 
 /// Sets the socket's mark (what the nft rule of `LateAcks` looks for).

@@ -139,7 +139,8 @@ fn nap(d: Duration, stop: &AtomicBool) -> bool {
     false
 }
 
-fn connect(vip: SocketAddr) -> Result<TcpStream> {
+/// A connection to `vip` with the timeouts of every kind's client.
+pub(crate) fn connect(vip: SocketAddr) -> Result<TcpStream> {
     let s = TcpStream::connect_timeout(&vip, Duration::from_secs(2))?;
     s.set_read_timeout(Some(Duration::from_secs(15)))?;
     s.set_write_timeout(Some(Duration::from_secs(5)))?;
@@ -147,8 +148,9 @@ fn connect(vip: SocketAddr) -> Result<TcpStream> {
     Ok(s)
 }
 
-/// Reads one answer's head and its `Content-Length` body.
-fn answer(r: &mut BufReader<TcpStream>) -> Result<()> {
+/// Reads one answer's head and its `Content-Length` body; the body,
+/// trimmed.
+pub(crate) fn answer(r: &mut BufReader<TcpStream>) -> Result<String> {
     let mut len = 0usize;
     let mut first = true;
     loop {
@@ -169,7 +171,7 @@ fn answer(r: &mut BufReader<TcpStream>) -> Result<()> {
     }
     let mut body = vec![0u8; len];
     r.read_exact(&mut body)?;
-    Ok(())
+    Ok(String::from_utf8_lossy(&body).trim().to_string())
 }
 
 fn exchange(kind: Kind, vip: SocketAddr, stop: &AtomicBool) -> Result<()> {
@@ -184,7 +186,7 @@ fn exchange(kind: Kind, vip: SocketAddr, stop: &AtomicBool) -> Result<()> {
                     return Ok(());
                 }
             }
-            answer(&mut r)
+            answer(&mut r).map(drop)
         }
         Kind::Dribble => {
             s.write_all(b"GET /dribbled HTTP/1.1\r\n")?;
@@ -192,15 +194,15 @@ fn exchange(kind: Kind, vip: SocketAddr, stop: &AtomicBool) -> Result<()> {
                 return Ok(());
             }
             s.write_all(b"Host: vip\r\n\r\n")?;
-            answer(&mut r)
+            answer(&mut r).map(drop)
         }
         Kind::LongPoll => {
             s.write_all(b"GET /poll?ms=3000 HTTP/1.1\r\nHost: vip\r\n\r\n")?;
-            answer(&mut r)
+            answer(&mut r).map(drop)
         }
         Kind::SlowEndpoint => {
             s.write_all(b"GET /slow?ms=200 HTTP/1.1\r\nHost: vip\r\n\r\n")?;
-            answer(&mut r)
+            answer(&mut r).map(drop)
         }
         Kind::Push | Kind::StopReading => {
             let every = if kind == Kind::Push { 100 } else { 1 };

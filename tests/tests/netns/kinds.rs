@@ -16,10 +16,16 @@ const N: usize = 4;
 const RATE: f64 = 200.0;
 
 fn secs() -> u64 {
-    std::env::var("HC_KINDS_SECS")
+    env_secs("HC_KINDS_SECS", 10)
+}
+
+/// Seconds from environment variable `name`, `default` if unset, within
+/// 3-120.
+fn env_secs(name: &str, default: u64) -> u64 {
+    std::env::var(name)
         .ok()
         .and_then(|v| v.parse().ok())
-        .unwrap_or(10)
+        .unwrap_or(default)
         .clamp(3, 120)
 }
 
@@ -204,11 +210,7 @@ fn among_all_kinds_a_slow_or_hung_backend_still_leaves() {
 
 /// Seconds of each adversary run (`HC_ADV_SECS`, default the 30).
 fn adv_secs() -> u64 {
-    std::env::var("HC_ADV_SECS")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(30)
-        .clamp(3, 120)
+    env_secs("HC_ADV_SECS", 30)
 }
 
 /// An adversary opening 2% of the connections (4 a second beside the
