@@ -23,8 +23,7 @@ impl Balancer {
                 .zip(&slot.service.backends)
                 .filter_map(|(id, addr)| {
                     let st = self.dp.backend_stats(*id).ok()?;
-                    let ttfb = self.dp.latency(*id).ok()?;
-                    let heavy = self.dp.latency_heavy(*id).unwrap_or_default();
+                    let (ttfb, heavy) = self.dp.latency_parts(*id).ok()?;
                     let connect = self.dp.connect_latency(*id).unwrap_or_default();
                     Some(crate::cluster::pooled::reading(
                         *addr, &st, &ttfb, &heavy, &connect,

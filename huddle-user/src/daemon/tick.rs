@@ -120,10 +120,11 @@ impl Balancer {
             self.dp.clear_pulse(id)?;
             pulse = Pulse::default();
         }
+        let (ttfb, ttfb_heavy) = self.dp.latency_parts(id)?;
         let mut own = crate::cluster::pooled::Counts {
             stats: self.dp.backend_stats(id)?,
-            ttfb: self.dp.latency(id)?,
-            ttfb_heavy: self.dp.latency_heavy(id)?,
+            ttfb,
+            ttfb_heavy,
             connect: huddle_common::Latency::default(),
         };
         if connect {

@@ -490,7 +490,7 @@ fn a_backends_samples_are_kept_apart_by_their_heaviest_source() {
     let count = |h: huddle_common::Latency| h.buckets.iter().sum::<u64>();
     let (all, heavy) = (
         count(env.dp.latency(id).unwrap()),
-        count(env.dp.latency_heavy(id).unwrap()),
+        count(env.dp.latency_parts(id).unwrap().1),
     );
     assert_eq!((all, heavy), (4, 3), "the heavy source's 3, the other's 1");
 }

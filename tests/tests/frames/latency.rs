@@ -72,7 +72,7 @@ fn each_request_turn_gives_one_latency_sample_to_its_backend() {
     let hist = env.dp.latency(id).unwrap();
     assert_eq!(hist.buckets.iter().sum::<u64>(), 2);
     // One client: both are its heavy source's (`HeavySource`).
-    let heavy = env.dp.latency_heavy(id).unwrap();
+    let heavy = env.dp.latency_parts(id).unwrap().1;
     assert_eq!(heavy.buckets.iter().sum::<u64>(), 2);
     let first = hist.buckets.iter().position(|n| *n > 0).unwrap();
     assert!(

@@ -24,16 +24,15 @@ impl ConnectWindow {
         let cw = self;
         let now = (stats.syn_acks, stats.connect_ns, *hist);
         let (count, sum, before) = cw.prev.replace(now).unwrap_or(now);
-        let mut tick = TickSamples {
-            count: stats.syn_acks.wrapping_sub(count),
-            sum_ns: stats.connect_ns.wrapping_sub(sum),
-            hist: Box::new([0; LATENCY_BUCKETS]),
-            // Connect samples are not split by source.
-            heavy: Box::new([0; LATENCY_BUCKETS]),
-        };
-        for (i, b) in tick.hist.iter_mut().enumerate() {
-            *b = hist.buckets[i].wrapping_sub(before.buckets[i]);
-        }
+        let d: [u64; LATENCY_BUCKETS] =
+            std::array::from_fn(|i| hist.buckets[i].wrapping_sub(before.buckets[i]));
+        // Connect samples are not split by source.
+        let tick = TickSamples::new(
+            stats.syn_acks.wrapping_sub(count),
+            stats.connect_ns.wrapping_sub(sum),
+            Box::new(d),
+            None,
+        );
         cw.ticks.push_front(tick);
         cw.ticks.truncate(WINDOW_TICKS);
         cw.window = window(&cw.ticks, min_samples);

@@ -23,10 +23,11 @@ pub struct Tracker {
     /// A UDP backend: may be one-way, so owing an answer proves nothing,
     /// and it is not probed.
     pub udp: bool,
-    prev: Option<(BackendStats, Latency)>,
-    /// The heavy source's part of the histogram (`observe_heavy`): now,
-    /// and at the last `observe`.
-    heavy: (Latency, Latency),
+    /// The kernel's cumulative counters, histogram and its heavy
+    /// source's part at the last `observe`.
+    prev: Option<(BackendStats, Latency, Latency)>,
+    /// The heavy source's part now (`observe_heavy`).
+    heavy: Latency,
     ticks: VecDeque<TickSamples>,
     pub window: Window,
     /// Failed over attempted (connections, requests, probes) last tick.
@@ -75,7 +76,7 @@ impl Tracker {
             opts,
             udp,
             prev: None,
-            heavy: (Latency::default(), Latency::default()),
+            heavy: Latency::default(),
             ticks: VecDeque::new(),
             window: Window::default(),
             error_rate: 0.0,
@@ -135,7 +136,7 @@ impl Tracker {
         let (answered, ack_ns) = self
             .prev
             .as_ref()
-            .map_or((0, 0), |(st, _)| (st.answered, st.ttfb_ns));
+            .map_or((0, 0), |(st, ..)| (st.answered, st.ttfb_ns));
         let cal = self.agent.get_or_insert_with(AgentCal::default);
         if let Some((then, a0, n0)) = cal.last {
             let (dc, ds) = (
@@ -158,7 +159,7 @@ impl Tracker {
     /// Takes the cumulative histogram of the samples from the backend's
     /// heavy source (before `observe`; see `HeavySource`).
     pub fn observe_heavy(&mut self, heavy: &Latency) {
-        self.heavy.0 = *heavy;
+        self.heavy = *heavy;
     }
 
     /// DSR: takes this tick's connect histogram (before `observe`), whose
@@ -217,9 +218,10 @@ impl Tracker {
         s: &Settings,
         hung_after: Duration,
     ) {
-        let (ps, ph) = self.prev.take().unwrap_or((*stats, *hist));
-        self.prev = Some((*stats, *hist));
-        self.latency_window(stats, hist, (&ps, &ph), s);
+        let now = (*stats, *hist, self.heavy);
+        let before = self.prev.replace(now).unwrap_or(now);
+        self.latency_window(&now, &before, s);
+        let ps = before.0;
         self.active_flows = stats
             .flows_new
             .saturating_sub(stats.flows_closed)
@@ -244,26 +246,23 @@ impl Tracker {
     /// since `prev`) into the window, less the network's round trip.
     fn latency_window(
         &mut self,
-        stats: &BackendStats,
-        hist: &Latency,
-        (ps, ph): (&BackendStats, &Latency),
+        (stats, hist, heavy): &(BackendStats, Latency, Latency),
+        (ps, ph, pheavy): &(BackendStats, Latency, Latency),
         s: &Settings,
     ) {
         let d = |now: u64, before: u64| now.wrapping_sub(before);
-        let mut tick = TickSamples {
-            count: d(stats.answered, ps.answered),
-            sum_ns: d(stats.ttfb_ns, ps.ttfb_ns),
-            hist: Box::new([0; LATENCY_BUCKETS]),
-            heavy: Box::new([0; LATENCY_BUCKETS]),
-        };
-        let (heavy, heavy_before) = self.heavy;
-        self.heavy.1 = heavy;
-        for i in 0..LATENCY_BUCKETS {
-            tick.hist[i] = d(hist.buckets[i], ph.buckets[i]);
-            // Never more than all of the bucket (a fresh data plane's
-            // counters start again).
-            tick.heavy[i] = d(heavy.buckets[i], heavy_before.buckets[i]).min(tick.hist[i]);
-        }
+        let all: Box<[u64; LATENCY_BUCKETS]> =
+            Box::new(std::array::from_fn(|i| d(hist.buckets[i], ph.buckets[i])));
+        // Never more than all of the bucket (a fresh data plane's counters
+        // start again).
+        let part: [u64; LATENCY_BUCKETS] =
+            std::array::from_fn(|i| d(heavy.buckets[i], pheavy.buckets[i]).min(all[i]));
+        let tick = TickSamples::new(
+            d(stats.answered, ps.answered),
+            d(stats.ttfb_ns, ps.ttfb_ns),
+            all,
+            Some(part),
+        );
         self.ticks.push_front(tick);
         self.ticks.truncate(WINDOW_TICKS);
         self.window = window(&self.ticks, s.min_samples);

@@ -13,9 +13,35 @@ pub(super) const WINDOW_TICKS: usize = 10;
 pub(super) struct TickSamples {
     pub(super) count: u64,
     pub(super) sum_ns: u64,
-    pub(super) hist: Box<[u64; LATENCY_BUCKETS]>,
-    /// The part of `hist` from the backend's heavy source.
-    pub(super) heavy: Box<[u64; LATENCY_BUCKETS]>,
+    hist: Box<[u64; LATENCY_BUCKETS]>,
+    /// The part of `hist` from the backend's heavy source (`None`: no
+    /// sample of it), and how many samples each part holds.
+    heavy: Option<Box<[u64; LATENCY_BUCKETS]>>,
+    heavy_count: u64,
+    rest_count: u64,
+}
+
+impl TickSamples {
+    /// `count` samples summing `sum_ns`, by bucket `hist`, of which
+    /// `heavy` (never more than `hist` in any bucket) are the heavy
+    /// source's.
+    pub(super) fn new(
+        count: u64,
+        sum_ns: u64,
+        hist: Box<[u64; LATENCY_BUCKETS]>,
+        heavy: Option<[u64; LATENCY_BUCKETS]>,
+    ) -> TickSamples {
+        let total: u64 = hist.iter().sum();
+        let heavy_count = heavy.as_ref().map_or(0, |h| h.iter().sum());
+        TickSamples {
+            count,
+            sum_ns,
+            hist,
+            heavy: heavy.filter(|_| heavy_count > 0).map(Box::new),
+            heavy_count,
+            rest_count: total - heavy_count,
+        }
+    }
 }
 
 /// Latency over the newest ticks that hold enough samples.
@@ -48,7 +74,7 @@ pub(super) fn window(ticks: &VecDeque<TickSamples>, min_samples: u64) -> Window 
         for (h, v) in hist.iter_mut().zip(t.hist.iter()) {
             *h += v;
         }
-        heavy_samples += t.heavy.iter().sum::<u64>();
+        heavy_samples += t.heavy_count;
         if count >= min_samples {
             break;
         }
@@ -58,10 +84,17 @@ pub(super) fn window(ticks: &VecDeque<TickSamples>, min_samples: u64) -> Window 
     }
     let total: u64 = hist.iter().sum();
     let split = (min_samples / 2).max(1);
-    let of = |heavy: bool| median_of(ticks, heavy, split);
-    let p50_ms = match (of(true), of(false)) {
-        (Some(a), Some(b)) => Some(a.min(b)),
-        _ => percentile(&hist, total, 0.50),
+    // Both parts must hold `split` samples somewhere in the window: with
+    // one client (every sample heavy) or none heavy, no part is walked.
+    let enough = |part: fn(&TickSamples) -> u64| ticks.iter().map(part).sum::<u64>() >= split;
+    let split_p50 = if enough(|t| t.heavy_count) && enough(|t| t.rest_count) {
+        median_of(ticks, true, split).zip(median_of(ticks, false, split))
+    } else {
+        None
+    };
+    let p50_ms = match split_p50 {
+        Some((a, b)) => Some(a.min(b)),
+        None => percentile(&hist, total, 0.50),
     };
     Window {
         samples: count,
@@ -78,12 +111,13 @@ pub(super) fn window(ticks: &VecDeque<TickSamples>, min_samples: u64) -> Window 
 fn median_of(ticks: &VecDeque<TickSamples>, heavy: bool, least: u64) -> Option<f64> {
     let mut hist = [0u64; LATENCY_BUCKETS];
     let mut n = 0;
+    let none = [0u64; LATENCY_BUCKETS];
     for t in ticks {
-        for (h, (all, of_heavy)) in hist.iter_mut().zip(t.hist.iter().zip(t.heavy.iter())) {
-            let v = if heavy { *of_heavy } else { all - of_heavy };
-            *h += v;
-            n += v;
+        let part = t.heavy.as_deref().unwrap_or(&none);
+        for (h, (all, of_heavy)) in hist.iter_mut().zip(t.hist.iter().zip(part.iter())) {
+            *h += if heavy { *of_heavy } else { all - of_heavy };
         }
+        n += if heavy { t.heavy_count } else { t.rest_count };
         if n >= least {
             return percentile(&hist, n, 0.50);
         }

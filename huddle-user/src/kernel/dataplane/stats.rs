@@ -65,18 +65,18 @@ impl Dataplane {
     /// Sum over CPUs of one backend's time-to-first-byte histogram (all
     /// sources).
     pub fn latency(&self, id: u32) -> Result<Latency> {
+        Ok(self.latency_parts(id)?.0)
+    }
+
+    /// `latency`, and the part of it from the backend's heavy source
+    /// (`HeavySource`), each map read once.
+    pub fn latency_parts(&self, id: u32) -> Result<(Latency, Latency)> {
         let mut all = histogram(&self.stats.latency, id)?;
-        let heavy = self.latency_heavy(id)?;
+        let heavy = histogram(&self.stats.latency_heavy, id)?;
         for (a, h) in all.buckets.iter_mut().zip(heavy.buckets.iter()) {
             *a = a.wrapping_add(*h);
         }
-        Ok(all)
-    }
-
-    /// The part of `latency` from the backend's heavy source
-    /// (`HeavySource`).
-    pub fn latency_heavy(&self, id: u32) -> Result<Latency> {
-        histogram(&self.stats.latency_heavy, id)
+        Ok((all, heavy))
     }
 
     /// Sum over CPUs of one backend's connect-time histogram.
