@@ -84,6 +84,10 @@ pub struct ClusterSide {
     /// and what the last poll found.
     pub(super) pool: crate::cluster::pooled::Pool,
     pub(super) pool_note: Option<String>,
+    /// Which members answer the poll; the rings hold while that changes.
+    pub(super) members: crate::cluster::membership::Membership,
+    /// Until when the rings hold, and why.
+    pub(super) hold: Option<(Duration, String)>,
     /// Announces the VIPs through bird (with `[bgp]`); its own lock, so
     /// a slow bird never holds up a tick or `huddle status`.
     pub bgp: Option<Arc<Mutex<crate::cluster::bgp::Announcer>>>,
@@ -156,6 +160,8 @@ impl Balancer {
                 handoff_note: None,
                 pool: crate::cluster::pooled::Pool::default(),
                 pool_note: None,
+                members: Default::default(),
+                hold: None,
                 bgp,
             },
         };

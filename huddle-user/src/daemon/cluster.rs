@@ -46,6 +46,23 @@ impl Balancer {
         let mut from = Vec::new();
         let mut passed = Vec::new();
         let mut dropped = Vec::new();
+        let answering = answers
+            .iter()
+            .filter(|(_, a)| a.is_ok())
+            .map(|(p, _)| *p)
+            .collect();
+        let now = self.now();
+        if let Some((until, why)) = self.cluster.members.take(answering, now) {
+            info!(
+                event = "cluster",
+                "cluster: {why}; the rings hold for {:?} while connections move between balancers",
+                until.saturating_sub(now)
+            );
+            for h in &mut self.huddles {
+                h.engine.hold_until = until;
+            }
+            self.cluster.hold = Some((until, why));
+        }
         for (peer, a) in answers {
             match a {
                 Ok(mut a) => {
@@ -199,7 +216,15 @@ impl Balancer {
         });
         let changed =
             self.cluster.leader.as_ref().map(|l| &l.rings) != leader.as_ref().map(|l| &l.rings);
+        let lost = if leader.is_none() {
+            self.cluster.leader.take()
+        } else {
+            None
+        };
         self.cluster.leader = leader;
+        if let Some(lost) = lost {
+            self.carry_on_from(&lost);
+        }
         // At once, not at the next tick: the rings disagree meanwhile.
         if changed {
             for si in 0..self.huddles.len() {
@@ -207,6 +232,28 @@ impl Balancer {
                     warn!("{e:#}");
                 }
             }
+        }
+    }
+
+    /// Deciding from now on, after following `lost`: each huddle starts
+    /// from the ring the cluster had (as this balancer took it), not from
+    /// its own, which would move connections at the worst moment.
+    fn carry_on_from(&mut self, lost: &crate::cluster::peers::Leader) {
+        let now = self.now();
+        for si in 0..self.huddles.len() {
+            let Some(ring) = lost.rings.get(&self.cfg.services[si].name()) else {
+                continue;
+            };
+            let backends = &self.cfg.services[si].backends;
+            let inner: Vec<usize> = ring
+                .iter()
+                .filter_map(|a| backends.iter().position(|b| b == a))
+                .collect();
+            if inner.is_empty() {
+                continue;
+            }
+            let moves = self.huddles[si].engine.follow(&inner, now);
+            self.record_moves(si, moves, now);
         }
     }
 

@@ -50,6 +50,13 @@ impl Balancer {
                 .chain(&self.cluster.handoff_note)
                 .chain(&self.cluster.pool_note)
                 .cloned()
+                .chain(self.cluster.hold.as_ref().and_then(|(until, why)| {
+                    let left = until.checked_sub(self.now())?;
+                    Some(format!(
+                        "cluster: rings held {:.1} s more ({why}): no backend rests hot or returns meanwhile",
+                        left.as_secs_f64()
+                    ))
+                }))
                 .collect(),
             bgp: self.cluster.bgp.as_ref().map(|b| lock(b).status()),
         })

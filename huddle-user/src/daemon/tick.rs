@@ -140,6 +140,25 @@ impl Balancer {
         let was_panic = self.huddles[si].engine.panic;
         let moves = self.huddles[si].step(&self.cfg.huddle, now);
         let rotated = !moves.is_empty();
+        self.record_moves(si, moves, now);
+        let panic = self.huddles[si].engine.panic;
+        if panic && !was_panic {
+            warn!("{service}: panic mode: too few healthy backends; keeping the least hot ones in the ring");
+        } else if was_panic && !panic {
+            info!("{service}: panic mode over");
+        }
+        rotated
+    }
+
+    /// Logs service `si`'s `moves` (made at `now`) and keeps them for
+    /// `huddle status`.
+    pub(super) fn record_moves(
+        &mut self,
+        si: usize,
+        moves: Vec<crate::huddle::rotation::Move>,
+        now: Duration,
+    ) {
+        let service = self.cfg.services[si].name();
         let ring_ms = self.huddles[si].ring_p50_ms;
         for m in moves {
             let backend = self.cfg.services[si].backends[m.member];
@@ -185,13 +204,6 @@ impl Balancer {
                 self.seen.events.pop_front();
             }
         }
-        let panic = self.huddles[si].engine.panic;
-        if panic && !was_panic {
-            warn!("{service}: panic mode: too few healthy backends; keeping the least hot ones in the ring");
-        } else if was_panic && !panic {
-            info!("{service}: panic mode over");
-        }
-        rotated
     }
 
     /// Says when new flows toward a backend start (and stop) getting NAT

@@ -16,7 +16,11 @@
 //!   hysteresis that stops flapping;
 //! - if the inner ring would hold fewer than `min_inner` members, the
 //!   coolest healthy resting ones are called back early, and failing
-//!   those the least hot unhealthy ones (panic mode): never an empty ring.
+//!   those the least hot unhealthy ones (panic mode): never an empty ring;
+//! - while held (`hold_until`, set when the cluster loses or regains a
+//!   member) no member leaves hot or returns: a ring change then would
+//!   break the moved connections no balancer has shared yet. The sick
+//!   still leave, the floor still holds.
 
 use crate::config::tuning::RotationParams;
 use serde::{Deserialize, Serialize};
@@ -58,6 +62,9 @@ pub enum Reason {
     /// Taken out or put back by an operator.
     Drained,
     Undrained,
+    /// Placed as the cluster's last ring had it (this balancer took over
+    /// deciding from a leader it lost).
+    Followed,
 }
 
 impl std::fmt::Display for Reason {
@@ -71,6 +78,7 @@ impl std::fmt::Display for Reason {
             Reason::Panic => f.write_str("panic: no healthy backend left to call"),
             Reason::Drained => f.write_str("drained by operator"),
             Reason::Undrained => f.write_str("restored by operator"),
+            Reason::Followed => f.write_str("as the lost leader's ring"),
         }
     }
 }
@@ -109,6 +117,8 @@ pub struct Engine {
     /// True while the inner ring holds unhealthy members or is below its
     /// minimum for lack of healthy ones.
     pub panic: bool,
+    /// Until then no hot leave and no rested return (see the module).
+    pub hold_until: Duration,
 }
 
 impl Engine {
@@ -136,6 +146,7 @@ impl Engine {
             params,
             members,
             panic: false,
+            hold_until: Duration::ZERO,
         };
         if warm {
             // Never start empty: the refill brings `min_inner` in now.
@@ -227,14 +238,58 @@ impl Engine {
         moves
     }
 
+    /// Places the members as `inner` says (the rest resting, for at least
+    /// `min_rest`), as a new decider that carries on from the ring the
+    /// cluster had rather than jump to its own. Members drained or
+    /// unhealthy here stay out; nothing moves if that leaves none inside.
+    pub fn follow(&mut self, inner: &[usize], now: Duration) -> Vec<Move> {
+        let mut moves = Vec::new();
+        let takes = |m: &Member| !m.drained && m.unhealthy.is_none();
+        if !inner
+            .iter()
+            .any(|i| self.members.get(*i).is_some_and(takes))
+        {
+            return moves;
+        }
+        for i in 0..self.members.len() {
+            let to = if inner.contains(&i) && takes(&self.members[i]) {
+                Place::Inner
+            } else {
+                Place::Outer
+            };
+            if self.members[i].place == to {
+                continue;
+            }
+            if to == Place::Outer {
+                let m = &mut self.members[i];
+                m.rest_until = m.rest_until.max(now + self.params.min_rest);
+            }
+            let m = &mut self.members[i];
+            m.place = to;
+            m.moved_at = Some(now);
+            m.rotations += 1;
+            m.last_reason = Some(Reason::Followed);
+            moves.push(Move {
+                member: i,
+                to,
+                reason: Reason::Followed,
+                temperature: m.temperature,
+            });
+        }
+        moves
+    }
+
     /// One rotation step at time `now`: forgive, then the sick leave, the
-    /// hot leave, the rested return, and the ring is refilled to its floor.
+    /// hot leave, the rested return (these two not while held), and the
+    /// ring is refilled to its floor.
     pub fn tick(&mut self, now: Duration) -> Vec<Move> {
         let mut moves = Vec::new();
         self.forgive(now);
         self.sick_leave(now, &mut moves);
-        self.hot_leave(now, &mut moves);
-        self.rested_return(now, &mut moves);
+        if now >= self.hold_until {
+            self.hot_leave(now, &mut moves);
+            self.rested_return(now, &mut moves);
+        }
         let want = self.params.min_inner.max(1);
         self.refill(want, now, &mut moves);
         self.panic = self

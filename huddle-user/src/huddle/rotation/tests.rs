@@ -248,3 +248,51 @@ fn property_random_signals_never_break_the_rules() {
         }
     }
 }
+
+#[test]
+fn while_held_no_member_leaves_hot_or_returns_but_the_sick_still_leave() {
+    let mut e = engine(4);
+    temps(&mut e, &[0.1, 0.1, 0.9, 0.1]);
+    assert_eq!(e.tick(10 * S).len(), 1);
+    e.hold_until = 40 * S;
+    // Member 2 rested and cooled; member 0 hot: neither moves while held.
+    temps(&mut e, &[0.9, 0.1, 0.0, 0.1]);
+    assert!(e.tick(30 * S).is_empty());
+    assert_eq!(e.inner(), vec![0, 1, 3]);
+    // The sick leave at once, held or not.
+    e.members[1].unhealthy = Some("refused".into());
+    let m = e.tick(31 * S);
+    assert_eq!((m[0].member, m[0].to), (1, Place::Outer));
+    // Once the hold is over the rested one returns, and then (the ring
+    // above its floor again) the hot one leaves.
+    let m = e.tick(40 * S);
+    assert_eq!((m[0].member, m[0].to), (2, Place::Inner));
+    let m = e.tick(40 * S + ms(100));
+    assert_eq!((m[0].member, m[0].to), (0, Place::Outer));
+}
+
+#[test]
+fn following_a_lost_leaders_ring_places_members_as_it_had_them() {
+    let mut e = engine(4);
+    let m = e.follow(&[0, 1, 3], 10 * S);
+    assert_eq!(m.len(), 1);
+    assert_eq!(
+        (m[0].member, m[0].to, &m[0].reason),
+        (2, Place::Outer, &Reason::Followed)
+    );
+    assert_eq!(e.inner(), vec![0, 1, 3]);
+    // It rests at least min_rest before it may return, cool as it is.
+    assert!(e.tick(11 * S).is_empty());
+    let m = e.tick(10 * S + e.params.min_rest);
+    assert_eq!((m[0].member, &m[0].reason), (2, &Reason::Cooled));
+    // Following the same ring again moves nothing; a member drained here
+    // stays out, and a ring of none this balancer takes changes nothing.
+    assert!(e.follow(&[0, 1, 2, 3], 30 * S).is_empty());
+    e.set_drained(1, true, 31 * S);
+    let m = e.follow(&[0, 1, 2, 3], 32 * S);
+    assert!(m.is_empty(), "{m:?}");
+    assert_eq!(e.inner(), vec![0, 2, 3]);
+    e.members[0].unhealthy = Some("refused".into());
+    assert!(e.follow(&[0, 1], 33 * S).is_empty());
+    assert_eq!(e.inner(), vec![0, 2, 3]);
+}
