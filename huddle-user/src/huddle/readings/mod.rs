@@ -138,8 +138,11 @@ impl ServiceHuddle {
                 .filter_map(|i| self.trackers[*i].judged_window()?.p50_ms),
         );
         self.ring_p50_ms = req_median;
-        let probe_median =
-            thermal::median(inner.iter().filter_map(|i| self.trackers[*i].probe_ms()));
+        let probe_median = thermal::median(
+            inner
+                .iter()
+                .filter_map(|i| self.trackers[*i].probe_ms(true)),
+        );
         self.answer_p99_ms = thermal::median(
             inner
                 .iter()
@@ -157,7 +160,10 @@ impl ServiceHuddle {
                 };
                 r.latency_ms = t.judged_window().and_then(|w| w.p50_ms);
                 req_median
-            } else if let Some(p) = t.probe_ms().filter(|_| t.latency != LatencyMode::Off) {
+            } else if let Some(p) = t
+                .probe_ms(self.engine.members[i].place == Place::Inner)
+                .filter(|_| t.latency != LatencyMode::Off)
+            {
                 t.latency_source = "probe";
                 r.latency_ms = Some(p);
                 probe_median

@@ -259,3 +259,31 @@ fn one_source_alone_cannot_make_a_backend_slow_but_a_sole_one_is_heard() {
     tick_of(&mut t, &mut so_far, &[30; 30], &[5; 2]);
     assert!(t.window.p50_ms.unwrap() > 25.0);
 }
+
+#[test]
+fn one_slow_probe_moves_nothing_two_in_three_do() {
+    use crate::net::probe::ProbeResult;
+    let ok = |ms: f64| ProbeResult {
+        latency_ms: ms,
+        error: None,
+        local: false,
+    };
+    let mut t = tracker();
+    t.probed(ok(3.1));
+    assert_eq!(t.probe_ms(true), None, "one probe says nothing");
+    t.probed(ok(0.1));
+    assert_eq!(t.probe_ms(true), Some(0.1), "the lesser of two");
+    t.probed(ok(0.1));
+    t.probed(ok(3.1));
+    assert_eq!(t.probe_ms(true), Some(0.1), "one slow in three");
+    assert_eq!(t.probe_ms(false), Some(3.1), "resting: the last");
+    t.probed(ok(3.2));
+    assert_eq!(t.probe_ms(true), Some(3.1), "two slow in three");
+    t.probed(ProbeResult {
+        latency_ms: 0.0,
+        error: Some("refused".into()),
+        local: false,
+    });
+    assert_eq!(t.probe_ms(true), None, "the last probe failed");
+    assert_eq!(t.probe_ms(false), None);
+}
