@@ -1,4 +1,4 @@
-//! `cargo xtask setup|test|demo|bench|bench-huddle`: the commands of the
+//! `cargo xtask setup|test|demo|bench|bench-huddle|bench-scale`: the commands of the
 //! README.
 //! Each installs what is missing first (nightly rust-src, bpf-linker linked
 //! against the nightly's own LLVM, Debian packages, bpffs) and says what it
@@ -65,6 +65,14 @@ enum Cmd {
     BenchHuddle {
         /// Arguments for `hc-compare` (after `--`), e.g. `--quick`,
         /// `--trials 5`, `--out DIR`.
+        #[arg(last = true)]
+        args: Vec<String>,
+    },
+    /// What the control plane costs as services and backends grow: one
+    /// row per size (start, RSS, CPU, ticks, probes, /metrics, reloads, a
+    /// slow backend's leave). Root.
+    BenchScale {
+        /// Arguments for `hc-scale` (after `--`), e.g. `--sizes 1x4,64x16`.
         #[arg(last = true)]
         args: Vec<String>,
     },
@@ -195,6 +203,15 @@ fn main() -> Result<()> {
             let mut a = vec!["--huddle", huddle];
             a.extend(args.iter().map(String::as_str));
             run(&release_bin("hc-compare")?, &a)
+        }
+        Cmd::BenchScale { args } => {
+            require_root("cargo xtask bench-scale")?;
+            setup::all()?;
+            build_release(&["huddle-user", "tests"])?;
+            let huddle = release_bin("huddle")?;
+            let mut a = vec!["--huddle", huddle.as_str()];
+            a.extend(args.iter().map(String::as_str));
+            run(&release_bin("hc-scale")?, &a)
         }
         Cmd::Package { binary, out } => {
             let binary = match binary {

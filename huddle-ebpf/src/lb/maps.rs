@@ -16,9 +16,11 @@ use huddle_common::{
 };
 
 /// VIP:port/proto -> service id, and SNAT address -> its index. Written
-/// only by the control plane; every packet is looked up here first.
+/// only by the control plane; every packet is looked up here first. Room
+/// for both: with `MAX_SERVICES` only, the 64th service found it full.
 #[map]
-pub static SERVICES: HashMap<ServiceKey, ServiceValue> = HashMap::with_max_entries(MAX_SERVICES, 0);
+pub static SERVICES: HashMap<ServiceKey, ServiceValue> =
+    HashMap::with_max_entries(MAX_SERVICES + MAX_SNAT as u32, 0);
 
 /// `SERVICES` again, as two halves of direct-mapped slots (one live, the
 /// other rewritten by the control plane, `KernelConfig::service_half`): an

@@ -53,6 +53,11 @@ pub struct ProbeFile {
     pub fall: Option<u32>,
     /// Passed probes in a row that make it healthy again.
     pub rise: Option<u32>,
+    /// How often a healthy backend carrying traffic is probed (its own
+    /// traffic measures it); the others every `interval_ms`.
+    pub active_interval_ms: Option<u64>,
+    /// The most probes a second over all backends.
+    pub max_per_second: Option<u32>,
 }
 
 /// The `[huddle]` table: temperatures and rotation. Every field optional.

@@ -65,6 +65,10 @@ pub struct Probe {
     pub timeout: Duration,
     pub fall: u32,
     pub rise: u32,
+    /// How often a healthy backend carrying traffic is probed.
+    pub active_interval: Duration,
+    /// The most probes a second over all backends.
+    pub max_per_second: u32,
 }
 
 /// Validated huddle settings.

@@ -178,6 +178,10 @@ fn listen(h: &HuddleFile) -> Result<Option<SocketAddr>> {
     )
 }
 
+/// Probes a second unless configured: up to 500 backends that need it
+/// probed every 250 ms, or 2,000 carrying traffic every second.
+const DEFAULT_PROBES_PER_SECOND: u32 = 2_000;
+
 /// The health probe.
 fn probe(h: &HuddleFile) -> Result<Probe> {
     let pf = h.probe.clone().unwrap_or_default();
@@ -185,13 +189,34 @@ fn probe(h: &HuddleFile) -> Result<Probe> {
     if !path.starts_with('/') || path.contains(char::is_whitespace) {
         bail!("huddle.probe.path: {path:?} must start with / and hold no spaces");
     }
+    let interval = millis(pf.interval_ms, 250, "huddle.probe.interval_ms", 10, 600_000)?;
+    let active_interval = millis(
+        pf.active_interval_ms,
+        (4 * interval.as_millis() as u64).min(600_000),
+        "huddle.probe.active_interval_ms",
+        10,
+        600_000,
+    )?;
+    if active_interval < interval {
+        bail!(
+            "huddle.probe.active_interval_ms: {} ms is shorter than huddle.probe.interval_ms ({} ms)",
+            active_interval.as_millis(),
+            interval.as_millis()
+        );
+    }
+    let max_per_second = pf.max_per_second.unwrap_or(DEFAULT_PROBES_PER_SECOND);
+    if !(1..=1_000_000).contains(&max_per_second) {
+        bail!("huddle.probe.max_per_second: {max_per_second} is outside 1..=1000000");
+    }
     Ok(Probe {
         kind: pf.kind.unwrap_or_default(),
         path,
-        interval: millis(pf.interval_ms, 250, "huddle.probe.interval_ms", 10, 600_000)?,
+        interval,
         timeout: millis(pf.timeout_ms, 1000, "huddle.probe.timeout_ms", 10, 60_000)?,
         fall: pf.fall.unwrap_or(2).max(1),
         rise: pf.rise.unwrap_or(2).max(1),
+        active_interval,
+        max_per_second,
     })
 }
 

@@ -68,7 +68,14 @@ pub struct Seen {
     pub(super) nat_reuse: HashMap<u32, (u64, bool)>,
     /// Per service: when it was last seen in panic mode.
     pub(super) last_panic: HashMap<usize, Instant>,
+    /// Probes sent since start.
+    pub(super) probes_sent: u64,
+    /// How long the last ticks took, newest last (`TICKS_TIMED`).
+    pub(super) tick_took: VecDeque<Duration>,
 }
+
+/// Ticks whose duration `huddle status` summarises.
+pub(super) const TICKS_TIMED: usize = 600;
 
 /// The balancer's side of its cluster and of BGP.
 pub struct ClusterSide {
@@ -270,20 +277,23 @@ impl Balancer {
         Ok(())
     }
 
-    /// (service, backend, address) of every backend of a TCP service, for
-    /// probes (a UDP service's protocol is unknown to us).
+    /// (service, backend, address, whether it needs probing every round:
+    /// `probing`) of every backend of a TCP service, for probes (a UDP
+    /// service's protocol is unknown to us).
     #[must_use]
-    pub fn probe_targets(&self) -> Vec<(usize, usize, SocketAddr)> {
+    pub fn probe_targets(&self) -> Vec<(usize, usize, SocketAddr, bool)> {
+        let huddles = &self.huddles;
+        let settings = &self.cfg.huddle;
         self.cfg
             .services
             .iter()
             .enumerate()
             .filter(|(_, s)| s.proto == crate::config::Proto::Tcp)
             .flat_map(|(si, s)| {
-                s.backends
-                    .iter()
-                    .enumerate()
-                    .map(move |(bi, a)| (si, bi, *a))
+                s.backends.iter().enumerate().map(move |(bi, a)| {
+                    let urgent = huddles.get(si).is_none_or(|h| h.needs_probe(bi, settings));
+                    (si, bi, *a, urgent)
+                })
             })
             .collect()
     }

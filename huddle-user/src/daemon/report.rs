@@ -59,7 +59,30 @@ impl Balancer {
                 }))
                 .collect(),
             bgp: self.cluster.bgp.as_ref().map(|b| lock(b).status()),
+            control: self.control_cost(),
         })
+    }
+
+    /// How long the last ticks took and how many probes went out.
+    fn control_cost(&self) -> crate::status::ControlCost {
+        let mut t: Vec<f64> = self
+            .seen
+            .tick_took
+            .iter()
+            .map(|d| d.as_secs_f64() * 1e3)
+            .collect();
+        t.sort_by(f64::total_cmp);
+        let q = |f: f64| {
+            t.get(((t.len() as f64 - 1.0) * f).round() as usize)
+                .copied()
+                .unwrap_or(0.0)
+        };
+        crate::status::ControlCost {
+            tick_p50_ms: q(0.5),
+            tick_p99_ms: q(0.99),
+            tick_max_ms: t.last().copied().unwrap_or(0.0),
+            probes_sent: self.seen.probes_sent,
+        }
     }
 
     /// Service `si`: its ring, tuning, counters, backends and rotations.

@@ -116,15 +116,30 @@ pub(super) async fn ticker(
 pub(super) async fn prober(shared: Arc<Mutex<Balancer>>, p: crate::config::Probe) {
     let mut tick = tokio::time::interval(p.interval);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let budget = crate::huddle::probing::Budget {
+        interval: p.interval,
+        active_interval: p.active_interval,
+        max_per_second: p.max_per_second,
+    };
+    let mut planner = crate::huddle::probing::Planner::default();
+    let start = tokio::time::Instant::now();
     loop {
         tick.tick().await;
         let targets = lock(&shared).probe_targets();
-        let addrs: Vec<SocketAddr> = targets.iter().map(|t| t.2).collect();
-        let results = crate::net::probe::probe_all(&addrs, &p).await;
+        let wants: Vec<(SocketAddr, bool)> = targets.iter().map(|t| (t.2, t.3)).collect();
+        let addrs = planner.plan(&wants, start.elapsed(), &budget);
+        // Spread over most of the round, so the next finds it done.
+        let results = crate::net::probe::probe_all(&addrs, &p, p.interval * 3 / 4).await;
+        let sent = addrs.len() as u64;
+        let by_addr: std::collections::HashMap<SocketAddr, crate::net::probe::ProbeResult> =
+            addrs.into_iter().zip(results).collect();
         let mut b = lock(&shared);
-        for ((si, bi, _), r) in targets.into_iter().zip(results) {
-            b.huddles[si].trackers[bi].probed(r);
+        for (si, bi, a, _) in targets {
+            if let Some(r) = by_addr.get(&a) {
+                b.huddles[si].trackers[bi].probed(r.clone());
+            }
         }
+        b.seen.probes_sent += sent;
     }
 }
 

@@ -2,7 +2,7 @@
 //! rings that changed, and watch what the data plane does.
 
 use super::{
-    balancer::{Balancer, TxWatch, EVENTS_KEPT, TX_WATCH, TX_WATCH_MIN_SENT},
+    balancer::{Balancer, TxWatch, EVENTS_KEPT, TICKS_TIMED, TX_WATCH, TX_WATCH_MIN_SENT},
     cluster::CALM_BEFORE_MOVING,
 };
 use crate::{status::RotationEvent, sys::host};
@@ -23,6 +23,17 @@ impl Balancer {
     /// One huddle tick: read the kernel's counters, update temperatures,
     /// rotate, and swap changed rings in. Errors are logged, never fatal.
     pub fn tick(&mut self) {
+        let began = Instant::now();
+        self.tick_inner();
+        let took = began.elapsed();
+        let timed = &mut self.seen.tick_took;
+        if timed.len() == TICKS_TIMED {
+            timed.pop_front();
+        }
+        timed.push_back(took);
+    }
+
+    fn tick_inner(&mut self) {
         let now = self.now();
         let now_ns = host::monotonic_ns();
         let mut rotated = false;

@@ -7,7 +7,10 @@ use crate::{
     config::{Probe, ProbeKind},
     net::http,
 };
-use std::{net::SocketAddr, time::Instant};
+use std::{
+    net::SocketAddr,
+    time::{Duration, Instant},
+};
 use tokio::task::JoinSet;
 
 /// The outcome of one probe.
@@ -77,12 +80,21 @@ fn is_local(e: &anyhow::Error) -> bool {
     })
 }
 
-/// Probes every address concurrently; results in the same order.
-pub async fn probe_all(addrs: &[SocketAddr], p: &Probe) -> Vec<ProbeResult> {
+/// Probes every address, their starts spread evenly over `over`;
+/// results in the same order. All at once, a round of 500 probes queued
+/// at the backends and in this daemon: measured (`hc-scale`, 64 x 16, a
+/// debug build), 2 ms backends answered them in 13-60 ms, and that noise
+/// rotated idle backends in and out.
+pub async fn probe_all(addrs: &[SocketAddr], p: &Probe, over: Duration) -> Vec<ProbeResult> {
     let mut set = JoinSet::new();
+    let step = over / u32::try_from(addrs.len().max(1)).unwrap_or(u32::MAX);
     for (i, a) in addrs.iter().enumerate() {
         let (a, p) = (*a, p.clone());
-        set.spawn(async move { (i, probe(a, &p).await) });
+        let wait = step * u32::try_from(i).unwrap_or(u32::MAX);
+        set.spawn(async move {
+            tokio::time::sleep(wait).await;
+            (i, probe(a, &p).await)
+        });
     }
     let mut out = vec![
         ProbeResult {

@@ -160,8 +160,40 @@ impl Collector for Snapshot {
         self.histograms(&mut enc)?;
         backend_counters(&mut enc, st)?;
         service_families(&mut enc, st)?;
-        global_counters(&mut enc, st)
+        global_counters(&mut enc, st)?;
+        control(&mut enc, st)
     }
+}
+
+/// The control plane's own cost: tick durations and probes sent.
+fn control(enc: &mut DescriptorEncoder, st: &Status) -> Encoded {
+    let labels = [("interface", st.interface.as_str())];
+    let c = &st.control;
+    let mut family = enc.encode_descriptor(
+        "huddle_tick_seconds",
+        "How long the huddle's ticks took: quantiles of the last 600.",
+        None,
+        MetricType::Gauge,
+    )?;
+    for (q, v) in [
+        ("0.5", c.tick_p50_ms),
+        ("0.99", c.tick_p99_ms),
+        ("1", c.tick_max_ms),
+    ] {
+        family
+            .encode_family(&[("interface", st.interface.as_str()), ("quantile", q)])?
+            .encode_gauge(&(v / 1e3))?;
+    }
+    let mut family = enc.encode_descriptor(
+        "huddle_probes",
+        "Health probes sent.",
+        None,
+        MetricType::Counter,
+    )?;
+    family
+        .encode_family(&labels)?
+        .encode_counter(&(c.probes_sent as f64), no_exemplar())?;
+    Ok(())
 }
 
 /// The gauge per backend for each term and figure of `huddle status`,

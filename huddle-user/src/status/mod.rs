@@ -39,6 +39,21 @@ pub struct Status {
     /// The VIPs announced by BGP (with `[bgp]`).
     #[serde(default)]
     pub bgp: Option<crate::cluster::bgp::BgpStatus>,
+    /// What the control plane itself costs.
+    #[serde(default)]
+    pub control: ControlCost,
+}
+
+/// The control plane's own work: how long its ticks take and how many
+/// probes it sends.
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+pub struct ControlCost {
+    /// Over the last (up to 600) ticks: median, 99th percentile, longest.
+    pub tick_p50_ms: f64,
+    pub tick_p99_ms: f64,
+    pub tick_max_ms: f64,
+    /// Probes sent since start.
+    pub probes_sent: u64,
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -177,7 +192,13 @@ impl Status {
         for s in &self.services {
             s.render(&mut out);
         }
-        let _ = writeln!(out, "\nglobal counters: {}", nonzero(&self.global));
+        let c = &self.control;
+        let _ = writeln!(
+            out,
+            "\ncontrol: tick took {:.2} ms (p50), {:.2} ms (p99), {:.2} ms (longest) of {} ms; {} probes sent",
+            c.tick_p50_ms, c.tick_p99_ms, c.tick_max_ms, self.tick_ms, c.probes_sent
+        );
+        let _ = writeln!(out, "global counters: {}", nonzero(&self.global));
         out
     }
 }

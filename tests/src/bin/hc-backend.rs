@@ -5,6 +5,9 @@
 //!
 //! Its behaviour changes while it runs, through its own HTTP port:
 //! - `GET /admin?delay_ms=N` sets the service time of every other request;
+//! - `GET /admin?slow_for=ADDR:PORT:MS` adds MS to requests reaching the
+//!   local IPv4 address and port only (one process serving many backends:
+//!   `--more-ports FIRST-LAST`);
 //! - `GET /admin?status=N` sets the status it answers with (500: failing);
 //! - `GET /admin?cpu=F` sets the CPU utilisation (0..1) its `/metrics`
 //!   reports, under node_exporter's names, next to its real memory;
@@ -36,6 +39,10 @@ use std::{
 };
 
 static DELAY_US: AtomicU64 = AtomicU64::new(0);
+/// Extra service time for requests to one local IPv4 address and port
+/// only (`slow_for`), as address << 32 | port << 16 | ms; 0: none. One
+/// process serves many backends in the scale bench.
+static SLOW_FOR: AtomicU64 = AtomicU64::new(0);
 static STATUS: AtomicU64 = AtomicU64::new(200);
 /// How `/metrics` behaves (see the module doc).
 static METRICS_MODE: AtomicU64 = AtomicU64::new(0);
@@ -62,6 +69,10 @@ struct Cli {
     /// Service time of every request, in ms.
     #[arg(long, default_value_t = 0.0)]
     delay_ms: f64,
+    /// Also serve HTTP on these ports (`FIRST-LAST`): many backends on
+    /// few addresses (the scale bench).
+    #[arg(long)]
+    more_ports: Option<String>,
 }
 
 fn main() {
@@ -72,6 +83,7 @@ fn main() {
         http,
         udp,
         delay_ms,
+        more_ports,
     } = <Cli as clap::Parser>::parse();
     DELAY_US.store((delay_ms * 1000.0) as u64, Ordering::Relaxed);
 
@@ -87,6 +99,19 @@ fn main() {
         }
     });
 
+    if let Some((a, b)) = more_ports.as_deref().and_then(|r| r.split_once('-')) {
+        let (a, b): (u16, u16) = (a.parse().expect("port"), b.parse().expect("port"));
+        for port in a..=b {
+            let id = id.clone();
+            let l = TcpListener::bind(("::", port)).expect("bind HTTP");
+            thread::spawn(move || {
+                for stream in l.incoming().flatten() {
+                    let id = id.clone();
+                    thread::spawn(move || serve(stream, &id));
+                }
+            });
+        }
+    }
     let listener = TcpListener::bind(("::", http)).expect("bind HTTP");
     for stream in listener.incoming().flatten() {
         let id = id.clone();
@@ -100,6 +125,23 @@ fn admin(query: &str) -> String {
         let Some((k, v)) = kv.split_once('=') else {
             continue;
         };
+        if k == "slow_for" {
+            // ADDR:PORT:MS, e.g. slow_for=10.213.128.5:8080:50
+            let f: Vec<&str> = v.split(':').collect();
+            if let [a, port, ms] = f[..] {
+                if let (Ok(a), Ok(port), Ok(ms)) = (
+                    a.parse::<std::net::Ipv4Addr>(),
+                    port.parse::<u16>(),
+                    ms.parse::<u16>(),
+                ) {
+                    SLOW_FOR.store(
+                        (u64::from(u32::from(a)) << 32) | (u64::from(port) << 16) | u64::from(ms),
+                        Ordering::Relaxed,
+                    );
+                }
+            }
+            continue;
+        }
         let Ok(x) = v.parse::<f64>() else {
             continue;
         };
@@ -178,6 +220,15 @@ fn metrics() -> String {
 }
 
 fn serve(stream: TcpStream, id: &str) {
+    let local = stream
+        .local_addr()
+        .ok()
+        .and_then(|a| match a.ip().to_canonical() {
+            std::net::IpAddr::V4(v4) => {
+                Some((u64::from(u32::from(v4)) << 32) | (u64::from(a.port()) << 16))
+            }
+            std::net::IpAddr::V6(_) => None,
+        });
     // An IPv4 peer as IPv4, not as a mapped IPv6 address.
     let peer = stream.peer_addr().map_or_else(
         |_| "?".to_string(),
@@ -267,7 +318,11 @@ fn serve(stream: TcpStream, id: &str) {
             }
             "/poll" | "/slow" => (STATUS.load(Ordering::Relaxed), format!("{id}\n")),
             _ => {
-                let d = DELAY_US.load(Ordering::Relaxed);
+                let mut d = DELAY_US.load(Ordering::Relaxed);
+                let slow = SLOW_FOR.load(Ordering::Relaxed);
+                if slow != 0 && local == Some(slow & !0xffff) {
+                    d += (slow & 0xffff) * 1000;
+                }
                 if d > 0 {
                     thread::sleep(Duration::from_micros(d));
                 }

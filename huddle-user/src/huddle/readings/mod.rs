@@ -197,6 +197,18 @@ impl ServiceHuddle {
             .collect()
     }
 
+    /// Whether backend `i` needs probing every round (`probing`): all but
+    /// a healthy inner one whose own traffic fills its window, with
+    /// nothing suspect about it.
+    #[must_use]
+    pub fn needs_probe(&self, i: usize, s: &Settings) -> bool {
+        let (t, m) = (&self.trackers[i], &self.engine.members[i]);
+        let measured = t
+            .judged_window()
+            .is_some_and(|w| w.samples >= s.min_samples);
+        !(m.place == Place::Inner && t.unhealthy.is_none() && measured && !t.suspect())
+    }
+
     /// Whether the last move of member `i` was for being unhealthy.
     #[must_use]
     pub fn out_sick(&self, i: usize) -> bool {

@@ -392,6 +392,13 @@ impl Tracker {
         }
     }
 
+    /// Whether anything says this backend may be going wrong: it owes an
+    /// answer or a SYN-ACK, or attempts failed last tick.
+    #[must_use]
+    pub fn suspect(&self) -> bool {
+        self.wait_seen.is_some() || self.syn_seen.is_some() || self.error_rate > 0.0
+    }
+
     /// The probe latency judged, while the last probe passed. An inner
     /// member (`inner`): the median of its last three that passed (the
     /// lesser of two, nothing from one), so one slow probe (the first
