@@ -28,6 +28,9 @@ pub struct Balancer {
     pub(super) moving: HashSet<u32>,
     /// Pass-over limits last written, per service id.
     pub(super) tuned: HashMap<u32, huddle_common::Tuning>,
+    /// Per backend id: `answered` when its latency histograms were last
+    /// read, and what they held (`read_backend` skips unchanged ones).
+    pub(super) hist_cache: HashMap<u32, (u64, huddle_common::Latency, huddle_common::Latency)>,
     /// Start, reload and stop.
     pub life: Lifecycle,
     /// What the balancer has seen and tells an operator.
@@ -152,6 +155,7 @@ impl Balancer {
             huddles,
             moving: HashSet::new(),
             tuned: HashMap::new(),
+            hist_cache: HashMap::new(),
             life: Lifecycle {
                 started: Instant::now(),
                 stop: Arc::new(tokio::sync::Notify::new()),
@@ -205,6 +209,8 @@ impl Balancer {
         warn_mode_changes(&self.cfg, &new);
         let saved = self.snapshot();
         self.dp.reconcile(&new)?;
+        // Ids may now name other backends.
+        self.hist_cache.clear();
         let now = self.now();
         self.huddles = new
             .services

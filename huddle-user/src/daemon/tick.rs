@@ -131,9 +131,20 @@ impl Balancer {
             self.dp.clear_pulse(id)?;
             pulse = Pulse::default();
         }
-        let (ttfb, ttfb_heavy) = self.dp.latency_parts(id)?;
+        let stats = self.dp.backend_stats(id)?;
+        // A histogram gains a sample only with `answered`: unchanged, the
+        // two per-CPU reads (2 KiB a CPU) are skipped. A sample counted
+        // between the two reads shows with the backend's next one.
+        let (ttfb, ttfb_heavy) = match self.hist_cache.get(&id) {
+            Some((answered, all, heavy)) if *answered == stats.answered => (*all, *heavy),
+            _ => {
+                let (all, heavy) = self.dp.latency_parts(id)?;
+                self.hist_cache.insert(id, (stats.answered, all, heavy));
+                (all, heavy)
+            }
+        };
         let mut own = crate::cluster::pooled::Counts {
-            stats: self.dp.backend_stats(id)?,
+            stats,
             ttfb,
             ttfb_heavy,
             connect: huddle_common::Latency::default(),

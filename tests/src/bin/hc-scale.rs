@@ -34,6 +34,11 @@ struct Cli {
     /// The daemon (default: `hc-huddle` beside this binary).
     #[arg(long)]
     huddle: Option<PathBuf>,
+    /// A line for the config's `[huddle]` table, e.g. `probe = {
+    /// max_per_second = 1000000, active_interval_ms = 250 }` (every backend
+    /// every round, as before the budget).
+    #[arg(long)]
+    huddle_toml: Option<String>,
 }
 
 /// Backend servers; every backend address sits on one of them.
@@ -72,6 +77,10 @@ fn vip(s: usize) -> SocketAddr {
 /// backend's weight.
 fn config(n: usize, m: usize, moved: bool, weight: f64) -> String {
     let mut c = String::from("[huddle]\nlisten = \"127.0.0.1:9477\"\n");
+    if let Some(extra) = EXTRA.get() {
+        c.push_str(extra);
+        c.push('\n');
+    }
     for s in 0..n {
         let _ = write!(c, "\n[[service]]\nvip = \"{}\"\nbackends = [", vip(s));
         for j in 0..m {
@@ -90,6 +99,9 @@ fn config(n: usize, m: usize, moved: bool, weight: f64) -> String {
     }
     c
 }
+
+/// `--huddle-toml`, set once at start.
+static EXTRA: std::sync::OnceLock<String> = std::sync::OnceLock::new();
 
 /// One row of figures.
 #[derive(Default)]
@@ -287,6 +299,9 @@ fn main() -> Result<()> {
     testbed::require_root();
     testbed::raise_nofile();
     let cli = Cli::parse();
+    if let Some(t) = &cli.huddle_toml {
+        let _ = EXTRA.set(t.clone());
+    }
     let here = std::env::current_exe()?;
     let dir = here.parent().context("binary folder")?;
     let bin = cli.huddle.unwrap_or_else(|| dir.join("hc-huddle"));
