@@ -31,6 +31,20 @@ pub struct BackendTable {
     pub capacity: Option<u64>,
 }
 
+/// What `/metrics` shows per backend (every page shows per service).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum BackendMetrics {
+    /// Gauges, kernel counters and both latency histograms (about 10 KB
+    /// a backend).
+    #[default]
+    All,
+    /// The gauges of `huddle status` only (about 3 KB a backend).
+    Gauges,
+    /// Nothing per backend.
+    None,
+}
+
 /// How resting and unhealthy backends are probed.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize, serde::Serialize)]
 #[serde(rename_all = "lowercase")]
@@ -120,6 +134,8 @@ pub struct HuddleFile {
     pub metrics_interval_ms: Option<u64>,
     pub metrics_timeout_ms: Option<u64>,
     pub probe: Option<ProbeFile>,
+    /// What `/metrics` shows per backend.
+    pub metrics_per_backend: Option<BackendMetrics>,
 }
 
 /// One `[[service]]` table.

@@ -94,6 +94,8 @@ pub struct Huddle {
     pub scrape_interval: Duration,
     pub scrape_timeout: Duration,
     pub probe: Probe,
+    /// What `/metrics` shows per backend.
+    pub metrics_per_backend: super::file::BackendMetrics,
 }
 
 /// Default capacity of a backend, in active flows.

@@ -77,6 +77,7 @@ pub(super) fn validate_huddle(h: &HuddleFile) -> Result<Huddle> {
             60_000,
         )?,
         probe: probe(h)?,
+        metrics_per_backend: h.metrics_per_backend.unwrap_or_default(),
     })
 }
 

@@ -97,6 +97,7 @@ fn take(b: &Balancer) -> Result<Snapshot> {
     }
     Ok(Snapshot {
         status,
+        per_backend: b.cfg.huddle.metrics_per_backend,
         ttfb,
         connect,
     })

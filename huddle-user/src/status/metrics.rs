@@ -21,6 +21,8 @@ pub const OPENMETRICS: &str = "application/openmetrics-text; version=1.0.0; char
 #[derive(Debug)]
 pub struct Snapshot {
     pub status: Status,
+    /// What the page shows per backend.
+    pub per_backend: crate::config::BackendMetrics,
     /// Per backend (service, backend): its time-to-first-byte and connect
     /// time histograms.
     pub ttfb: Vec<(String, String, Histogram)>,
@@ -155,10 +157,16 @@ const KERNEL: &str = "Kernel counter, summed over CPUs.";
 
 impl Collector for Snapshot {
     fn encode(&self, mut enc: DescriptorEncoder) -> Encoded {
+        use crate::config::BackendMetrics;
         let st = &self.status;
-        backend_gauges(&mut enc, st)?;
-        self.histograms(&mut enc)?;
-        backend_counters(&mut enc, st)?;
+        if self.per_backend != BackendMetrics::None {
+            backend_gauges(&mut enc, st)?;
+        }
+        if self.per_backend == BackendMetrics::All {
+            self.histograms(&mut enc)?;
+            backend_counters(&mut enc, st)?;
+        }
+        self.service_histograms(&mut enc)?;
         service_families(&mut enc, st)?;
         global_counters(&mut enc, st)?;
         control(&mut enc, st)
@@ -277,6 +285,38 @@ fn backend_gauges(enc: &mut DescriptorEncoder, st: &Status) -> Encoded {
 }
 
 impl Snapshot {
+    /// Each service's time to first byte over its backends (what a
+    /// dashboard of thousands of backends plots).
+    fn service_histograms(&self, enc: &mut DescriptorEncoder) -> Encoded {
+        let mut family = enc.encode_descriptor(
+            "huddle_service_ttfb_seconds",
+            "Time to first byte of every request turn the kernel timed, over the service's backends.",
+            None,
+            MetricType::Histogram,
+        )?;
+        let mut sums: Vec<(&str, Histogram)> = Vec::new();
+        for (service, _, h) in &self.ttfb {
+            match sums.last_mut() {
+                Some((s, sum))
+                    if *s == service.as_str() && sum.buckets.len() == h.buckets.len() =>
+                {
+                    for (a, b) in sum.buckets.iter_mut().zip(&h.buckets) {
+                        a.1 += b.1;
+                    }
+                    sum.sum += h.sum;
+                    sum.count += h.count;
+                }
+                _ => sums.push((service.as_str(), h.clone())),
+            }
+        }
+        for (service, h) in sums {
+            family
+                .encode_family(&[("service", service)])?
+                .encode_histogram::<NoLabelSet>(h.sum, h.count, &h.buckets, None)?;
+        }
+        Ok(())
+    }
+
     /// Each backend's time to first byte and connect time, as histograms.
     fn histograms(&self, enc: &mut DescriptorEncoder) -> Encoded {
         for (name, help, hists) in [

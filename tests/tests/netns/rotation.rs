@@ -192,6 +192,11 @@ fn a_backend_made_5x_slower_rests_within_the_bound_and_returns_when_fast() {
     assert!(metric(&page, "huddle_backend_temperature", 2).unwrap() >= 0.5);
     assert!(page.contains("huddle_backend_flows_new_total{"));
     assert!(
+        page.contains("huddle_service_ttfb_seconds_count{"),
+        "{page}"
+    );
+    assert!(page.contains("huddle_tick_seconds{"), "{page}");
+    assert!(
         page.trim_end().ends_with("# EOF"),
         "OpenMetrics ends with EOF"
     );
