@@ -47,7 +47,79 @@ pub(super) fn host(cfg: &Config) -> Result<HostFacts> {
 /// Every backend reachable, and `dsr-l2` ones on the segment.
 pub(super) fn backends(cfg: &Config) -> Result<()> {
     check_reachable(cfg)?;
-    check_dsr(cfg)
+    check_dsr(cfg)?;
+    if let Some(w) = neighbour_room(cfg) {
+        tracing::warn!("{w}");
+    }
+    Ok(())
+}
+
+/// The kernel's neighbour entries one host holds, over all its network
+/// namespaces, unless `net.ipv4.neigh.default.gc_thresh3` says otherwise.
+const GC_THRESH3_DEFAULT: usize = 1024;
+
+/// A warning when this balancer's on-link IPv4 backends (each needs a
+/// neighbour entry, kept fresh by probes and traffic) come near the
+/// kernel's limit: measured (hc-scale), 1,024 of them filled the table,
+/// and the balancer could no longer answer its clients' ARP.
+fn neighbour_room(cfg: &Config) -> Option<String> {
+    let table = fs::read_to_string("/proc/net/route").ok()?;
+    let on_link: std::collections::BTreeSet<Ipv4Addr> = cfg
+        .services
+        .iter()
+        .flat_map(|s| &s.backends)
+        .filter_map(|b| match b.ip() {
+            IpAddr::V4(v4) => Some(v4),
+            IpAddr::V6(_) => None,
+        })
+        .filter(|ip| {
+            matches!(
+                crate::sys::addresses::route_of(&table, *ip),
+                Some((_, None))
+            )
+        })
+        .collect();
+    // Only the host's first namespace has the setting; elsewhere it
+    // applies all the same.
+    let limit = fs::read_to_string("/proc/sys/net/ipv4/neigh/default/gc_thresh3")
+        .ok()
+        .and_then(|t| t.trim().parse::<usize>().ok());
+    neighbour_warning(on_link.len(), limit)
+}
+
+/// The warning for `on_link` neighbour backends under a table of `limit`
+/// entries (`None`: unreadable here, so the default), if they leave less
+/// than 256 entries for the rest.
+fn neighbour_warning(on_link: usize, limit: Option<usize>) -> Option<String> {
+    let room = limit.unwrap_or(GC_THRESH3_DEFAULT);
+    (on_link + 256 > room).then(|| {
+        format!(
+            "{on_link} backends are on-link neighbours, and the kernel keeps at most {room} neighbour entries over the whole host{}: past that, ARP for clients and backends fails and nothing is forwarded. Raise net.ipv4.neigh.default.gc_thresh3 (and gc_thresh2) on the host, for example to {}, or reach the backends through a router",
+            if limit.is_none() {
+                " (the default; this namespace cannot read the host's setting)"
+            } else {
+                ""
+            },
+            (on_link * 2).next_power_of_two().max(4096)
+        )
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn near_the_neighbour_limit_it_says_what_to_raise() {
+        assert!(super::neighbour_warning(700, None).is_none());
+        let w = super::neighbour_warning(800, None).expect("near the default");
+        assert!(
+            w.contains("at most 1024") && w.contains("cannot read"),
+            "{w}"
+        );
+        assert!(w.contains("gc_thresh3") && w.contains("4096"), "{w}");
+        assert!(super::neighbour_warning(3000, Some(8192)).is_none());
+        let w = super::neighbour_warning(8000, Some(8192)).expect("near a raised one");
+        assert!(w.contains("16384") && !w.contains("cannot read"), "{w}");
+    }
 }
 
 /// Whether a source-NAT service of this family (IPv6 or not) is configured.
