@@ -105,23 +105,6 @@ fn neighbour_warning(on_link: usize, limit: Option<usize>) -> Option<String> {
     })
 }
 
-#[cfg(test)]
-mod tests {
-    #[test]
-    fn near_the_neighbour_limit_it_says_what_to_raise() {
-        assert!(super::neighbour_warning(700, None).is_none());
-        let w = super::neighbour_warning(800, None).expect("near the default");
-        assert!(
-            w.contains("at most 1024") && w.contains("cannot read"),
-            "{w}"
-        );
-        assert!(w.contains("gc_thresh3") && w.contains("4096"), "{w}");
-        assert!(super::neighbour_warning(3000, Some(8192)).is_none());
-        let w = super::neighbour_warning(8000, Some(8192)).expect("near a raised one");
-        assert!(w.contains("16384") && !w.contains("cannot read"), "{w}");
-    }
-}
-
 /// Whether a source-NAT service of this family (IPv6 or not) is configured.
 fn snat_family(cfg: &Config, v6: bool) -> bool {
     cfg.services
@@ -254,4 +237,21 @@ fn check_dsr(cfg: &Config) -> Result<()> {
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn near_the_neighbour_limit_it_says_what_to_raise() {
+        assert!(super::neighbour_warning(700, None).is_none());
+        let w = super::neighbour_warning(800, None).expect("near the default");
+        assert!(
+            w.contains("at most 1024") && w.contains("cannot read"),
+            "{w}"
+        );
+        assert!(w.contains("gc_thresh3") && w.contains("4096"), "{w}");
+        assert!(super::neighbour_warning(3000, Some(8192)).is_none());
+        let w = super::neighbour_warning(8000, Some(8192)).expect("near a raised one");
+        assert!(w.contains("16384") && !w.contains("cannot read"), "{w}");
+    }
 }
