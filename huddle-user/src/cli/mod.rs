@@ -48,6 +48,10 @@ enum Cmd {
         /// Print JSON instead of a table.
         #[arg(long)]
         json: bool,
+        /// Only the services whose name (VIP:PORT/PROTO) contains this;
+        /// again for more.
+        #[arg(long)]
+        service: Vec<String>,
     },
     /// A live view of the huddle: rings, temperatures with the last
     /// minute, latency, rates, rotations; drain and undrain with a key.
@@ -386,7 +390,11 @@ pub fn main() -> ExitCode {
 fn dispatch(cmd: Cmd) -> Result<()> {
     match cmd {
         Cmd::Run(args) => run(args),
-        Cmd::Status { target, json } => status(&target, json),
+        Cmd::Status {
+            target,
+            json,
+            service,
+        } => status(&target, json, &service),
         Cmd::Stop {
             target,
             pin_dir,
@@ -466,15 +474,23 @@ fn run(args: RunArgs) -> Result<()> {
 }
 
 /// `huddle status`, as text or JSON.
-fn status(target: &Target, json: bool) -> Result<()> {
+fn status(target: &Target, json: bool, only: &[String]) -> Result<()> {
     let reply = call(&target.socket()?, &Request::Status)?;
-    let status = match (reply.ok, reply.status) {
+    let mut status = match (reply.ok, reply.status) {
         (true, Some(s)) => s,
         _ => bail!(
             "{}",
             reply.error.unwrap_or_else(|| "no status in reply".into())
         ),
     };
+    if !only.is_empty() {
+        status
+            .services
+            .retain(|s| only.iter().any(|o| s.name.contains(o.as_str())));
+        if status.services.is_empty() {
+            bail!("no service's name contains {}", only.join(" or "));
+        }
+    }
     if json {
         println!("{}", serde_json::to_string_pretty(&status)?);
     } else {

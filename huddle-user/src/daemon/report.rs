@@ -77,11 +77,14 @@ impl Balancer {
                 .copied()
                 .unwrap_or(0.0)
         };
+        let (map_bytes, maps) = crate::sys::host::bpf_map_memory().unwrap_or_default();
         crate::status::ControlCost {
             tick_p50_ms: q(0.5),
             tick_p99_ms: q(0.99),
             tick_max_ms: t.last().copied().unwrap_or(0.0),
             probes_sent: self.seen.probes_sent,
+            map_bytes,
+            maps,
         }
     }
 

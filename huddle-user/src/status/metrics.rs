@@ -193,6 +193,15 @@ fn control(enc: &mut DescriptorEncoder, st: &Status) -> Encoded {
             .encode_gauge(&(v / 1e3))?;
     }
     let mut family = enc.encode_descriptor(
+        "huddle_kernel_map_bytes",
+        "Kernel memory of the data plane's maps.",
+        None,
+        MetricType::Gauge,
+    )?;
+    family
+        .encode_family(&labels)?
+        .encode_gauge(&(c.map_bytes as f64))?;
+    let mut family = enc.encode_descriptor(
         "huddle_probes",
         "Health probes sent.",
         None,

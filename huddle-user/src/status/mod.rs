@@ -54,6 +54,11 @@ pub struct ControlCost {
     pub tick_max_ms: f64,
     /// Probes sent since start.
     pub probes_sent: u64,
+    /// Kernel memory of the data plane's maps, and how many.
+    #[serde(default)]
+    pub map_bytes: u64,
+    #[serde(default)]
+    pub maps: usize,
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -195,8 +200,14 @@ impl Status {
         let c = &self.control;
         let _ = writeln!(
             out,
-            "\ncontrol: tick took {:.2} ms (p50), {:.2} ms (p99), {:.2} ms (longest) of {} ms; {} probes sent",
-            c.tick_p50_ms, c.tick_p99_ms, c.tick_max_ms, self.tick_ms, c.probes_sent
+            "\ncontrol: tick took {:.2} ms (p50), {:.2} ms (p99), {:.2} ms (longest) of {} ms; {} probes sent; {} kernel maps hold {:.1} MiB",
+            c.tick_p50_ms,
+            c.tick_p99_ms,
+            c.tick_max_ms,
+            self.tick_ms,
+            c.probes_sent,
+            c.maps,
+            c.map_bytes as f64 / f64::from(1 << 20)
         );
         let _ = writeln!(out, "global counters: {}", nonzero(&self.global));
         out

@@ -53,3 +53,42 @@ pub fn random_bytes(buf: &mut [u8]) -> Result<()> {
         .and_then(|mut f| std::io::Read::read_exact(&mut f, buf))
         .context("reading /dev/urandom")
 }
+
+/// The kernel memory of the BPF maps this process holds open: the sum of
+/// each distinct map's `memlock` (from /proc/self/fdinfo), and how many
+/// maps. A map opened twice counts once.
+pub fn bpf_map_memory() -> Result<(u64, usize)> {
+    let mut seen = std::collections::HashMap::new();
+    for e in fs::read_dir("/proc/self/fdinfo").context("reading /proc/self/fdinfo")? {
+        let Ok(text) = fs::read_to_string(e?.path()) else {
+            continue;
+        };
+        if let Some((id, bytes)) = map_fdinfo(&text) {
+            seen.insert(id, bytes);
+        }
+    }
+    Ok((seen.values().sum(), seen.len()))
+}
+
+/// (map id, memlock bytes) from an fdinfo text, if the fd is a BPF map.
+fn map_fdinfo(text: &str) -> Option<(u32, u64)> {
+    let field = |name: &str| {
+        text.lines()
+            .find_map(|l| l.strip_prefix(name)?.trim().parse::<u64>().ok())
+    };
+    let id = u32::try_from(field("map_id:")?).ok()?;
+    Some((id, field("memlock:")?))
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn a_maps_fdinfo_gives_its_id_and_memory_and_others_nothing() {
+        let map = "pos:\t0\nflags:\t02000002\nmnt_id:\t15\nino:\t2080\nmap_type:\t6\nkey_size:\t4\nvalue_size:\t1024\nmax_entries:\t1024\nmap_flags:\t0x0\nmap_extra:\t0x0\nmemlock:\t2105344\nmap_id:\t4242\nfrozen:\t0\n";
+        assert_eq!(super::map_fdinfo(map), Some((4242, 2_105_344)));
+        assert_eq!(
+            super::map_fdinfo("pos:\t0\nflags:\t02\nmnt_id:\t15\n"),
+            None
+        );
+    }
+}

@@ -34,6 +34,10 @@ struct Cli {
     /// The daemon (default: `hc-huddle` beside this binary).
     #[arg(long)]
     huddle: Option<PathBuf>,
+    /// Exit non-zero when a request failed, a VIP went unanswered or the
+    /// slow backend never left its ring (the scale test).
+    #[arg(long)]
+    check: bool,
     /// A line for the config's `[huddle]` table, e.g. `probe = {
     /// max_per_second = 1000000, active_interval_ms = 250 }` (every backend
     /// every round, as before the budget).
@@ -109,6 +113,7 @@ struct Row {
     size: String,
     start_s: f64,
     rss_mib: f64,
+    maps_mib: f64,
     cpu_idle: f64,
     cpu_load: f64,
     tick_p50: f64,
@@ -121,6 +126,8 @@ struct Row {
     slow_leave_ms: Option<f64>,
     failed: usize,
     asked: usize,
+    /// Of twenty VIPs picked at random, those that did not answer.
+    unanswered: Vec<String>,
 }
 
 /// utime + stime of `pid`, in seconds.
@@ -217,6 +224,23 @@ fn run_size(bin: &Path, server_bin: &Path, n: usize, m: usize, secs: u64) -> Res
     }
     row.start_s = t0.elapsed().as_secs_f64();
     thread::sleep(Duration::from_secs(2));
+    // Twenty services picked at random answer through their VIP.
+    let mut x = 0x9e37_79b9_u64 ^ (n * m) as u64;
+    let picked: Vec<SocketAddr> = (0..20)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            vip((x % n as u64) as usize)
+        })
+        .collect();
+    row.unanswered = in_ns(&bed.client, move || {
+        picked
+            .iter()
+            .filter(|v| http_get(**v, Duration::from_secs(2)).is_err())
+            .map(ToString::to_string)
+            .collect()
+    });
 
     // Idle.
     let p0 = bed.status()?.control.probes_sent;
@@ -224,6 +248,7 @@ fn run_size(bin: &Path, server_bin: &Path, n: usize, m: usize, secs: u64) -> Res
     row.cpu_idle = cpu_share(pid, secs)?;
     row.probes_s = (bed.status()?.control.probes_sent - p0) as f64 / t.elapsed().as_secs_f64();
     row.rss_mib = rss_mib(pid)?;
+    row.maps_mib = bed.status()?.control.map_bytes as f64 / f64::from(1 << 20);
     let (kib, ms) = in_ns(&bed.lb, || {
         let t = Instant::now();
         let page = http_get_path(
@@ -290,6 +315,17 @@ fn run_size(bin: &Path, server_bin: &Path, n: usize, m: usize, secs: u64) -> Res
         Ok(t.elapsed().as_secs_f64() * 1e3)
     };
     row.reload_one_ms = reload(config(n, m, true, 1.0))?;
+    let moved = backend(n * m).to_string();
+    let shown = bed.status()?.services[1.min(n - 1)]
+        .backends
+        .iter()
+        .any(|b| b.addr == moved);
+    if !shown {
+        bail!(
+            "after the reload, service {} does not show its new backend {moved}",
+            1.min(n - 1)
+        );
+    }
     row.reload_all_ms = reload(config(n, m, true, 2.0))?;
     bed.stop_huddle();
     Ok(row)
@@ -319,16 +355,18 @@ fn main() -> Result<()> {
         let row = run_size(&bin, &backend, n, m, cli.secs)?;
         rows.push(row);
     }
+    let mut wrong = Vec::new();
     println!(
-        "| services x backends | start to forwarding s | RSS MiB | CPU idle | CPU at 200 conn/s | tick p50 / p99 ms | probes/s | /metrics KiB, ms | reload one / all ms | 5x slow leaves ms | failed |"
+        "| services x backends | start to forwarding s | RSS MiB | kernel maps MiB | CPU idle | CPU at 200 conn/s | tick p50 / p99 ms | probes/s | /metrics KiB, ms | reload one / all ms | 5x slow leaves ms | failed |"
     );
-    println!("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
+    println!("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
     for r in rows {
         println!(
-            "| {} | {:.1} | {:.0} | {:.1}% | {:.1}% | {:.2} / {:.2} | {:.0} | {:.0}, {:.0} | {:.0} / {:.0} | {} | {} of {} |",
+            "| {} | {:.1} | {:.0} | {:.0} | {:.1}% | {:.1}% | {:.2} / {:.2} | {:.0} | {:.0}, {:.0} | {:.0} / {:.0} | {} | {} of {} |",
             r.size,
             r.start_s,
             r.rss_mib,
+            r.maps_mib,
             100.0 * r.cpu_idle,
             100.0 * r.cpu_load,
             r.tick_p50,
@@ -343,6 +381,22 @@ fn main() -> Result<()> {
             r.failed,
             r.asked
         );
+        if r.failed > 0 || !r.unanswered.is_empty() || r.slow_leave_ms.is_none() {
+            wrong.push(format!(
+                "{}: {} of {} requests failed, VIPs unanswered {:?}, slow backend left: {}",
+                r.size,
+                r.failed,
+                r.asked,
+                r.unanswered,
+                r.slow_leave_ms.is_some()
+            ));
+        }
+    }
+    for w in &wrong {
+        eprintln!("[hc-scale] {w}");
+    }
+    if cli.check && !wrong.is_empty() {
+        bail!("{} size(s) went wrong", wrong.len());
     }
     Ok(())
 }
