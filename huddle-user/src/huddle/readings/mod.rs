@@ -150,6 +150,19 @@ impl ServiceHuddle {
                 .filter_map(|i| self.trackers[*i].window.p99_ms),
         );
         for (i, t) in self.trackers.iter_mut().enumerate() {
+            let m = &self.engine.members[i];
+            // Rested for its requests, a backend keeps its temperature
+            // until a probe taken since says otherwise: judged on a probe
+            // from before (one a second while it carried traffic), a
+            // backend 5x slow cooled within the tick it left.
+            let unseen = m.place == Place::Outer
+                && !use_requests[i]
+                && t.probe.is_some()
+                && t.probes_seen == t.probes_at_move;
+            if unseen {
+                sync_health(&mut self.engine.members[i], t);
+                continue;
+            }
             let mut r = t.reading();
             let median = if use_requests[i] {
                 t.latency_source = match (&t.rtt, t.agent.as_ref().and_then(|a| a.bias_ms)) {
@@ -180,11 +193,15 @@ impl ServiceHuddle {
             m.temperature = t.temperature;
             m.unhealthy = t.unhealthy.clone();
         }
-        if self.rotation {
-            self.engine.tick(now)
-        } else {
-            Vec::new()
+        if !self.rotation {
+            return Vec::new();
         }
+        let moves = self.engine.tick(now);
+        for m in &moves {
+            let t = &mut self.trackers[m.member];
+            t.probes_at_move = t.probes_seen;
+        }
+        moves
     }
 
     /// The inner ring as backend ids, in configured order.
@@ -219,3 +236,8 @@ impl ServiceHuddle {
 
 #[cfg(test)]
 mod tests;
+
+/// A member's health as its tracker last found it.
+fn sync_health(m: &mut crate::huddle::rotation::Member, t: &Tracker) {
+    m.unhealthy.clone_from(&t.unhealthy);
+}

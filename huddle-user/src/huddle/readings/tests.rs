@@ -287,3 +287,57 @@ fn one_slow_probe_moves_nothing_two_in_three_do() {
     assert_eq!(t.probe_ms(true), None, "the last probe failed");
     assert_eq!(t.probe_ms(false), None);
 }
+
+/// A backend rested for its requests keeps its temperature until a probe
+/// taken after the move: its last probe, from while it carried traffic
+/// (probed once a second then), says nothing of why it left.
+#[test]
+fn a_rested_backend_keeps_its_temperature_until_a_probe_after_the_move() {
+    use crate::net::probe::ProbeResult;
+    let ok = |ms: f64| ProbeResult {
+        latency_ms: ms,
+        error: None,
+        local: false,
+    };
+    let s = settings();
+    let svc = Service::plain(
+        "1.1.1.1:1".parse().unwrap(),
+        Proto::Tcp,
+        (0..4)
+            .map(|i| format!("2.2.2.{i}:2").parse().unwrap())
+            .collect(),
+    );
+    let mut h = ServiceHuddle::new(&svc, &[0, 1, 2, 3], &s, Duration::ZERO);
+    for t in &mut h.trackers {
+        for _ in 0..3 {
+            t.probed(ok(10.0));
+        }
+    }
+    // Rested hot (as the request window would have found it).
+    h.engine.members[2].temperature = 0.7;
+    h.trackers[2].temperature = 0.7;
+    let moves = h.engine.tick(Duration::from_secs(10));
+    assert_eq!(moves.len(), 1);
+    h.trackers[2].probes_at_move = h.trackers[2].probes_seen;
+    let _ = h.step(&s, Duration::from_secs(10) + Duration::from_millis(100));
+    assert!(
+        (h.trackers[2].temperature - 0.7).abs() < 1e-9,
+        "no probe since: {}",
+        h.trackers[2].temperature
+    );
+    // A slow probe after the move keeps it hot; a fast one cools it.
+    h.trackers[2].probed(ok(50.0));
+    let _ = h.step(&s, Duration::from_secs(10) + Duration::from_millis(200));
+    assert!(
+        h.trackers[2].temperature >= 0.69,
+        "{}",
+        h.trackers[2].temperature
+    );
+    h.trackers[2].probed(ok(10.0));
+    let _ = h.step(&s, Duration::from_secs(10) + Duration::from_millis(300));
+    assert!(
+        h.trackers[2].temperature < 0.5,
+        "{}",
+        h.trackers[2].temperature
+    );
+}

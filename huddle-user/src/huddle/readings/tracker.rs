@@ -39,6 +39,10 @@ pub struct Tracker {
     pub(super) probe_fresh: bool,
     /// The last `PROBES_JUDGED` successful probes' latencies (ms).
     probe_lat: VecDeque<f64>,
+    /// Probes taken so far, and that count when it last changed place:
+    /// equal, a resting backend has no probe newer than what moved it.
+    pub(super) probes_seen: u64,
+    pub(super) probes_at_move: u64,
     fails: u32,
     passes: u32,
     /// A fault the kernel's counters show this tick.
@@ -88,6 +92,8 @@ impl Tracker {
             probe: None,
             probe_fresh: false,
             probe_lat: VecDeque::new(),
+            probes_seen: 0,
+            probes_at_move: 0,
             fails: 0,
             passes: 0,
             kernel_fault: None,
@@ -196,6 +202,7 @@ impl Tracker {
             // either way about the backend.
             return;
         }
+        self.probes_seen += 1;
         if r.error.is_some() {
             self.fails += 1;
             self.passes = 0;
