@@ -34,10 +34,11 @@ impl Default for Latency {
 /// a slot at 0 or else lowers both. A source with more than a third of
 /// the samples holds a slot, and two heavy sources (a client aiming
 /// turns at the backend beside a big honest one) keep theirs rather than
-/// knocking each other out. The first slot's samples go to
-/// `LATENCY_HEAVY`, all others to `LATENCY`, so no one source can make a
-/// backend look slow by itself (the control plane takes the lower of the
-/// two medians).
+/// knocking each other out. The samples of the slot counted more (of two
+/// alike, the lower prefix: the same source on every CPU, whichever
+/// reached it first) go to `LATENCY_HEAVY`, all others to `LATENCY`, so
+/// no one source can make a backend look slow by itself (the control
+/// plane takes the lower of the two medians).
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct HeavySource {
@@ -46,6 +47,41 @@ pub struct HeavySource {
     pub count: [u64; 2],
 }
 shared!(HeavySource, 32);
+
+impl HeavySource {
+    /// Counts a sample from source `key` (`source_prefix`); whether it is
+    /// the heavy source's.
+    #[inline(always)]
+    pub fn count_sample(&mut self, key: u64) -> bool {
+        for i in 0..2 {
+            if self.prefix[i] == key && self.count[i] > 0 {
+                if self.count[i] < HEAVY_HOLD {
+                    self.count[i] += 1;
+                }
+                return self.leads(i == 0);
+            }
+        }
+        for i in 0..2 {
+            if self.count[i] == 0 {
+                self.prefix[i] = key;
+                self.count[i] = 1;
+                return self.leads(i == 0);
+            }
+        }
+        self.count[0] -= 1;
+        self.count[1] -= 1;
+        false
+    }
+
+    /// Whether slot 0 (`first`) or slot 1 is the heavy one: counted
+    /// more, or as much with the lower prefix.
+    #[inline(always)]
+    fn leads(&self, first: bool) -> bool {
+        let (a, b) = (self.count[0], self.count[1]);
+        let zero_leads = a > b || (a == b && self.prefix[0] <= self.prefix[1]);
+        zero_leads == first
+    }
+}
 
 /// The most `HeavySource::count` grows: a heavy source that stops is
 /// displaced after this many samples from others.
@@ -149,6 +185,57 @@ pub const fn bucket_bounds(b: usize) -> (u64, u64) {
 
 #[cfg(test)]
 mod tests {
+
+    /// Two CPUs see the same two sources arrive in opposite orders: each
+    /// calls the same one heavy (with the slot taken first as the heavy
+    /// one, CPU 0 said A and CPU 1 said B, and each part held both).
+    #[test]
+    fn every_cpu_calls_the_same_source_heavy_whichever_came_first() {
+        let (a, b) = (
+            source_prefix(
+                &[10, 213, 0, 2, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0],
+                crate::FAMILY_V4,
+            ),
+            source_prefix(
+                &[10, 213, 7, 2, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0],
+                crate::FAMILY_V4,
+            ),
+        );
+        let (mut cpu0, mut cpu1) = (HeavySource::default(), HeavySource::default());
+        // The heavy source each CPU names over the last 40 samples.
+        let (mut heavy0, mut heavy1) = ([0u64; 40], [0u64; 40]);
+        for k in 0..200 {
+            // 55% A, 45% B, in opposite orders on the two CPUs.
+            let (x, y) = if k % 20 < 11 { (a, b) } else { (b, a) };
+            let (h0, h1) = (cpu0.count_sample(x), cpu1.count_sample(y));
+            if k >= 160 {
+                heavy0[k - 160] = if h0 {
+                    x
+                } else if x == a {
+                    b
+                } else {
+                    a
+                };
+                heavy1[k - 160] = if h1 {
+                    y
+                } else if y == a {
+                    b
+                } else {
+                    a
+                };
+            }
+        }
+        assert!(
+            heavy0.iter().all(|p| *p == heavy0[0]),
+            "CPU 0 flips: {heavy0:?}"
+        );
+        assert_eq!(heavy0[0], heavy1[0], "the CPUs disagree");
+        assert!(
+            heavy1.iter().all(|p| *p == heavy0[0]),
+            "CPU 1 flips: {heavy1:?}"
+        );
+    }
+
     use super::*;
 
     #[test]

@@ -12,7 +12,7 @@
 //! judged on that client's samples, as before.
 
 use crate::lb::maps::HEAVY;
-use huddle_common::{source_prefix, Addr, HEAVY_HOLD};
+use huddle_common::{source_prefix, Addr};
 
 /// Counts a sample of `backend` from `client` and says whether it is the
 /// first slot's (`HeavySource`).
@@ -23,32 +23,5 @@ pub fn is_heavy(backend: u32, client: &Addr, family: u8) -> bool {
         return false;
     };
     // SAFETY: this CPU's map value, valid for this run.
-    let h = unsafe { &mut *h };
-    for i in 0..2 {
-        if h.prefix[i] == key && h.count[i] > 0 {
-            if h.count[i] < HEAVY_HOLD {
-                h.count[i] += 1;
-            }
-            return leads(h, i == 0);
-        }
-    }
-    for i in 0..2 {
-        if h.count[i] == 0 {
-            h.prefix[i] = key;
-            h.count[i] = 1;
-            return leads(h, i == 0);
-        }
-    }
-    h.count[0] -= 1;
-    h.count[1] -= 1;
-    false
-}
-
-/// Whether slot 0 (`first`) or slot 1 is the heavy source: counted more,
-/// or as much with the lower prefix.
-#[inline(always)]
-fn leads(h: &huddle_common::HeavySource, first: bool) -> bool {
-    let (a, b) = (h.count[0], h.count[1]);
-    let zero_leads = a > b || (a == b && h.prefix[0] <= h.prefix[1]);
-    zero_leads == first
+    unsafe { &mut *h }.count_sample(key)
 }
