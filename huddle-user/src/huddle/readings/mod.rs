@@ -8,7 +8,7 @@
 //! its probe latency against the inner ring's median probe latency.
 
 use crate::{
-    config::{Huddle as Settings, LatencyMode, Proto, Service},
+    config::{Huddle as Settings, Proto, Service},
     huddle::rotation::{Engine, Move, Place, Reason},
     huddle::thermal,
 };
@@ -150,48 +150,26 @@ impl ServiceHuddle {
                 .filter_map(|i| self.trackers[*i].window.p99_ms),
         );
         for (i, t) in self.trackers.iter_mut().enumerate() {
-            let m = &self.engine.members[i];
+            let inner = self.engine.members[i].place == Place::Inner;
             // Rested for its requests, a backend keeps its temperature
             // until a probe taken since says otherwise: judged on a probe
             // from before (one a second while it carried traffic), a
             // backend 5x slow cooled within the tick it left.
-            let unseen = m.place == Place::Outer
+            let unseen = !inner
                 && !use_requests[i]
                 && t.probe.is_some()
                 && t.probes_seen == t.probes_at_move;
-            if unseen {
-                sync_health(&mut self.engine.members[i], t);
-                continue;
-            }
-            let mut r = t.reading();
-            let median = if use_requests[i] {
-                t.latency_source = match (&t.rtt, t.agent.as_ref().and_then(|a| a.bias_ms)) {
-                    _ if t.latency == LatencyMode::Connect => "connect",
-                    (_, Some(_)) => "ack-clock, agent-calibrated",
-                    (Some(_), None) => "ack-clock",
-                    (None, None) => "request",
+            if !unseen {
+                let median = if use_requests[i] {
+                    req_median
+                } else {
+                    probe_median
                 };
-                r.latency_ms = t.judged_window().and_then(|w| w.p50_ms);
-                req_median
-            } else if let Some(p) = t
-                .probe_ms(self.engine.members[i].place == Place::Inner)
-                .filter(|_| t.latency != LatencyMode::Off)
-            {
-                t.latency_source = "probe";
-                r.latency_ms = Some(p);
-                probe_median
-            } else {
-                t.latency_source = "none";
-                None
-            };
-            t.latency_ms = r.latency_ms;
-            let c = thermal::score(&r, median, &s.thermal);
-            t.components = c;
-            t.temperature = thermal::ema(t.temperature, c.raw, s.thermal.alpha);
-            t.probe_fresh = false;
+                t.judge_temperature(use_requests[i], inner, median, s);
+            }
             let m = &mut self.engine.members[i];
             m.temperature = t.temperature;
-            m.unhealthy = t.unhealthy.clone();
+            m.unhealthy.clone_from(&t.unhealthy);
         }
         if !self.rotation {
             return Vec::new();
@@ -236,8 +214,3 @@ impl ServiceHuddle {
 
 #[cfg(test)]
 mod tests;
-
-/// A member's health as its tracker last found it.
-fn sync_health(m: &mut crate::huddle::rotation::Member, t: &Tracker) {
-    m.unhealthy.clone_from(&t.unhealthy);
-}

@@ -1,6 +1,7 @@
 //! Readings, windows, hung and pass-over limits, on made-up counters.
 
 use super::*;
+use crate::config::LatencyMode;
 use huddle_common::{BackendStats, Latency, Pulse};
 
 fn settings() -> Settings {

@@ -399,6 +399,44 @@ impl Tracker {
         }
     }
 
+    /// This tick's temperature: judged on its request window
+    /// (`requests`) against the ring's `median` of the same, else on its
+    /// probe (`inner`: see `probe_ms`) against the ring's probe median.
+    pub(super) fn judge_temperature(
+        &mut self,
+        requests: bool,
+        inner: bool,
+        median: Option<f64>,
+        s: &crate::config::Huddle,
+    ) {
+        let mut r = self.reading();
+        let median = if requests {
+            self.latency_source = match (&self.rtt, self.agent.as_ref().and_then(|a| a.bias_ms)) {
+                _ if self.latency == LatencyMode::Connect => "connect",
+                (_, Some(_)) => "ack-clock, agent-calibrated",
+                (Some(_), None) => "ack-clock",
+                (None, None) => "request",
+            };
+            r.latency_ms = self.judged_window().and_then(|w| w.p50_ms);
+            median
+        } else if let Some(p) = self
+            .probe_ms(inner)
+            .filter(|_| self.latency != LatencyMode::Off)
+        {
+            self.latency_source = "probe";
+            r.latency_ms = Some(p);
+            median
+        } else {
+            self.latency_source = "none";
+            None
+        };
+        self.latency_ms = r.latency_ms;
+        let c = crate::huddle::thermal::score(&r, median, &s.thermal);
+        self.components = c;
+        self.temperature = crate::huddle::thermal::ema(self.temperature, c.raw, s.thermal.alpha);
+        self.probe_fresh = false;
+    }
+
     /// Whether anything says this backend may be going wrong: it owes an
     /// answer or a SYN-ACK, or attempts failed last tick.
     #[must_use]

@@ -212,6 +212,11 @@ impl Engine {
             m.strikes = strikes.saturating_add(1);
             m.rest_until = now + rest;
         }
+        self.place(i, to, reason, now, moves);
+    }
+
+    /// Puts member `i` in `to` at `now` and records the move.
+    fn place(&mut self, i: usize, to: Place, reason: Reason, now: Duration, moves: &mut Vec<Move>) {
         let m = &mut self.members[i];
         m.place = to;
         m.moved_at = Some(now);
@@ -264,17 +269,7 @@ impl Engine {
                 let m = &mut self.members[i];
                 m.rest_until = m.rest_until.max(now + self.params.min_rest);
             }
-            let m = &mut self.members[i];
-            m.place = to;
-            m.moved_at = Some(now);
-            m.rotations += 1;
-            m.last_reason = Some(Reason::Followed);
-            moves.push(Move {
-                member: i,
-                to,
-                reason: Reason::Followed,
-                temperature: m.temperature,
-            });
+            self.place(i, to, Reason::Followed, now, &mut moves);
         }
         moves
     }
