@@ -109,3 +109,28 @@ pub fn output(prog: &Path, args: &[&str]) -> Result<(bool, String, String)> {
         String::from_utf8_lossy(&o.stderr).into(),
     ))
 }
+
+/// Milliseconds from `since` to the time stamp a log line of the daemon
+/// begins with (UTC, `HH:MM:SS.micros` after the date; colour codes
+/// skipped): when the daemon decided, apart from when a poll saw it.
+#[must_use]
+pub fn log_ms_after(line: &str, since: std::time::SystemTime) -> Option<f64> {
+    let start = line.find(|c: char| c.is_ascii_digit())?;
+    let stamp = line.get(start..)?.split(['Z', ' ']).next()?;
+    let clock = stamp.split_once('T')?.1;
+    let mut parts = clock.split(':');
+    let (h, m, s): (f64, f64, f64) = (
+        parts.next()?.parse().ok()?,
+        parts.next()?.parse().ok()?,
+        parts.next()?.parse().ok()?,
+    );
+    let of_day = h * 3600.0 + m * 60.0 + s;
+    let since = since
+        .duration_since(std::time::UNIX_EPOCH)
+        .ok()?
+        .as_secs_f64()
+        % 86_400.0;
+    // Across midnight the difference wraps.
+    let d = (of_day - since + 86_400.0) % 86_400.0;
+    Some(if d > 43_200.0 { d - 86_400.0 } else { d } * 1e3)
+}

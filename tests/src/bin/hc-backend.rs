@@ -24,6 +24,8 @@
 //! - `/slow?ms=N`: an endpoint that takes N ms (instead of the delay);
 //! - `/stream?every_ms=N&for_ms=M`: server push, a line every N ms for M
 //!   ms, then the connection closes;
+//! - `/bytes?n=N`: a download, N bytes in one write after a line naming
+//!   the backend (what a hung process's kernel goes on sending);
 //! - `/sink`: one-way, everything the client sends is read, nothing is
 //!   ever answered.
 
@@ -302,6 +304,16 @@ fn serve(stream: TcpStream, id: &str) {
                     }
                     thread::sleep(Duration::from_millis(every));
                 }
+                return;
+            }
+            "/bytes" => {
+                let n = ms("n") as usize;
+                let head = format!(
+                    "HTTP/1.1 200 X\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{id}\n",
+                    n + id.len() + 1
+                );
+                let _ = out.write_all(head.as_bytes());
+                let _ = out.write_all(&vec![b'.'; n]);
                 return;
             }
             "/poll" | "/slow" => thread::sleep(Duration::from_millis(ms("ms"))),

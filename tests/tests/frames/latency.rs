@@ -146,3 +146,74 @@ fn a_request_sent_slowly_is_timed_from_its_last_segment() {
         st.ttfb_ns
     );
 }
+
+/// Data a backend goes on sending on a flow whose turn it has answered (a
+/// download its kernel drains while the process is hung, a retransmission)
+/// answers no turn: what it owes on another flow stays owed, and only that
+/// flow's answer clears it. (Any data cleared it: a hung backend draining
+/// a slowly read download was called hung after 600 ms, not 300.)
+#[test]
+fn data_answering_no_turn_leaves_the_backends_owed_answer_owed() {
+    let env = env("pr-drain");
+    let ring = [backend(0), backend(1), backend(2)];
+    // Of four flows over three backends, two share one.
+    let flows: Vec<(u16, Ipv4Addr, u16)> = (40300..40304)
+        .map(|sport| {
+            let (b, port) = establish(&env, sport, &ring);
+            (sport, b, port)
+        })
+        .collect();
+    let (a, c) = (0..4)
+        .flat_map(|i| (i + 1..4).map(move |j| (i, j)))
+        .find(|&(i, j)| flows[i].1 == flows[j].1)
+        .map(|(i, j)| (flows[i], flows[j]))
+        .expect("two flows on one backend");
+    let b = a.1;
+    let id = backend_id(&env, b);
+    let from = |port: u16| Frame::tcp((b, 8080), (BALANCER_IP, port)).macs(mac_of(b), BALANCER_MAC);
+    let request = |sport: u16| {
+        client_frame(sport)
+            .flags(ACK | PSH)
+            .seq_ack(1001, 7001)
+            .payload(b"GET / HTTP/1.1\r\n\r\n")
+    };
+    // Flow a's turn, answered: the start of a long download.
+    forward(&env, request(a.0));
+    forward(
+        &env,
+        from(a.2)
+            .flags(ACK | PSH)
+            .seq_ack(7001, 1019)
+            .payload(&[b'.'; 1000]),
+    );
+    assert_eq!(env.dp.pulse(id).unwrap().turn_wait_ns, 0);
+    // Flow c's turn is owed; more of a's download does not answer it.
+    forward(&env, request(c.0));
+    let owed = env.dp.pulse(id).unwrap().turn_wait_ns;
+    assert_ne!(owed, 0, "a request is owed an answer");
+    for k in 1..=3u32 {
+        forward(
+            &env,
+            from(a.2)
+                .flags(ACK)
+                .seq_ack(7001 + 1000 * k, 1019)
+                .payload(&[b'.'; 1000]),
+        );
+    }
+    assert_eq!(
+        env.dp.pulse(id).unwrap().turn_wait_ns,
+        owed,
+        "data answering no turn settled what the backend owes"
+    );
+    assert_eq!(env.dp.backend_stats(id).unwrap().answered, 1);
+    // c's answer settles it.
+    forward(
+        &env,
+        from(c.2)
+            .flags(ACK | PSH)
+            .seq_ack(7001, 1019)
+            .payload(b"HTTP/1.1 200 OK\r\n"),
+    );
+    assert_eq!(env.dp.pulse(id).unwrap().turn_wait_ns, 0);
+    assert_eq!(env.dp.backend_stats(id).unwrap().answered, 2);
+}

@@ -134,10 +134,12 @@ pub fn opened(backend: u32, now: u64) {
     }
 }
 
-/// Backend to client: any answer clears what the backend owes; the first
-/// answer to this flow's pending wait is a latency sample of the flow's
-/// `client`. `f` is null when the flow is gone or no longer this
-/// backend's.
+/// Backend to client: a SYN-ACK or RST clears the SYNs the backend owes;
+/// the first answer to this flow's pending turn clears the turns it owes
+/// and is a latency sample of the flow's `client`. Other data answers no
+/// turn: a hung process's kernel goes on sending what it wrote before
+/// (a download read slowly, retransmissions), and that must not keep it
+/// alive. `f` is null when the flow is gone or no longer this backend's.
 #[inline(always)]
 pub fn reply<F: Family>(f: *mut FlowValue, p: &Packet<F>, backend: u32, client: &FlowKey) {
     let syn_answer = p.has_flag(TCP_SYN | TCP_RST);
@@ -145,7 +147,9 @@ pub fn reply<F: Family>(f: *mut FlowValue, p: &Packet<F>, backend: u32, client: 
     if !syn_answer && !data {
         return;
     }
-    settle(backend, syn_answer, data);
+    if syn_answer {
+        settle(backend, true, false);
+    }
     if f.is_null() {
         return;
     }
@@ -168,6 +172,7 @@ pub fn reply<F: Family>(f: *mut FlowValue, p: &Packet<F>, backend: u32, client: 
         }
         if data {
             (*f).flags = flags & !flow_flags::TURN_WAIT;
+            settle(backend, false, true);
             ttfb_sample(backend, waited, &client.client, client.family);
         } else if p.has_flag(TCP_RST) {
             (*f).flags = flags & !flow_flags::TURN_WAIT;

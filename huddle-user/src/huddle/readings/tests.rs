@@ -104,7 +104,7 @@ fn a_backend_owing_answers_too_long_is_hung() {
     assert!(owing(&mut t, &owes(2, 4160), 3, 4270, &s)
         .unwrap()
         .starts_with("hung"));
-    // Any answer clears the pulse, and the fault.
+    // An answer to a turn clears the pulse, and the fault.
     t.observe(
         &stats(1, 300, 3),
         &hist_of(&[300]),
