@@ -6,7 +6,7 @@ use crate::*;
 pub mod backend_flags {
     /// The backend is dead and the operator asked for its flows to move:
     /// a packet of an existing flow to it is balanced afresh.
-    pub const MOVE_FLOWS: u32 = 1;
+    pub const MOVE_FLOWS: u8 = 1;
 }
 
 /// A backend, indexed by its id in `BACKENDS`.
@@ -17,42 +17,31 @@ pub struct Backend {
     pub port_be: u16,
     /// 0 for an unused slot.
     pub family: u8,
+    pub flags: u8,
     /// The service the backend belongs to: lets a restarted control plane
-    /// find each backend's id again (ids must not change under live flows).
-    pub service: u8,
-    pub flags: u32,
+    /// find each backend's id again (ids must not change under live flows),
+    /// and the program check that an id it picked is the service's.
+    pub service: u32,
 }
 shared!(Backend, 24);
 
-/// Words of a ring's membership bitmap (one bit per backend id).
-pub const MEMBER_WORDS: usize = MAX_BACKENDS as usize / 64;
-
-/// One service's active ring: backend ids, taken round robin, and the same
-/// set as a bitmap, so the program can check in O(1) that what it picked
-/// belongs to the ring it read (a torn read would not).
+/// One service's active ring: backend ids, taken round robin. (A bitmap
+/// of its members, one bit per possible backend id, took 8 KiB a ring at
+/// 65,536 backends; the program checks a picked backend's `service`
+/// instead.)
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
 pub struct Ring {
     pub len: u32,
     pub _pad: u32,
     pub backends: [u32; RING_CAPACITY],
-    pub members: [u64; MEMBER_WORDS],
 }
-shared!(Ring, 8 + 4 * RING_CAPACITY + 8 * MEMBER_WORDS);
+shared!(Ring, 8 + 4 * RING_CAPACITY);
 
 impl Ring {
     pub const EMPTY: Ring = Ring {
         len: 0,
         _pad: 0,
         backends: [0; RING_CAPACITY],
-        members: [0; MEMBER_WORDS],
     };
-
-    /// Whether backend `id` is in the bitmap.
-    #[inline(always)]
-    #[must_use]
-    pub fn has(&self, id: u32) -> bool {
-        let w = (id / 64) as usize;
-        w < MEMBER_WORDS && (self.members[w] >> (id % 64)) & 1 == 1
-    }
 }

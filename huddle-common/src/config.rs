@@ -96,5 +96,10 @@ pub struct Tuning {
     /// entries (`MAGLEV`), indexed by a hash of the 5-tuple every balancer
     /// computes alike; 0: the ring's round robin.
     pub maglev_size: u32,
+    /// Entry of `MAGLEV` where the service's first table starts (its
+    /// second follows it): its place among the Maglev services, fixed for
+    /// the service's life.
+    pub maglev_base: u32,
+    pub _pad: u32,
 }
-shared!(Tuning, 24);
+shared!(Tuning, 32);

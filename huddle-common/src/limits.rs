@@ -9,13 +9,24 @@ pub const PROGRAM_NAME: &str = "huddle";
 /// Name of the IPv6 program the main one tail-calls.
 pub const PROGRAM6_NAME: &str = "huddle6";
 
-/// Services (VIP:port/proto) one balancer can serve.
-pub const MAX_SERVICES: u32 = 64;
+/// Services (VIP:port/proto) one balancer can serve at most: the maps
+/// are sized at load for `limits.services` of them (`DEFAULT_SERVICES`
+/// unless configured), up to this.
+pub const MAX_SERVICES: u32 = 4096;
 
-/// Backends over all services; a backend id indexes `BACKENDS`.
-pub const MAX_BACKENDS: u32 = 1024;
+/// Backends over all services at most; a backend id indexes `BACKENDS`.
+/// The maps are sized at load for `limits.backends`.
+pub const MAX_BACKENDS: u32 = 65_536;
 
-const _: () = assert!(MAX_BACKENDS < MAGLEV_EMPTY as u32);
+const _: () = assert!(MAX_BACKENDS < MAGLEV_EMPTY);
+
+/// Services the maps hold unless `limits.services` says otherwise (or the
+/// configuration has more: then twice what it has).
+pub const DEFAULT_SERVICES: u32 = 64;
+
+/// Backends the maps hold unless `limits.backends` says otherwise (or the
+/// configuration has more: then twice what it has).
+pub const DEFAULT_BACKENDS: u32 = 1024;
 
 /// Entries one ring can hold.
 pub const RING_CAPACITY: usize = 256;

@@ -1,7 +1,5 @@
 //! The Maglev tables the kernel reads: their size, seed and empty entry.
 
-use crate::*;
-
 /// Seed of the permutations a Maglev table is built from: fixed, so every
 /// balancer builds the same table from the same ring. Public, and no help
 /// to an attacker: which entry a flow takes depends on the secret
@@ -13,7 +11,7 @@ pub const MAGLEV_TABLE_SEED: u64 = 0x6d61_676c_6576_0001;
 pub const MAGLEV_MAP_FLAGS: u32 = 1 << 10;
 
 /// A Maglev entry no backend holds.
-pub const MAGLEV_EMPTY: u16 = u16::MAX;
+pub const MAGLEV_EMPTY: u32 = u32::MAX;
 
 /// Whether `n` is prime (trial division; table sizes are small): a Maglev
 /// table's size must be.
@@ -32,11 +30,12 @@ pub const fn is_prime(n: u32) -> bool {
     true
 }
 
-/// Elements of the MAGLEV map for tables of `size` entries: two per
-/// service, four entries to an element (an array's elements take 8 bytes
-/// whatever their value's size: 16-bit ids, four to one, keep the map at
-/// a quarter of what one id per element would take).
+/// Elements of the MAGLEV map for `services` Maglev services' tables of
+/// `size` entries: two per service (the double buffer), two 32-bit ids to
+/// an element (an array's elements take 8 bytes whatever their value's
+/// size). Only services with `selection = "maglev"` take a place
+/// (`Tuning::maglev_base`).
 #[must_use]
-pub const fn maglev_elements(size: u32) -> u32 {
-    (size * MAX_SERVICES * 2).div_ceil(4)
+pub const fn maglev_elements(size: u32, services: u32) -> u32 {
+    size * services
 }

@@ -187,9 +187,6 @@ counters!(
         redirect,
         /// Ring reads retried because a swap raced with the read.
         ring_retry,
-        /// New flows whose picked backend was not a member of the ring it
-        /// was read from (a torn read): must stay 0.
-        ring_stray,
         /// Packets of DSR services sent inside an IP-in-IP header.
         encap,
         /// Dropped, L2 DSR: the backend's neighbour entry is not resolved

@@ -42,7 +42,7 @@ pub static TAILS: ProgramArray = ProgramArray::with_max_entries(1, 0);
 /// set by the control plane.
 #[map]
 pub static MAGLEV: Array<u64> =
-    Array::with_max_entries(maglev_elements(DEFAULT_MAGLEV_SIZE), MAGLEV_MAP_FLAGS);
+    Array::with_max_entries(maglev_elements(DEFAULT_MAGLEV_SIZE, 2), MAGLEV_MAP_FLAGS);
 
 /// Backend id -> address and port.
 #[map]

@@ -191,6 +191,15 @@ pub struct ConfigFile {
     /// Slots in the half-open table (TCP flows before the client's ACK),
     /// rounded up to a power of two.
     pub half_open_table_size: Option<u32>,
+    /// Services the maps hold (default: 64, or twice those configured),
+    /// at most 4,096: what a reload may grow to without a restart.
+    pub max_services: Option<u32>,
+    /// Backends over all services the maps hold (default: 1,024, or twice
+    /// those configured), at most 65,536.
+    pub max_backends: Option<u32>,
+    /// Services with `selection = "maglev"` the Maglev tables hold
+    /// (default: 2, or twice those configured).
+    pub max_maglev_services: Option<u32>,
     /// Path of the control socket `huddle status` talks to.
     pub control_socket: Option<PathBuf>,
     /// bpffs folder where the maps and the XDP link are pinned, so the

@@ -152,6 +152,8 @@ pub struct Config {
     pub flow_table_size: u32,
     pub half_open_table_size: u32,
     pub maglev_table_size: u32,
+    /// `max_services`, `max_backends`, `max_maglev_services` as set.
+    pub limits: Limits,
     /// `maglev_key_file`'s key, if set.
     pub maglev_key: Option<super::key::ClusterKey>,
     pub control_socket: PathBuf,
@@ -163,6 +165,15 @@ pub struct Config {
     pub huddle: Huddle,
     pub bgp: Option<Bgp>,
     pub cluster: Option<Cluster>,
+}
+
+/// The maps' sizes the file sets (`None`: sized at load from what is
+/// configured, see `kernel::dataplane::limits`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Limits {
+    pub services: Option<u32>,
+    pub backends: Option<u32>,
+    pub maglev_services: Option<u32>,
 }
 
 pub const MIN_FLOW_TABLE: u32 = 1024;

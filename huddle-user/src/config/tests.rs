@@ -72,6 +72,8 @@ fn bad_configs_name_the_field() {
         ("[[service]]\nvip = \"[fd00::1]:80\"\nbackends = [\"10.0.0.2:80\"]\n", "is IPv4 but the VIP"),
         ("[[service]]\nvip = \"[::1]:80\"\nbackends = [\"[fd00::2]:80\"]\n", "routable"),
         ("[[service]]\nvip = \"10.0.0.1:80\"\nbackends = [\"10.0.0.2:80\"]\n[[service]]\nvip = \"10.0.0.1:80/tcp\"\nbackends = [\"10.0.0.3:80\"]\n", "service[1].vip: 10.0.0.1:80/tcp is configured twice"),
+        ("max_services = 5000\n[[service]]\nvip = \"10.0.0.1:80\"\nbackends = [\"10.0.0.2:80\"]\n", "max_services: 5000 is outside 1..=4096"),
+        ("max_backends = 1\n[[service]]\nvip = \"10.0.0.1:80\"\nbackends = [\"10.0.0.2:80\", \"10.0.0.3:80\"]\n", "max_backends: 1 is fewer than the 2 configured"),
         ("flow_table_size = 10\n[[service]]\nvip = \"10.0.0.1:80\"\nbackends = [\"10.0.0.2:80\"]\n", "flow_table_size"),
         ("maglev_key_file = \"/nonexistent/maglev.key\"\n[[service]]\nvip = \"10.0.0.1:80\"\nbackends = [\"10.0.0.2:80\"]\n", "maglev_key_file: reading /nonexistent/maglev.key"),
         ("maglev_table_size = 65536\n[[service]]\nvip = \"10.0.0.1:80\"\nbackends = [\"10.0.0.2:80\"]\n", "maglev_table_size: 65536 must be a prime"),

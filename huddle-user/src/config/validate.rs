@@ -45,6 +45,7 @@ impl ConfigFile {
             self.encap_prefix,
             default_capacity,
         )?;
+        let limits = limits(&self, &services)?;
         let control_socket = self
             .control_socket
             .unwrap_or_else(|| default_control_socket(&interface));
@@ -76,6 +77,7 @@ impl ConfigFile {
             flow_table_size,
             half_open_table_size,
             maglev_table_size,
+            limits,
             maglev_key: self
                 .maglev_key_file
                 .as_deref()
@@ -121,6 +123,36 @@ fn table_sizes(f: &ConfigFile) -> Result<(u32, u32, u32)> {
         );
     }
     Ok((flow_table_size, half_open_table_size, maglev_table_size))
+}
+
+/// `max_services`, `max_backends` and `max_maglev_services`: within the
+/// kernel's bounds and holding what `services` configure.
+fn limits(f: &ConfigFile, services: &[Service]) -> Result<Limits> {
+    let check = |name: &str, v: Option<u32>, max: u32, have: usize| -> Result<Option<u32>> {
+        match v {
+            Some(n) if n == 0 || n > max => bail!("{name}: {n} is outside 1..={max}"),
+            Some(n) if (n as usize) < have => {
+                bail!("{name}: {n} is fewer than the {have} configured")
+            }
+            v => Ok(v),
+        }
+    };
+    let backends = services.iter().map(|s| s.backends.len()).sum();
+    let maglev = services
+        .iter()
+        .filter(|s| s.selection == Selection::Maglev)
+        .count();
+    let services_max = check("max_services", f.max_services, MAX_SERVICES, services.len())?;
+    Ok(Limits {
+        services: services_max,
+        backends: check("max_backends", f.max_backends, MAX_BACKENDS, backends)?,
+        maglev_services: check(
+            "max_maglev_services",
+            f.max_maglev_services,
+            services_max.unwrap_or(MAX_SERVICES),
+            maglev,
+        )?,
+    })
 }
 
 /// The IPv4 SNAT addresses (`snat_ip` or `snat_ips`; empty: the

@@ -18,7 +18,7 @@ use std::net::{IpAddr, SocketAddr};
 
 /// A table entry no backend holds (an empty ring): the kernel finds no
 /// backend there.
-pub const EMPTY: u32 = u32::MAX;
+pub const EMPTY: u32 = huddle_common::MAGLEV_EMPTY;
 
 /// One backend of the ring as the table sees it.
 #[derive(Clone, Copy, Debug)]

@@ -11,7 +11,7 @@ use std::os::fd::{AsFd, AsRawFd};
 pub struct MappedArray {
     /// Kept open: the mapping holds the map, the descriptor names it.
     _map: MapData,
-    ptr: *mut u16,
+    ptr: *mut u32,
     len: usize,
     bytes: usize,
 }
@@ -24,11 +24,11 @@ unsafe impl Sync for MappedArray {}
 
 impl MappedArray {
     /// Maps `map`, an array created mmapable with 8-byte values, as
-    /// `len` 16-bit entries.
+    /// `len` 32-bit entries.
     pub fn new(map: MapData, len: usize) -> Result<MappedArray> {
         // SAFETY: sysconf has no preconditions.
         let page = usize::try_from(unsafe { libc::sysconf(libc::_SC_PAGESIZE) }).unwrap_or(4096);
-        let bytes = (len * 2).div_ceil(page) * page;
+        let bytes = (len * 4).div_ceil(page) * page;
         let fd = map.fd().as_fd().as_raw_fd();
         // SAFETY: a fresh shared mapping of the map's memory, checked below.
         let ptr = unsafe {
@@ -56,7 +56,7 @@ impl MappedArray {
     }
 
     /// Writes `values` from entry `at` on.
-    pub fn write(&mut self, at: usize, values: &[u16]) -> Result<()> {
+    pub fn write(&mut self, at: usize, values: &[u32]) -> Result<()> {
         if at
             .checked_add(values.len())
             .is_none_or(|end| end > self.len)
@@ -75,11 +75,11 @@ impl MappedArray {
     }
 
     /// `n` entries from entry `at` on.
-    pub fn read(&self, at: usize, n: usize) -> Result<Vec<u16>> {
+    pub fn read(&self, at: usize, n: usize) -> Result<Vec<u32>> {
         if at.checked_add(n).is_none_or(|end| end > self.len) {
             bail!("{n} entries at {at} are past the map's {}", self.len);
         }
-        // SAFETY: in bounds (checked); u16 has no invalid bit patterns.
+        // SAFETY: in bounds (checked); u32 has no invalid bit patterns.
         Ok(unsafe { std::slice::from_raw_parts(self.ptr.add(at), n) }.to_vec())
     }
 }

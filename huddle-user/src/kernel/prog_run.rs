@@ -32,6 +32,7 @@ pub fn config(
     half_open_table_size: u32,
 ) -> Config {
     Config {
+        limits: Default::default(),
         renamed: Vec::new(),
         interface: IFACE.into(),
         snat_ips: vec![BALANCER_IP],

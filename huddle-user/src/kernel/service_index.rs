@@ -7,9 +7,11 @@
 
 use huddle_common::{service_slot, ServiceEntry, ServiceKey, ServiceValue, SERVICE_INDEX_SLOTS};
 
-/// Multipliers tried before giving up. With the most keys a balancer can
-/// have (64 services and 16 SNAT addresses) in 2,048 slots, about one
-/// multiplier in five separates them all, so 256 fail only by freak.
+/// Multipliers tried before giving up. With 64 services (the default
+/// `max_services`) and 16 SNAT addresses in 2,048 slots, about one
+/// multiplier in five separates them all, so 256 fail only by freak. Some
+/// hundreds of keys find none: those balancers look services up in the
+/// hash table (`SERVICES`, a constant cost however many).
 const TRIES: usize = 256;
 
 /// One half of the index, ready to write.
@@ -55,13 +57,13 @@ fn splitmix(state: &mut u64) -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use huddle_common::{MAX_SERVICES, MAX_SNAT, SERVICE_KIND_SNAT, SERVICE_KIND_VIP};
+    use huddle_common::{DEFAULT_SERVICES, MAX_SNAT, SERVICE_KIND_SNAT, SERVICE_KIND_VIP};
 
-    /// The most keys a balancer holds: `MAX_SERVICES` VIPs on neighbouring
-    /// ports of one address (the keys most alike) and `MAX_SNAT` SNAT
-    /// addresses in a row.
+    /// The most keys the index is made for: `DEFAULT_SERVICES` VIPs on
+    /// neighbouring ports of one address (the keys most alike) and
+    /// `MAX_SNAT` SNAT addresses in a row.
     fn full_table() -> Vec<(ServiceKey, ServiceValue)> {
-        let vips = (0..MAX_SERVICES).map(|i| {
+        let vips = (0..DEFAULT_SERVICES).map(|i| {
             let key = ServiceKey {
                 addr: [10, 0, 0, 1],
                 port_be: (8000 + i as u16).to_be(),

@@ -11,16 +11,17 @@ use crate::{
     lb::scratch,
 };
 use core::ptr::read_volatile;
-use huddle_common::{ring_slot, verdict::NO_BACKEND, MAGLEV_EMPTY};
+use huddle_common::{verdict::NO_BACKEND, MAGLEV_EMPTY};
 
 const READ_TRIES: u32 = 3;
 
-/// The entry of `service`'s table of `size` entries for the flow whose key
+/// The entry of `service`'s table of `size` entries (its two tables from
+/// entry `base` of `MAGLEV` on) for the flow whose key
 /// `scratch::flow_key` names, and a second entry from the same
 /// hash (for when the first must be passed over); `None` if the table
 /// cannot be read.
 #[inline(always)]
-pub fn pick(service: u32, size: u32, seed: u64) -> Option<(u32, u32)> {
+pub fn pick(service: u32, size: u32, base: u32, seed: u64) -> Option<(u32, u32)> {
     let flow = scratch::flow_key()?;
     // SAFETY: this CPU's element, used by this run only.
     let h = unsafe { (*flow).hash(seed) };
@@ -34,7 +35,7 @@ pub fn pick(service: u32, size: u32, seed: u64) -> Option<(u32, u32)> {
         // SAFETY: a map value pointer, valid for this run; volatile so the
         // two reads around the table's stay in order (as in `ring::pick`).
         let g1 = unsafe { read_volatile(generation) };
-        let base = u64::from(ring_slot(service, g1)) * size;
+        let base = u64::from(base) + (g1 & 1) * size;
         let entries = (entry(base + first)?, entry(base + second)?);
         // SAFETY: as above.
         if unsafe { read_volatile(generation) } == g1 {
@@ -44,15 +45,11 @@ pub fn pick(service: u32, size: u32, seed: u64) -> Option<(u32, u32)> {
     None
 }
 
-/// Entry `i` of the MAGLEV map: 16-bit ids, four to an element.
+/// Entry `i` of the MAGLEV map: 32-bit ids, two to an element.
 #[inline(always)]
 fn entry(i: u64) -> Option<u32> {
-    let e = MAGLEV.get_ptr((i / 4) as u32)?;
+    let e = MAGLEV.get_ptr((i / 2) as u32)?;
     // SAFETY: a map value pointer, valid for this run.
-    let id = (unsafe { read_volatile(e) } >> ((i % 4) * 16)) as u16;
-    Some(if id == MAGLEV_EMPTY {
-        NO_BACKEND
-    } else {
-        u32::from(id)
-    })
+    let id = (unsafe { read_volatile(e) } >> ((i % 2) * 32)) as u32;
+    Some(if id == MAGLEV_EMPTY { NO_BACKEND } else { id })
 }

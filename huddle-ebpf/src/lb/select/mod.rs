@@ -36,7 +36,7 @@ pub fn choose(service: u32, avoid: u32, now: u64, maglev_seed: u64) -> u32 {
     let limits = unsafe { &*limits };
     let maglev = limits.maglev_size != 0;
     let entries = if maglev {
-        maglev::pick(service, limits.maglev_size, maglev_seed)
+        maglev::pick(service, limits.maglev_size, limits.maglev_base, maglev_seed)
     } else {
         ring::pick(service)
     };

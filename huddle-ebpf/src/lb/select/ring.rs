@@ -12,7 +12,7 @@
 use crate::lb::maps::{global, RINGS, RING_GEN, RR_CURSOR};
 use aya_ebpf::helpers::bpf_get_prandom_u32;
 use core::ptr::read_volatile;
-use huddle_common::{ring_slot, MEMBER_WORDS, RING_CAPACITY};
+use huddle_common::{ring_slot, RING_CAPACITY};
 
 const _: () = assert!(RING_CAPACITY.is_power_of_two());
 
@@ -70,27 +70,9 @@ pub fn pick(service: u32) -> Option<(u32, u32)> {
         }
         let g2 = unsafe { read_volatile(generation) };
         if g1 == g2 {
-            if let Some((a, b)) = chosen {
-                // SAFETY: as above; the bitmap reads are bounds-checked.
-                if !unsafe { member(ring, a) && member(ring, b) } {
-                    global(|s| s.ring_stray += 1);
-                    continue;
-                }
-            }
             return chosen;
         }
         global(|s| s.ring_retry += 1);
     }
     None
-}
-
-/// Whether backend `id` is in the membership bitmap of `ring`.
-///
-/// # Safety
-/// `ring` must be a map value pointer valid for this run.
-#[inline(always)]
-unsafe fn member(ring: *const huddle_common::Ring, id: u32) -> bool {
-    let w = (id / 64) as usize;
-    // SAFETY: the caller's pointer; the index is bounds-checked.
-    w < MEMBER_WORDS && (unsafe { read_volatile(&(*ring).members[w]) } >> (id % 64)) & 1 == 1
 }

@@ -103,7 +103,8 @@ impl ServiceHuddle {
             turn_skip_ns: if turns { turn.as_nanos() as u64 } else { 0 },
             syn_skip_ns: syn.as_nanos() as u64,
             two_choices: u32::from(s.two_choices),
-            maglev_size: 0,
+            // The data plane's to set (`Dataplane::set_tuning`).
+            ..Default::default()
         }
     }
 

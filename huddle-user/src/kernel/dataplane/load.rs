@@ -9,10 +9,10 @@ use aya::{
     programs::Xdp,
     Ebpf, EbpfLoader,
 };
-use huddle_common::maglev_elements;
 use huddle_common::{
     addr_v4, maps, KernelConfig, FAMILY_V4, MAX_SNAT, PROGRAM6_NAME, PROGRAM_NAME,
 };
+use limits::MapLimits;
 use std::{net::Ipv4Addr, path::Path};
 use tracing::{info, warn};
 
@@ -37,9 +37,10 @@ impl Dataplane {
         let geo = NatGeometry::of(cfg, snat.len() + snat6.len())?;
         let (cpus, nat_used) = (geo.cpus, geo.nat_used);
         let half_open = cfg.half_open_table_size.next_power_of_two();
-        let mut loader = loader(cfg, half_open, nat_used);
+        let limits = MapLimits::of(cfg, pins)?;
+        let mut loader = loader(cfg, &limits, half_open, nat_used);
         let (adopted, fresh_cursors) = match pins {
-            Some(dir) => pin_to(&mut loader, dir, cfg, half_open)?,
+            Some(dir) => pin_to(&mut loader, dir, &limits, half_open)?,
             None => (false, true),
         };
         let mut ebpf = loader
@@ -62,7 +63,7 @@ impl Dataplane {
         config.set(0, kernel_config, 0).context("writing CONFIG")?;
         let nat = NatState::take(&mut ebpf, snat_addrs, fresh_cursors, resume)?;
         let mut dp = Dataplane {
-            maps: ServiceMaps::take(&mut ebpf, cfg.maglev_table_size)?,
+            maps: ServiceMaps::take(&mut ebpf, limits)?,
             stats: StatMaps::take(&mut ebpf)?,
             nat,
             cpus,
@@ -148,7 +149,7 @@ pub(super) const RECREATABLE: [&str; 19] = [
 /// program masks hashes with it). A recreatable one laid out otherwise is
 /// unpinned (made afresh by the load); any other mismatch is refused with
 /// what to do, rather than left to fail in the verifier.
-pub(super) fn check_pinned_layouts(dir: &Path, half_open: u32, maglev: u32) -> Result<()> {
+pub(super) fn check_pinned_layouts(dir: &Path, half_open: u32, limits: &MapLimits) -> Result<()> {
     let obj = aya_obj::Object::parse(object::HUDDLE).context("parsing the embedded object")?;
     for name in maps::ALL {
         let pin = dir.join(name);
@@ -165,8 +166,7 @@ pub(super) fn check_pinned_layouts(dir: &Path, half_open: u32, maglev: u32) -> R
             maps::HALF_OPEN_TAGS | maps::HALF_OPEN_NAT_TAGS => {
                 Some(huddle_common::half_open_tag_lines(half_open))
             }
-            maps::MAGLEV => Some(maglev),
-            _ => None,
+            _ => limits.pinned_size(name),
         };
         if have.key_size() == want.key_size()
             && have.value_size() == want.value_size()
@@ -230,11 +230,11 @@ pub(super) fn random_seed() -> Result<u64> {
 
 impl ServiceMaps {
     /// The service, backend and ring maps out of `ebpf`, the Maglev
-    /// tables mapped for `maglev_size` entries each.
-    fn take(ebpf: &mut Ebpf, maglev_size: u32) -> Result<Self> {
+    /// tables mapped as `limits` size them.
+    fn take(ebpf: &mut Ebpf, limits: MapLimits) -> Result<Self> {
         let maglev = match ebpf.take_map(maps::MAGLEV) {
             Some(aya::maps::Map::Array(data)) => {
-                MappedArray::new(data, maglev_elements(maglev_size) as usize * 4)?
+                MappedArray::new(data, limits.maglev_elements() as usize * 2)?
             }
             _ => bail!("map {} missing from the XDP object", maps::MAGLEV),
         };
@@ -249,7 +249,7 @@ impl ServiceMaps {
             guarded: take(ebpf, maps::GUARDED)?,
             guard_filter: take(ebpf, maps::GUARD_FILTER)?,
             maglev,
-            maglev_size,
+            limits,
         })
     }
 }
@@ -340,7 +340,7 @@ impl NatGeometry {
 }
 
 /// The object's loader with every map sized for `cfg`.
-fn loader(cfg: &Config, half_open: u32, nat_used: u32) -> EbpfLoader<'static> {
+fn loader(cfg: &Config, limits: &MapLimits, half_open: u32, nat_used: u32) -> EbpfLoader<'static> {
     let tag_lines = huddle_common::half_open_tag_lines(half_open);
     let mut loader = EbpfLoader::new();
     // HUDDLE_VERIFIER_LOG=1: the verifier's whole log on a refusal
@@ -358,8 +358,8 @@ fn loader(cfg: &Config, half_open: u32, nat_used: u32) -> EbpfLoader<'static> {
         .map_max_entries(maps::HALF_OPEN_NAT, half_open)
         .map_max_entries(maps::HALF_OPEN_TAGS, tag_lines)
         .map_max_entries(maps::HALF_OPEN_NAT_TAGS, tag_lines)
-        .map_max_entries(maps::MAGLEV, maglev_elements(cfg.maglev_table_size))
         .map_max_entries(maps::NAT_USED, huddle_common::nat_used_lines(nat_used));
+    limits.size(&mut loader);
     loader
 }
 
@@ -368,12 +368,12 @@ fn loader(cfg: &Config, half_open: u32, nat_used: u32) -> EbpfLoader<'static> {
 fn pin_to(
     loader: &mut EbpfLoader,
     dir: &Path,
-    cfg: &Config,
+    limits: &MapLimits,
     half_open: u32,
 ) -> Result<(bool, bool)> {
     std::fs::create_dir_all(dir)
         .with_context(|| format!("creating the pin folder {}", dir.display()))?;
-    check_pinned_layouts(dir, half_open, maglev_elements(cfg.maglev_table_size))?;
+    check_pinned_layouts(dir, half_open, limits)?;
     let adopted = dir.join(maps::FLOWS).exists();
     let fresh_cursors = !dir.join(maps::NAT_CURSOR).exists();
     for name in maps::ALL {

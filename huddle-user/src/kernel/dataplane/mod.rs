@@ -5,6 +5,7 @@
 pub mod attach;
 pub mod guard;
 pub mod keys;
+pub mod limits;
 pub mod load;
 pub mod nat;
 pub mod rings;
@@ -121,6 +122,9 @@ pub struct ServiceSlot {
     pub ring: Vec<u32>,
     pub generation: u64,
     last_swap: Option<Instant>,
+    /// Where the service's two Maglev tables start in `MAGLEV` (Maglev
+    /// services only; `Tuning::maglev_base`).
+    pub maglev_base: u32,
 }
 
 /// The loaded program and its maps, one struct per concern.
@@ -177,9 +181,10 @@ struct ServiceMaps {
     /// Addresses whose unbalanced traffic is dropped (`guard`).
     guarded: HashMap<MapData, huddle_common::Addr, u8>,
     guard_filter: Array<MapData, huddle_common::GuardFilter>,
-    /// The Maglev tables, two per service (see `swap_ring`).
+    /// The Maglev tables, two per Maglev service (see `swap_ring`).
     maglev: MappedArray,
-    maglev_size: u32,
+    /// What the maps were sized for at load.
+    limits: limits::MapLimits,
 }
 
 /// What the program counts and times.

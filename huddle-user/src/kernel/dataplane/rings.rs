@@ -4,7 +4,6 @@
 use super::*;
 use crate::{config::Selection, kernel::maglev};
 use anyhow::{bail, Context, Result};
-use huddle_common::MAGLEV_EMPTY;
 use huddle_common::{ring_slot, Pulse, Ring, Tuning, RING_CAPACITY};
 use std::{net::SocketAddr, time::Instant};
 
@@ -29,20 +28,15 @@ impl Dataplane {
         let mut ring = Ring::EMPTY;
         ring.len = backends.len() as u32;
         ring.backends[..backends.len()].copy_from_slice(backends);
-        for id in backends {
-            let w = (*id / 64) as usize;
-            if w >= huddle_common::MEMBER_WORDS {
-                bail!("backend id {id} out of range");
-            }
-            ring.members[w] |= 1 << (id % 64);
+        if let Some(id) = backends.iter().find(|id| **id >= self.maps.limits.backends) {
+            bail!("backend id {id} out of range");
         }
         let next = slot.generation + 1;
         if slot.service.selection == Selection::Maglev {
-            let table: Vec<u16> = maglev::table(&members(slot, backends), self.maps.maglev_size)
-                .into_iter()
-                .map(|id| u16::try_from(id).unwrap_or(MAGLEV_EMPTY))
-                .collect();
-            let at = ring_slot(slot.id, next) as usize * self.maps.maglev_size as usize;
+            let size = self.maps.limits.maglev_size;
+            // Empty entries are `MAGLEV_EMPTY` already (`maglev::EMPTY`).
+            let table = maglev::table(&members(slot, backends), size);
+            let at = maglev_at(slot.maglev_base, next, size);
             self.maps
                 .maglev
                 .write(at, &table)
@@ -69,20 +63,9 @@ impl Dataplane {
         if slot.service.selection != Selection::Maglev {
             return Ok(Vec::new());
         }
-        let at = ring_slot(slot.id, slot.generation) as usize * self.maps.maglev_size as usize;
-        Ok(self
-            .maps
-            .maglev
-            .read(at, self.maps.maglev_size as usize)?
-            .into_iter()
-            .map(|id| {
-                if id == MAGLEV_EMPTY {
-                    maglev::EMPTY
-                } else {
-                    u32::from(id)
-                }
-            })
-            .collect())
+        let size = self.maps.limits.maglev_size;
+        let at = maglev_at(slot.maglev_base, slot.generation, size);
+        self.maps.maglev.read(at, size as usize)
     }
 
     /// The live Maglev tables of the DSR services, for `cluster::handoff` (a
@@ -122,22 +105,24 @@ impl Dataplane {
     /// Writes service `id`'s pass-over limits; its selection (Maglev or
     /// two choices of the ring) is the service's own.
     pub fn set_tuning(&mut self, id: u32, mut t: Tuning) -> Result<()> {
-        if self
+        match self
             .services
             .iter()
-            .any(|s| s.id == id && s.service.selection == Selection::Maglev)
+            .find(|s| s.id == id && s.service.selection == Selection::Maglev)
         {
-            t.maglev_size = self.maps.maglev_size;
-            t.two_choices = 0;
-        } else {
-            t.maglev_size = 0;
+            Some(s) => {
+                t.maglev_size = self.maps.limits.maglev_size;
+                t.maglev_base = s.maglev_base;
+                t.two_choices = 0;
+            }
+            None => (t.maglev_size, t.maglev_base) = (0, 0),
         }
         Ok(self.maps.tuning.set(id, t, 0)?)
     }
 
     /// Sets `huddle_common::backend_flags` on backend `id`. The address and
     /// port are rewritten with them: one element, replaced whole.
-    pub fn set_backend_flags(&mut self, id: u32, addr: SocketAddr, flags: u32) -> Result<()> {
+    pub fn set_backend_flags(&mut self, id: u32, addr: SocketAddr, flags: u8) -> Result<()> {
         let mut b = backend_value(addr);
         b.flags = flags;
         self.maps
@@ -160,4 +145,10 @@ pub(super) fn members(slot: &ServiceSlot, ring: &[u32]) -> Vec<maglev::Member> {
             })
         })
         .collect()
+}
+
+/// Entry of `MAGLEV` where the table of generation `generation` of the
+/// service whose tables start at `base` begins.
+fn maglev_at(base: u32, generation: u64, size: u32) -> usize {
+    base as usize + (generation & 1) as usize * size as usize
 }

@@ -11,7 +11,6 @@ use huddle_common::{
     ring_slot, ServiceKey, ServiceValue, RING_CAPACITY, SERVICE_INDEX_SLOTS, SERVICE_KIND_SNAT,
     SERVICE_KIND_VIP,
 };
-use huddle_common::{MAX_BACKENDS, MAX_SERVICES};
 use std::{
     collections::{HashMap as StdHashMap, HashSet},
     net::{IpAddr, Ipv4Addr, SocketAddr},
@@ -132,16 +131,14 @@ impl Dataplane {
         self.services.clear();
         let (old_services, want) = self.service_ids(cfg)?;
         let mut slots = self.backend_slots()?;
+        let bases = self.maglev_bases(cfg, &want)?;
         for ((key, sid), service) in want.iter().zip(&cfg.services) {
             let ids = self.write_backends(*sid, service, &mut slots)?;
-            self.place_service(
-                *key,
-                *sid,
-                service,
-                ids,
-                old_services.contains_key(key),
-                &last_swaps,
-            )?;
+            let placed = Placed {
+                kept: old_services.contains_key(key),
+                maglev_base: bases.get(sid).copied().unwrap_or(0),
+            };
+            self.place_service(*key, *sid, service, ids, placed, &last_swaps)?;
         }
         for (k, id) in old_services {
             if !want.iter().any(|(w, _)| *w == k) {
@@ -210,9 +207,10 @@ impl Dataplane {
             let id = match old.get(&k) {
                 Some(id) => *id,
                 None => {
-                    let id = (0..MAX_SERVICES)
-                        .find(|i| !used.contains(i))
-                        .context("no free service id")?;
+                    let n = self.maps.limits.services;
+                    let id = (0..n).find(|i| !used.contains(i)).with_context(|| {
+                        format!("max_services: the maps hold {n} services; restart with more")
+                    })?;
                     used.insert(id);
                     id
                 }
@@ -222,10 +220,51 @@ impl Dataplane {
         Ok((old, want))
     }
 
+    /// Where each Maglev service's two tables start in `MAGLEV`: a kept
+    /// service keeps its place (the running program reads it there), a new
+    /// one takes the lowest free.
+    fn maglev_bases(&self, cfg: &Config, want: &[(SvcKey, u32)]) -> Result<StdHashMap<u32, u32>> {
+        let (size, places) = (
+            self.maps.limits.maglev_size,
+            self.maps.limits.maglev_services,
+        );
+        let stride = 2 * size;
+        let maglev: Vec<u32> = want
+            .iter()
+            .zip(&cfg.services)
+            .filter(|(_, s)| s.selection == Selection::Maglev)
+            .map(|((_, sid), _)| *sid)
+            .collect();
+        let mut bases = StdHashMap::new();
+        let mut taken = HashSet::new();
+        for sid in &maglev {
+            let t = self.maps.tuning.get(sid, 0).unwrap_or_default();
+            let place = t.maglev_base / stride;
+            if t.maglev_size == size
+                && t.maglev_base.is_multiple_of(stride)
+                && place < places
+                && taken.insert(place)
+            {
+                bases.insert(*sid, t.maglev_base);
+            }
+        }
+        for sid in maglev {
+            if bases.contains_key(&sid) {
+                continue;
+            }
+            let place = (0..places).find(|p| !taken.contains(p)).with_context(|| {
+                format!("max_maglev_services: the Maglev tables hold {places} services")
+            })?;
+            taken.insert(place);
+            bases.insert(sid, place * stride);
+        }
+        Ok(bases)
+    }
+
     /// Backend slots as the map has them now.
     fn backend_slots(&self) -> Result<Slots> {
         let mut slots = Slots::default();
-        for id in 0..MAX_BACKENDS {
+        for id in 0..self.maps.limits.backends {
             let b = self.maps.backends_map.get(&id, 0)?;
             if b.family == 0 {
                 slots.free.push(id);
@@ -252,7 +291,7 @@ impl Dataplane {
                 self.start_cursor(id, *addr)?;
             }
             let mut v = backend_value(*addr);
-            v.service = sid as u8;
+            v.service = sid;
             self.maps
                 .backends_map
                 .set(id, v, 0)
@@ -270,9 +309,10 @@ impl Dataplane {
         sid: u32,
         service: &Service,
         ids: Vec<u32>,
-        kept: bool,
+        placed: Placed,
         last_swaps: &StdHashMap<u32, Instant>,
     ) -> Result<()> {
+        let kept = placed.kept;
         let generation = self.maps.ring_gen.get(&sid, 0)?;
         let actual: Vec<u32> = if kept {
             let r = self.maps.rings.get(&ring_slot(sid, generation), 0)?;
@@ -296,6 +336,7 @@ impl Dataplane {
             backend_ids: ids,
             generation,
             last_swap: last_swaps.get(&sid).copied(),
+            maglev_base: placed.maglev_base,
         });
         // A Maglev table is written afresh every time: the selection or
         // a weight may have changed, or the map been made anew.
@@ -358,7 +399,7 @@ type ServiceIds = (StdHashMap<SvcKey, u32>, Vec<(SvcKey, u32)>);
 #[derive(Default)]
 struct Slots {
     /// In use before: (service id, address) -> backend id.
-    old: StdHashMap<(u8, SocketAddr), u32>,
+    old: StdHashMap<(u32, SocketAddr), u32>,
     /// Never used.
     free: Vec<u32>,
     /// In use before and not kept, taken only when no slot is free.
@@ -367,10 +408,17 @@ struct Slots {
     kept: HashSet<u32>,
 }
 
+/// How a service is placed: whether it was there before, and where its
+/// Maglev tables start.
+struct Placed {
+    kept: bool,
+    maglev_base: u32,
+}
+
 impl Slots {
     /// The slot of `addr` in service `sid`, and whether it had it before.
     fn take(&mut self, sid: u32, addr: SocketAddr) -> Result<(u32, bool)> {
-        let known = self.old.get(&(sid as u8, addr)).copied();
+        let known = self.old.get(&(sid, addr)).copied();
         let id = match known {
             Some(id) => id,
             // Never-used slots first: a retired slot may still be named by
