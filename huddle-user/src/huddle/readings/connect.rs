@@ -5,15 +5,14 @@
 //! does, so this shows an overloaded accept queue or a host slow to
 //! schedule, not a slow handler.
 
-use super::window::{window, TickSamples, Window, WINDOW_TICKS};
+use super::window::{TickSamples, Ticks, Window};
 use huddle_common::{BackendStats, Latency, LATENCY_BUCKETS};
-use std::collections::VecDeque;
 
 /// A backend's connect samples over its newest ticks.
 #[derive(Default)]
 pub struct ConnectWindow {
     prev: Option<(u64, u64, Latency)>,
-    ticks: VecDeque<TickSamples>,
+    ticks: Ticks,
     pub window: Window,
 }
 
@@ -30,11 +29,9 @@ impl ConnectWindow {
         let tick = TickSamples::new(
             stats.syn_acks.wrapping_sub(count),
             stats.connect_ns.wrapping_sub(sum),
-            Box::new(d),
+            &d,
             None,
         );
-        cw.ticks.push_front(tick);
-        cw.ticks.truncate(WINDOW_TICKS);
-        cw.window = window(&cw.ticks, min_samples);
+        cw.window = cw.ticks.push(tick, min_samples);
     }
 }

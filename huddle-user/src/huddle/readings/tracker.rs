@@ -5,7 +5,7 @@
 use super::{
     connect,
     dsr::{AgentCal, Rtt},
-    window::{percentile, window, TickSamples, Window, WINDOW_TICKS},
+    window::{percentile, TickSamples, Ticks, Window, WINDOW_TICKS},
 };
 use crate::{
     config::{BackendOptions, Huddle as Settings, LatencyMode},
@@ -28,7 +28,7 @@ pub struct Tracker {
     prev: Option<(BackendStats, Latency, Latency)>,
     /// The heavy source's part now (`observe_heavy`).
     heavy: Latency,
-    ticks: VecDeque<TickSamples>,
+    ticks: Ticks,
     pub window: Window,
     /// Failed over attempted (connections, requests, probes) last tick.
     pub error_rate: f64,
@@ -83,7 +83,7 @@ impl Tracker {
             udp,
             prev: None,
             heavy: Latency::default(),
-            ticks: VecDeque::new(),
+            ticks: Ticks::default(),
             window: Window::default(),
             error_rate: 0.0,
             active_flows: 0,
@@ -265,8 +265,8 @@ impl Tracker {
         s: &Settings,
     ) {
         let d = |now: u64, before: u64| now.wrapping_sub(before);
-        let all: Box<[u64; LATENCY_BUCKETS]> =
-            Box::new(std::array::from_fn(|i| d(hist.buckets[i], ph.buckets[i])));
+        let all: [u64; LATENCY_BUCKETS] =
+            std::array::from_fn(|i| d(hist.buckets[i], ph.buckets[i]));
         // Never more than all of the bucket (a fresh data plane's counters
         // start again).
         let part: [u64; LATENCY_BUCKETS] =
@@ -274,12 +274,10 @@ impl Tracker {
         let tick = TickSamples::new(
             d(stats.answered, ps.answered),
             d(stats.ttfb_ns, ps.ttfb_ns),
-            all,
+            &all,
             Some(part),
         );
-        self.ticks.push_front(tick);
-        self.ticks.truncate(WINDOW_TICKS);
-        self.window = window(&self.ticks, s.min_samples);
+        self.window = self.ticks.push(tick, s.min_samples);
         let correction = match self.agent.as_ref().and_then(|a| a.bias_ms) {
             Some(b) => Some(b),
             None => self.rtt.as_ref().and_then(|r| r.p50_ms),
