@@ -31,6 +31,8 @@ pub struct Balancer {
     /// Per backend id: `answered` when its latency histograms were last
     /// read, and what they held (`read_backend` skips unchanged ones).
     pub(super) hist_cache: HashMap<u32, (u64, huddle_common::Latency, huddle_common::Latency)>,
+    /// This tick's read of every backend's counters (`Dataplane::backend_snapshot`).
+    pub(super) snapshot: Option<crate::kernel::dataplane::stats::BackendSnapshot>,
     /// Start, reload and stop.
     pub life: Lifecycle,
     /// What the balancer has seen and tells an operator.
@@ -156,6 +158,7 @@ impl Balancer {
             moving: HashSet::new(),
             tuned: HashMap::new(),
             hist_cache: HashMap::new(),
+            snapshot: None,
             life: Lifecycle {
                 started: Instant::now(),
                 stop: Arc::new(tokio::sync::Notify::new()),

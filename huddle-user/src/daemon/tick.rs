@@ -9,7 +9,7 @@ use crate::{status::RotationEvent, sys::host};
 use anyhow::Result;
 use huddle_common::{backend_flags, Pulse};
 use std::time::{Duration, Instant};
-use tracing::{info, warn};
+use tracing::{debug, info, warn};
 
 /// What every backend of a service is read against in one tick.
 #[derive(Clone, Copy)]
@@ -35,6 +35,12 @@ impl Balancer {
 
     fn tick_inner(&mut self) {
         let now = self.now();
+        // Every backend's counters at once (each alone if that fails).
+        self.snapshot = self
+            .dp
+            .backend_snapshot()
+            .map_err(|e| debug!("backend counters read one by one: {e:#}"))
+            .ok();
         let now_ns = host::monotonic_ns();
         let mut rotated = false;
         // SYNs sent and answers seen over all backends, for `watch_tx`.
@@ -63,6 +69,7 @@ impl Balancer {
                 self.mark_dead(si);
             }
         }
+        self.snapshot = None;
         // A restart must not undo a rotation: save it at once.
         if rotated {
             self.save_state();
@@ -126,12 +133,14 @@ impl Balancer {
         id: u32,
         connect: bool,
     ) -> Result<(crate::cluster::pooled::Counts, Pulse)> {
-        let mut pulse = self.dp.pulse(id)?;
+        let (stats, mut pulse) = match self.snapshot.as_ref().and_then(|s| s.get(id)) {
+            Some(read) => read,
+            None => (self.dp.backend_stats(id)?, self.dp.pulse(id)?),
+        };
         if std::mem::take(&mut self.huddles[si].trackers[bi].clear_pulse) {
             self.dp.clear_pulse(id)?;
             pulse = Pulse::default();
         }
-        let stats = self.dp.backend_stats(id)?;
         // A histogram gains a sample only with `answered`: unchanged, the
         // two per-CPU reads (2 KiB a CPU) are skipped. A sample counted
         // between the two reads shows with the backend's next one.

@@ -2,6 +2,7 @@
 //! records, the agent's decap programs, and running the program on crafted
 //! packets (fixtures and the per-packet benchmark).
 
+pub mod batch;
 pub mod dataplane;
 pub mod decap;
 pub mod logs;

@@ -217,3 +217,32 @@ fn data_answering_no_turn_leaves_the_backends_owed_answer_owed() {
     assert_eq!(env.dp.pulse(id).unwrap().turn_wait_ns, 0);
     assert_eq!(env.dp.backend_stats(id).unwrap().answered, 2);
 }
+
+/// The tick's one read of every backend (`Dataplane::backend_snapshot`,
+/// three batch lookups) gives what reading each alone gives.
+#[test]
+fn the_batch_read_of_every_backend_matches_reading_each() {
+    let env = env("pr-snap");
+    let ring = [backend(0), backend(1), backend(2)];
+    for sport in 40400..40406 {
+        let (_, _) = establish(&env, sport, &ring);
+        forward(
+            &env,
+            client_frame(sport)
+                .flags(ACK | PSH)
+                .seq_ack(1001, 7001)
+                .payload(b"GET / HTTP/1.1\r\n\r\n"),
+        );
+    }
+    let snap = env.dp.backend_snapshot().unwrap();
+    let ids = &env.dp.services[0].backend_ids;
+    let mut turns = 0;
+    for id in ids {
+        let (st, pulse) = snap.get(*id).expect("every backend read");
+        assert_eq!(st, env.dp.backend_stats(*id).unwrap(), "backend {id}");
+        assert_eq!(pulse, env.dp.pulse(*id).unwrap(), "backend {id}");
+        turns += st.turns;
+    }
+    assert_eq!(turns, 6, "six requests counted");
+    assert!(snap.get(ids.iter().max().unwrap() + 1).is_none());
+}

@@ -1,0 +1,82 @@
+//! Reading a run of array elements in one system call
+//! (`BPF_MAP_LOOKUP_BATCH`, which aya does not offer): the tick reads
+//! every backend's counters and owed answers, and one lookup each was three
+//! system calls a backend a tick.
+
+use anyhow::{bail, Result};
+use std::os::fd::{AsRawFd, BorrowedFd};
+
+/// `enum bpf_cmd`'s `BPF_MAP_LOOKUP_BATCH`.
+const BPF_MAP_LOOKUP_BATCH: libc::c_long = 24;
+
+/// `union bpf_attr`'s part for the batch commands.
+#[repr(C)]
+#[derive(Default)]
+struct BatchAttr {
+    in_batch: u64,
+    out_batch: u64,
+    keys: u64,
+    values: u64,
+    count: u32,
+    map_fd: u32,
+    elem_flags: u64,
+    flags: u64,
+}
+
+/// Elements `first..first + n` of the array map `fd`, as the kernel copies
+/// them: each `value_size` bytes (a per-CPU map's: `cpus` values, each
+/// rounded up to 8 bytes). Fewer if the map ends sooner.
+pub fn lookup_array(
+    fd: BorrowedFd<'_>,
+    first: u32,
+    n: u32,
+    value_size: usize,
+) -> Result<(u32, Vec<u8>)> {
+    let mut keys = vec![0u32; n as usize];
+    let mut values = vec![0u8; n as usize * value_size];
+    // The batch starts after `in_batch` (a key); none: at element 0.
+    let mut start = first.wrapping_sub(1);
+    let mut next = 0u32;
+    let mut attr = BatchAttr {
+        in_batch: if first == 0 {
+            0
+        } else {
+            std::ptr::addr_of_mut!(start) as u64
+        },
+        out_batch: std::ptr::addr_of_mut!(next) as u64,
+        keys: keys.as_mut_ptr() as u64,
+        values: values.as_mut_ptr() as u64,
+        count: n,
+        map_fd: fd.as_raw_fd() as u32,
+        ..Default::default()
+    };
+    // SAFETY: the attribute and every buffer it points at live across the
+    // call, sized for `n` elements.
+    let r = unsafe {
+        libc::syscall(
+            libc::SYS_bpf,
+            BPF_MAP_LOOKUP_BATCH,
+            std::ptr::addr_of_mut!(attr),
+            size_of::<BatchAttr>() as u32,
+        )
+    };
+    // ENOENT: the map ended; `count` says how many came.
+    if r < 0 && std::io::Error::last_os_error().raw_os_error() != Some(libc::ENOENT) {
+        bail!(
+            "reading {n} map elements from {first} at once: {}",
+            std::io::Error::last_os_error()
+        );
+    }
+    if attr.count > 0 && keys[0] != first {
+        bail!("a batch read from {first} began at {}", keys[0]);
+    }
+    values.truncate(attr.count as usize * value_size);
+    Ok((attr.count, values))
+}
+
+/// Bytes the kernel copies for one element of a per-CPU map of values of
+/// `size` bytes on `cpus` CPUs.
+#[must_use]
+pub fn per_cpu_size(size: usize, cpus: usize) -> usize {
+    size.next_multiple_of(8) * cpus
+}
