@@ -232,10 +232,23 @@ impl Tracker {
         s: &Settings,
         hung_after: Duration,
     ) {
-        let now = (*stats, *hist, self.heavy);
-        let before = self.prev.replace(now).unwrap_or(now);
-        self.latency_window(&now, &before, s);
-        let ps = before.0;
+        // No request answered since the last tick: its histograms are the
+        // same (a sample is counted before it is put in one), so an empty
+        // tick, and the 2 KiB of histograms neither copied nor compared.
+        let ps = match self.prev.as_mut() {
+            Some(p) if p.0.answered == stats.answered => {
+                let ps = std::mem::replace(&mut p.0, *stats);
+                self.window = self.ticks.push(TickSamples::empty(), s.min_samples);
+                self.less_round_trip();
+                ps
+            }
+            _ => {
+                let now = (*stats, *hist, self.heavy);
+                let before = self.prev.replace(now).unwrap_or(now);
+                self.latency_window(&now, &before, s);
+                before.0
+            }
+        };
         self.active_flows = stats
             .flows_new
             .saturating_sub(stats.flows_closed)
@@ -278,6 +291,12 @@ impl Tracker {
             Some(part),
         );
         self.window = self.ticks.push(tick, s.min_samples);
+        self.less_round_trip();
+    }
+
+    /// Takes the network's round trip (DSR: the agent's bias or the
+    /// connect median) off the window's figures.
+    fn less_round_trip(&mut self) {
         let correction = match self.agent.as_ref().and_then(|a| a.bias_ms) {
             Some(b) => Some(b),
             None => self.rtt.as_ref().and_then(|r| r.p50_ms),

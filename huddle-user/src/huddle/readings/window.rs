@@ -44,6 +44,18 @@ impl TickSamples {
         }
     }
 
+    /// A tick without samples.
+    pub(super) fn empty() -> TickSamples {
+        TickSamples {
+            count: 0,
+            sum_ns: 0,
+            hist: None,
+            heavy: None,
+            heavy_count: 0,
+            rest_count: 0,
+        }
+    }
+
     fn is_empty(&self) -> bool {
         self.hist.is_none() && self.count == 0
     }
