@@ -86,7 +86,11 @@ impl Balancer {
         let id = self.huddles[si].trackers[bi].id;
         let dsr = self.cfg.services[si].mode.is_dsr();
         let connect = dsr || self.cfg.services[si].latency == crate::config::LatencyMode::Connect;
-        let (own, pulse) = match self.read_backend(si, bi, id, connect) {
+        let addr = self.cfg.services[si].backends[bi];
+        // Histograms only pool with the cluster's, and connect ones are
+        // windowed apart: only then may a quiet backend's be left unread.
+        let alone = !connect && self.cluster.pool.sum(at.service, addr).is_none();
+        let (own, pulse) = match self.read_backend(si, bi, id, connect, alone) {
             Ok(r) => r,
             Err(e) => {
                 warn!("reading counters of backend {id}: {e:#}");
@@ -96,7 +100,6 @@ impl Balancer {
         let st = own.stats;
         // The huddle judges from every balancer's samples.
         let mut all = own;
-        let addr = self.cfg.services[si].backends[bi];
         if let Some(peers) = self.cluster.pool.sum(at.service, addr) {
             all.add(peers);
         }
@@ -112,7 +115,9 @@ impl Balancer {
         // proof that SYNs arrived.
         tx.answered += if dsr { st.syn_acks } else { st.pkts_from };
         self.watch_nat_reuse(si, bi, id, st.nat_reuse_early);
-        self.huddles[si].trackers[bi].observe_heavy(&all.ttfb_heavy);
+        if !self.huddles[si].trackers[bi].quiet(&all.stats) {
+            self.huddles[si].trackers[bi].observe_heavy(&all.ttfb_heavy);
+        }
         self.huddles[si].trackers[bi].observe(
             &all.stats,
             &all.ttfb,
@@ -132,6 +137,7 @@ impl Balancer {
         bi: usize,
         id: u32,
         connect: bool,
+        alone: bool,
     ) -> Result<(crate::cluster::pooled::Counts, Pulse)> {
         let (stats, mut pulse) = match self.snapshot.as_ref().and_then(|s| s.get(id)) {
             Some(read) => read,
@@ -140,6 +146,12 @@ impl Balancer {
         if std::mem::take(&mut self.huddles[si].trackers[bi].clear_pulse) {
             self.dp.clear_pulse(id)?;
             pulse = Pulse::default();
+        }
+        // Nothing answered since the tracker's last tick (and no peer's
+        // samples to add): it keeps the histograms it has, so none is
+        // read or copied (`Tracker::quiet`).
+        if alone && self.huddles[si].trackers[bi].quiet(&stats) {
+            return Ok((crate::cluster::pooled::Counts::quiet(stats), pulse));
         }
         // A histogram gains a sample only with `answered`: unchanged, the
         // two per-CPU reads (2 KiB a CPU) are skipped. A sample counted

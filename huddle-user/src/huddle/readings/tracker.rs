@@ -221,6 +221,15 @@ impl Tracker {
         self.probe_fresh = true;
     }
 
+    /// Whether `stats` show no request answered since the last tick: then
+    /// `observe` takes an empty tick and looks at no histogram.
+    #[must_use]
+    pub fn quiet(&self, stats: &BackendStats) -> bool {
+        self.prev
+            .as_ref()
+            .is_some_and(|p| p.0.answered == stats.answered)
+    }
+
     /// Takes this tick's kernel figures. `now_ns` is CLOCK_MONOTONIC, the
     /// kernel's `bpf_ktime_get_ns` clock.
     pub fn observe(
@@ -235,8 +244,9 @@ impl Tracker {
         // No request answered since the last tick: its histograms are the
         // same (a sample is counted before it is put in one), so an empty
         // tick, and the 2 KiB of histograms neither copied nor compared.
+        let quiet = self.quiet(stats);
         let ps = match self.prev.as_mut() {
-            Some(p) if p.0.answered == stats.answered => {
+            Some(p) if quiet => {
                 let ps = std::mem::replace(&mut p.0, *stats);
                 self.window = self.ticks.push(TickSamples::empty(), s.min_samples);
                 self.less_round_trip();
