@@ -46,6 +46,11 @@ impl ConfigFile {
             default_capacity,
         )?;
         let limits = limits(&self, &services)?;
+        let mut huddle = huddle;
+        if self.huddle.metrics_per_backend.is_none() {
+            let backends = services.iter().map(|s| s.backends.len()).sum();
+            huddle.metrics_per_backend = BackendMetrics::for_backends(backends);
+        }
         let control_socket = self
             .control_socket
             .unwrap_or_else(|| default_control_socket(&interface));

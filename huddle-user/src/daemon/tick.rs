@@ -155,12 +155,15 @@ impl Balancer {
         }
         // A histogram gains a sample only with `answered`: unchanged, the
         // two per-CPU reads (2 KiB a CPU) are skipped. A sample counted
-        // between the two reads shows with the backend's next one.
+        // between the two reads shows with the backend's next one. Kept
+        // only where the quiet path above cannot serve (2 KiB a backend).
         let (ttfb, ttfb_heavy) = match self.hist_cache.get(&id) {
             Some((answered, all, heavy)) if *answered == stats.answered => (*all, *heavy),
             _ => {
                 let (all, heavy) = self.dp.latency_parts(id)?;
-                self.hist_cache.insert(id, (stats.answered, all, heavy));
+                if !alone {
+                    self.hist_cache.insert(id, (stats.answered, all, heavy));
+                }
                 (all, heavy)
             }
         };

@@ -63,7 +63,7 @@ pub struct Tracker {
     /// DSR: the kernel's request samples run from the client's request to
     /// its ACK of the answer, a client round trip more than the time to
     /// first byte; this estimates that round trip (`observe_connect`).
-    pub rtt: Option<Rtt>,
+    pub rtt: Option<Box<Rtt>>,
     /// DSR with the backend's agent timing requests: its exact figures,
     /// which calibrate the ACK clock (`agent_scraped`).
     pub agent: Option<AgentCal>,
@@ -71,7 +71,7 @@ pub struct Tracker {
     /// request turns are owed at all.
     pub latency: LatencyMode,
     /// Connect samples (`latency = "connect"`).
-    pub connect: Option<connect::ConnectWindow>,
+    pub connect: Option<Box<connect::ConnectWindow>>,
 }
 
 impl Tracker {
@@ -115,7 +115,7 @@ impl Tracker {
     /// `latency = "connect"`: this tick's connect figures.
     pub fn observe_connect_time(&mut self, stats: &BackendStats, hist: &Latency, min_samples: u64) {
         self.connect
-            .get_or_insert_with(connect::ConnectWindow::default)
+            .get_or_insert_with(Box::default)
             .observe(stats, hist, min_samples);
     }
 
@@ -174,7 +174,7 @@ impl Tracker {
     /// DSR: takes this tick's connect histogram (before `observe`), whose
     /// median round trip `observe` then takes off the request samples.
     pub fn observe_connect(&mut self, connect: &Latency) {
-        let rtt = self.rtt.get_or_insert_with(Rtt::default);
+        let rtt = self.rtt.get_or_insert_with(Box::default);
         let prev = rtt.prev.replace(*connect).unwrap_or(*connect);
         let mut tick = Box::new([0u64; LATENCY_BUCKETS]);
         for (i, b) in tick.iter_mut().enumerate() {
