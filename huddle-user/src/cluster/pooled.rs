@@ -88,18 +88,6 @@ pub struct Counts {
 }
 
 impl Counts {
-    /// A backend's counters without its histograms (it answered nothing
-    /// new: `Tracker::quiet`).
-    #[must_use]
-    pub fn quiet(stats: BackendStats) -> Counts {
-        Counts {
-            stats,
-            ttfb: Latency::default(),
-            ttfb_heavy: Latency::default(),
-            connect: Latency::default(),
-        }
-    }
-
     fn decode(r: &BackendReading) -> Option<Counts> {
         let hist = |v: &[u64]| -> Option<Latency> {
             Some(Latency {

@@ -7,9 +7,15 @@ use super::{
 };
 use crate::{status::RotationEvent, sys::host};
 use anyhow::Result;
-use huddle_common::{backend_flags, Pulse};
+use huddle_common::{backend_flags, BackendStats, Latency, Pulse, LATENCY_BUCKETS};
 use std::time::{Duration, Instant};
 use tracing::{debug, info, warn};
+
+/// The histogram a quiet backend is observed with (`Tracker::quiet`: it is
+/// not looked at).
+static NO_SAMPLES: Latency = Latency {
+    buckets: [0; LATENCY_BUCKETS],
+};
 
 /// What every backend of a service is read against in one tick.
 #[derive(Clone, Copy)]
@@ -90,37 +96,47 @@ impl Balancer {
         // Histograms only pool with the cluster's, and connect ones are
         // windowed apart: only then may a quiet backend's be left unread.
         let alone = !connect && self.cluster.pool.sum(at.service, addr).is_none();
-        let (own, pulse) = match self.read_backend(si, bi, id, connect, alone) {
+        let (own, st, pulse) = match self.read_backend(si, bi, id, connect, alone) {
             Ok(r) => r,
             Err(e) => {
                 warn!("reading counters of backend {id}: {e:#}");
                 return;
             }
         };
-        let st = own.stats;
         // The huddle judges from every balancer's samples.
-        let mut all = own;
-        if let Some(peers) = self.cluster.pool.sum(at.service, addr) {
-            all.add(peers);
-        }
-        if dsr {
-            self.huddles[si].trackers[bi].observe_connect(&all.connect);
-        }
-        if self.cfg.services[si].latency == crate::config::LatencyMode::Connect {
-            let min = self.cfg.huddle.min_samples;
-            self.huddles[si].trackers[bi].observe_connect_time(&all.stats, &all.connect, min);
+        let all = own.map(|mut all| {
+            if let Some(peers) = self.cluster.pool.sum(at.service, addr) {
+                all.add(peers);
+            }
+            all
+        });
+        if let Some(all) = &all {
+            if dsr {
+                self.huddles[si].trackers[bi].observe_connect(&all.connect);
+            }
+            if self.cfg.services[si].latency == crate::config::LatencyMode::Connect {
+                let min = self.cfg.huddle.min_samples;
+                self.huddles[si].trackers[bi].observe_connect_time(&all.stats, &all.connect, min);
+            }
         }
         tx.sent += st.syns;
         // DSR replies bypass the balancer: a completed handshake is the
         // proof that SYNs arrived.
         tx.answered += if dsr { st.syn_acks } else { st.pkts_from };
         self.watch_nat_reuse(si, bi, id, st.nat_reuse_early);
-        if !self.huddles[si].trackers[bi].quiet(&all.stats) {
-            self.huddles[si].trackers[bi].observe_heavy(&all.ttfb_heavy);
-        }
-        self.huddles[si].trackers[bi].observe(
-            &all.stats,
-            &all.ttfb,
+        let tracker = &mut self.huddles[si].trackers[bi];
+        let (stats, ttfb) = match &all {
+            Some(all) => {
+                if !tracker.quiet(&all.stats) {
+                    tracker.observe_heavy(&all.ttfb_heavy);
+                }
+                (all.stats, &all.ttfb)
+            }
+            None => (st, &NO_SAMPLES),
+        };
+        tracker.observe(
+            &stats,
+            ttfb,
             &pulse,
             at.now_ns,
             &self.cfg.huddle,
@@ -138,7 +154,11 @@ impl Balancer {
         id: u32,
         connect: bool,
         alone: bool,
-    ) -> Result<(crate::cluster::pooled::Counts, Pulse)> {
+    ) -> Result<(
+        Option<Box<crate::cluster::pooled::Counts>>,
+        BackendStats,
+        Pulse,
+    )> {
         let (stats, mut pulse) = match self.snapshot.as_ref().and_then(|s| s.get(id)) {
             Some(read) => read,
             None => (self.dp.backend_stats(id)?, self.dp.pulse(id)?),
@@ -151,7 +171,7 @@ impl Balancer {
         // samples to add): it keeps the histograms it has, so none is
         // read or copied (`Tracker::quiet`).
         if alone && self.huddles[si].trackers[bi].quiet(&stats) {
-            return Ok((crate::cluster::pooled::Counts::quiet(stats), pulse));
+            return Ok((None, stats, pulse));
         }
         // A histogram gains a sample only with `answered`: unchanged, the
         // two per-CPU reads (2 KiB a CPU) are skipped. A sample counted
@@ -176,7 +196,7 @@ impl Balancer {
         if connect {
             own.connect = self.dp.connect_latency(id)?;
         }
-        Ok((own, pulse))
+        Ok((Some(Box::new(own)), stats, pulse))
     }
 
     /// Service `si`'s rotation step: each move logged and kept, panic mode
