@@ -1,4 +1,4 @@
-//! A middle size: 64 services of 8 backends (512) on one balancer, through
+//! A middle size: 512 services of 8 backends (4,096) on one balancer, through
 //! `hc-scale --check`: twenty VIPs picked at random answer, 200 new
 //! connections a second are all answered, a reload that moves a backend
 //! shows it, and a 5x slow backend of one service leaves its ring. The
@@ -8,11 +8,11 @@ const SCALE: &str = env!("CARGO_BIN_EXE_hc-scale");
 const HUDDLE: &str = env!("CARGO_BIN_EXE_hc-huddle");
 
 #[test]
-fn sixty_four_services_of_eight_backends_forward_reload_and_rotate() {
+fn five_hundred_twelve_services_of_eight_backends_forward_reload_and_rotate() {
     testbed::require_root();
     let out = std::process::Command::new(SCALE)
         .args([
-            "--sizes", "64x8", "--secs", "2", "--check", "--huddle", HUDDLE,
+            "--sizes", "512x8", "--secs", "2", "--check", "--huddle", HUDDLE,
         ])
         .output()
         .expect("run hc-scale");
