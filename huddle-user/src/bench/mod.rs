@@ -43,12 +43,24 @@ pub struct BenchArgs {
     /// profiling one path without the other cases' runs in between.
     #[arg(long = "case", value_name = "TEXT")]
     pub cases: Vec<String>,
+    /// Services configured in all (at least the bench's own 7; at most
+    /// 4,096): the others, one backend each, take no traffic, so the
+    /// figures show what the service count costs a packet.
+    #[arg(long, default_value_t = 7)]
+    pub services: usize,
 }
 
 pub fn run(args: &BenchArgs) -> Result<()> {
     crate::sys::host::check_privileges()?;
     if args.calls == 0 || args.rounds == 0 {
         bail!("--calls and --rounds must be at least 1");
+    }
+    if !(7..=huddle_common::MAX_SERVICES as usize).contains(&args.services) {
+        bail!(
+            "--services: {} is outside 7..={}",
+            args.services,
+            huddle_common::MAX_SERVICES
+        );
     }
     let args = args.clone();
     std::thread::spawn(move || measure(&args))
@@ -68,7 +80,7 @@ fn measure(args: &BenchArgs) -> Result<()> {
         eprintln!("removed {stale} network namespaces an interrupted benchmark left");
     }
     pin(args.cpu)?;
-    let mut beds = Beds::new()?;
+    let mut beds = Beds::new(args.services)?;
     let mut base = Ebpf::load(object::BASELINE).context("loading the baseline programs")?;
     for name in ["pass", "swap_tx"] {
         xdp_of(&mut base, name)?.load()?;
@@ -140,7 +152,8 @@ struct Beds {
 }
 
 impl Beds {
-    fn new() -> Result<Self> {
+    fn new(services: usize) -> Result<Self> {
+        let bench_config = |half_open| bench_config(half_open, services);
         let cfg = bench_config(HALF_OPEN_SLOTS);
         let mut neighbours: Vec<Ipv4Addr> = (0..BACKENDS)
             .map(|i| Ipv4Addr::new(10, 213, 0, 10 + i))

@@ -36,7 +36,8 @@ pub(super) const IPIP_PORT: u16 = 9090;
 /// An L2 DSR service whose new flows take its Maglev table.
 pub(super) const MAGLEV_PORT: u16 = 7070;
 
-pub(super) fn bench_config(half_open: u32) -> Config {
+/// The bench's seven services, and idle ones up to `services` in all.
+pub(super) fn bench_config(half_open: u32, services: usize) -> Config {
     let service = |vip_port: u16, port: u16, mode: Mode| {
         let mut s = Service::plain(
             (VIP, vip_port).into(),
@@ -81,6 +82,16 @@ pub(super) fn bench_config(half_open: u32) -> Config {
         half_open,
     );
     cfg.snat_ips6 = vec![SNAT6];
+    // Idle services on VIPs of their own, a backend each (never sent to).
+    for k in 0..services.saturating_sub(cfg.services.len()) {
+        let vip = Ipv4Addr::new(10, 213, 101 + (k / 250) as u8, 1 + (k % 250) as u8);
+        let backend = Ipv4Addr::new(10, 214, (k / 250) as u8, 1 + (k % 250) as u8);
+        cfg.services.push(Service::plain(
+            (vip, 80).into(),
+            Proto::Tcp,
+            vec![(backend, 8080).into()],
+        ));
+    }
     cfg
 }
 
