@@ -30,11 +30,17 @@ impl ServiceKey {
     }
 }
 
-/// Bits of a `SERVICE_INDEX` slot number: each of its two halves has
-/// `SERVICE_INDEX_SLOTS` slots.
-pub const SERVICE_INDEX_BITS: u32 = 11;
+/// Bits of a `SERVICE_INDEX` bucket number: each of its two halves has
+/// `SERVICE_INDEX_SLOTS` buckets of `SERVICE_BUCKET` entries. 4,096
+/// services and 16 SNAT addresses fill a quarter of an entry a bucket on
+/// average, so a multiplier that overfills none is found in a few tries;
+/// one entry a slot (2,048 of them) held no more than about 80 keys.
+pub const SERVICE_INDEX_BITS: u32 = 14;
 
 pub const SERVICE_INDEX_SLOTS: u32 = 1 << SERVICE_INDEX_BITS;
+
+/// Entries of a `SERVICE_INDEX` bucket: one cache line.
+pub const SERVICE_BUCKET: usize = 4;
 
 /// An element of `SERVICE_INDEX`: one `SERVICES` entry, in the slot its
 /// key's word hashes to. An empty slot holds an all-zero key, which no
@@ -46,6 +52,14 @@ pub struct ServiceEntry {
     pub value: ServiceValue,
 }
 shared!(ServiceEntry, 16);
+
+/// An element of `SERVICE_INDEX`: the entries whose keys hash to it.
+#[repr(C, align(64))]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ServiceBucket {
+    pub entries: [ServiceEntry; SERVICE_BUCKET],
+}
+shared!(ServiceBucket, 64);
 
 /// The slot, within its half, of a key whose word is `word`, under the
 /// half's multiplier `mul` (odd): a multiply-shift hash, which the control

@@ -8,7 +8,7 @@ use aya_ebpf::{
 use huddle_common::{
     maglev_elements, Addr, Backend, BackendStats, ClientHop, FlowKey, FlowValue, GlobalStats,
     GuardFilter, HalfOpen, HalfOpenNat, HalfOpenTags, KernelConfig, Latency, NatCursor, NatKey,
-    NatValue, NextHop, Pulse, Ring, ServiceEntry, ServiceKey, ServiceKey6, ServiceStats,
+    NatValue, NextHop, Pulse, Ring, ServiceBucket, ServiceKey, ServiceKey6, ServiceStats,
     ServiceValue, Tuning, TwHint, CLIENT_HOP_SLOTS, DEFAULT_FLOW_TABLE_SIZE,
     DEFAULT_HALF_OPEN_SIZE, DEFAULT_MAGLEV_SIZE, HALF_OPEN_TAGS_PER_LINE, MAGLEV_MAP_FLAGS,
     MAX_BACKENDS, MAX_GUARDED, MAX_SERVICES, MAX_SNAT, MAX_TW_HINTS, NAT_USED_LINE, PROTO_UDP,
@@ -27,7 +27,8 @@ pub static SERVICES: HashMap<ServiceKey, ServiceValue> =
 /// array lookup and one compare, about 6 ns a packet less than the hash,
 /// and a miss is as cheap (traffic that is not ours).
 #[map]
-pub static SERVICE_INDEX: Array<ServiceEntry> = Array::with_max_entries(2 * SERVICE_INDEX_SLOTS, 0);
+pub static SERVICE_INDEX: Array<ServiceBucket> =
+    Array::with_max_entries(2 * SERVICE_INDEX_SLOTS, 0);
 
 /// IPv6 VIP:port/proto -> service id, and IPv6 SNAT address -> its index.
 #[map]

@@ -38,10 +38,21 @@ impl V4 {
         let word = key.word();
         let mul = cfg.service_mul[usize::from(half == 2)];
         let slot = ((half - 1) << SERVICE_INDEX_BITS) | service_slot(word, mul);
-        let e = SERVICE_INDEX.get(slot)?;
-        // A half is rewritten only while the other is live, so the entry
-        // is read whole.
-        (e.key.word() == word).then_some(e.value)
+        let b = SERVICE_INDEX.get(slot)?;
+        // A half is rewritten only while the other is live, so the bucket
+        // is read whole; its entries are filled from the first.
+        let [e0, e1, e2, e3] = &b.entries;
+        if e0.key.word() == word {
+            Some(e0.value)
+        } else if e1.key.word() == word {
+            Some(e1.value)
+        } else if e2.key.word() == word {
+            Some(e2.value)
+        } else if e3.key.word() == word {
+            Some(e3.value)
+        } else {
+            None
+        }
     }
 }
 

@@ -29,7 +29,7 @@ use aya::{
 };
 use huddle_common::{
     maps, Backend, BackendStats, GlobalStats, KernelConfig, Latency, NatCursor, NatKey, Pulse,
-    Ring, ServiceEntry, ServiceKey, ServiceKey6, ServiceStats, ServiceValue, Tuning,
+    Ring, ServiceKey, ServiceKey6, ServiceStats, ServiceValue, Tuning,
 };
 use keys::*;
 use std::{
@@ -173,7 +173,7 @@ pub struct Settings {
 struct ServiceMaps {
     services_map: HashMap<MapData, ServiceKey, ServiceValue>,
     services_map6: HashMap<MapData, ServiceKey6, ServiceValue>,
-    service_index: Array<MapData, ServiceEntry>,
+    service_index: Array<MapData, huddle_common::ServiceBucket>,
     backends_map: Array<MapData, Backend>,
     rings: Array<MapData, Ring>,
     ring_gen: Array<MapData, u64>,

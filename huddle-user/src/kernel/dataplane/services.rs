@@ -366,7 +366,7 @@ impl Dataplane {
             .collect();
         let Some(placed) = service_index::place(&entries) else {
             warn!(
-                "no layout of the service index gives each of the {} IPv4 services and SNAT addresses a slot of its own: every packet looks its service up in the hash table (about 6 ns more)",
+                "no layout of the service index gives each of the {} IPv4 services and SNAT addresses a place: every packet looks its service up in the hash table (8-16 ns more)",
                 entries.len()
             );
             self.settings.kernel_config.service_half = 0;
