@@ -80,3 +80,39 @@ pub fn lookup_array(
 pub fn per_cpu_size(size: usize, cpus: usize) -> usize {
     size.next_multiple_of(8) * cpus
 }
+
+/// Elements `first..first + n` of the per-CPU array map `fd` of `T`:
+/// each element's value on each of `cpus` CPUs.
+pub fn per_cpu<T: aya::Pod>(
+    fd: BorrowedFd<'_>,
+    first: u32,
+    n: u32,
+    cpus: usize,
+) -> Result<Vec<Vec<T>>> {
+    let one = per_cpu_size(size_of::<T>(), cpus);
+    let stride = size_of::<T>().next_multiple_of(8);
+    let (got, raw) = lookup_array(fd, first, n, one)?;
+    Ok((0..got as usize)
+        .map(|i| {
+            (0..cpus)
+                .map(|cpu| {
+                    // SAFETY: in bounds (`got` elements of `one` bytes); a
+                    // plain-old-data value.
+                    unsafe {
+                        std::ptr::read_unaligned(raw[i * one + cpu * stride..].as_ptr().cast())
+                    }
+                })
+                .collect()
+        })
+        .collect())
+}
+
+/// Elements `first..first + n` of the array map `fd` of `T`.
+pub fn plain<T: aya::Pod>(fd: BorrowedFd<'_>, first: u32, n: u32) -> Result<Vec<T>> {
+    let (_, raw) = lookup_array(fd, first, n, size_of::<T>())?;
+    Ok(raw
+        .chunks_exact(size_of::<T>())
+        // SAFETY: one plain-old-data value a chunk.
+        .map(|c| unsafe { std::ptr::read_unaligned(c.as_ptr().cast()) })
+        .collect())
+}

@@ -2,6 +2,7 @@
 //! hints a fresh start checks new SYNs against, and what is saved of both.
 
 use super::*;
+use crate::kernel::batch;
 use anyhow::{Context, Result};
 use aya::maps::{HashMap, MapData};
 use huddle_common::{maps, FlowKey, FlowValue, NatCursor, NatKey, MAX_SNAT};
@@ -160,13 +161,36 @@ impl Dataplane {
             backends: std::collections::BTreeMap::new(),
             hints: Vec::new(),
         };
+        // Every cursor in one read (one a backend took 65,536 system
+        // calls a second at that size); each alone if that fails.
+        let ids = self.services.iter().flat_map(|s| s.backend_ids.iter());
+        let lo = ids.clone().min().copied().unwrap_or(0);
+        let hi = ids.max().copied().unwrap_or(0);
+        let all: Option<Vec<Vec<NatCursor>>> = {
+            use aya::maps::IterableMap;
+            use std::os::fd::AsFd;
+            let map = IterableMap::map(&self.nat.nat_cursor);
+            map.fd()
+                .as_fd()
+                .try_clone_to_owned()
+                .ok()
+                .and_then(|fd| batch::per_cpu(fd.as_fd(), lo, hi - lo + 1, self.cpus).ok())
+        };
         for slot in &self.services {
             for (id, addr) in slot.backend_ids.iter().zip(&slot.service.backends) {
-                if let Ok(v) = self.nat.nat_cursor.get(id, 0) {
-                    w.backends.insert(
-                        addr.to_string(),
-                        v.iter().map(|c| (c.port, c.addr)).collect(),
-                    );
+                let cursors: Option<Vec<(u32, u32)>> = match &all {
+                    Some(all) => all
+                        .get((id - lo) as usize)
+                        .map(|v| v.iter().map(|c| (c.port, c.addr)).collect()),
+                    None => self
+                        .nat
+                        .nat_cursor
+                        .get(id, 0)
+                        .ok()
+                        .map(|v| v.iter().map(|c| (c.port, c.addr)).collect()),
+                };
+                if let Some(c) = cursors {
+                    w.backends.insert(addr.to_string(), c);
                 }
             }
         }

@@ -33,7 +33,7 @@ impl Dataplane {
     /// `BackendSnapshot` of the ids the services hold (from the lowest to
     /// the highest; ids are given from the top down, so they sit together).
     pub fn backend_snapshot(&self) -> Result<BackendSnapshot> {
-        use crate::kernel::batch::{lookup_array, per_cpu_size};
+        use crate::kernel::batch;
         use aya::maps::IterableMap;
         use std::os::fd::AsFd;
         let ids = self.services.iter().flat_map(|s| s.backend_ids.iter());
@@ -47,34 +47,22 @@ impl Dataplane {
         let n = hi - lo + 1;
         let fd = |m: &MapData| m.fd().as_fd().try_clone_to_owned();
         let stats_fd = fd(IterableMap::map(&self.stats.backend_stats))?;
-        let one = per_cpu_size(size_of::<BackendStats>(), self.cpus);
-        let (got, raw) = lookup_array(stats_fd.as_fd(), lo, n, one)?;
+        let per_cpu: Vec<Vec<BackendStats>> = batch::per_cpu(stats_fd.as_fd(), lo, n, self.cpus)?;
         let swept_fd = fd(IterableMap::map(&self.nat.swept))?;
-        let (_, swept) = lookup_array(swept_fd.as_fd(), lo, n, 8)?;
+        let swept: Vec<u64> = batch::plain(swept_fd.as_fd(), lo, n)?;
         let pulse_fd = fd(IterableMap::map(&self.stats.pulse))?;
-        let (_, pulses) = lookup_array(pulse_fd.as_fd(), lo, n, size_of::<Pulse>())?;
-        let stride = size_of::<BackendStats>().next_multiple_of(8);
-        let stats = (0..got as usize)
-            .map(|i| {
+        let pulse: Vec<Pulse> = batch::plain(pulse_fd.as_fd(), lo, n)?;
+        let stats = per_cpu
+            .iter()
+            .enumerate()
+            .map(|(i, cpus)| {
                 let mut st = BackendStats::default();
-                for cpu in 0..self.cpus {
-                    let at = i * one + cpu * stride;
-                    // SAFETY: in bounds (`got` elements of `one` bytes); a
-                    // plain-old-data struct of integers.
-                    let v: BackendStats =
-                        unsafe { std::ptr::read_unaligned(raw[at..].as_ptr().cast()) };
-                    st.accumulate(&v);
+                for v in cpus {
+                    st.accumulate(v);
                 }
-                st.flows_closed += swept
-                    .get(i * 8..i * 8 + 8)
-                    .map_or(0, |b| u64::from_ne_bytes(b.try_into().unwrap_or_default()));
+                st.flows_closed += swept.get(i).copied().unwrap_or(0);
                 st
             })
-            .collect();
-        let pulse = pulses
-            .chunks_exact(size_of::<Pulse>())
-            // SAFETY: one `Pulse` of plain integers a chunk.
-            .map(|c| unsafe { std::ptr::read_unaligned(c.as_ptr().cast()) })
             .collect();
         Ok(BackendSnapshot {
             first: lo,
