@@ -38,7 +38,8 @@ impl Dataplane {
             }
         };
         let want = wanted(cfg, &local);
-        let old: Vec<Addr> = self.maps.guarded.keys().filter_map(Result::ok).collect();
+        let had: BTreeMap<Addr, u8> = self.maps.guarded.iter().filter_map(Result::ok).collect();
+        let old: Vec<Addr> = had.keys().copied().collect();
         // The filter stays a superset of the map: both sets' bits while
         // the map changes, then the new set's.
         let union = filter(old.iter().chain(want.keys()));
@@ -50,8 +51,11 @@ impl Dataplane {
         for k in old.iter().filter(|k| !want.contains_key(*k)) {
             map.remove(k).context("removing a GUARDED address")?;
         }
+        // Only what changed: a reload at 65,536 backends rewrote them all.
         for (k, v) in want.iter().take(MAX_GUARDED as usize) {
-            map.insert(k, v, 0).context("writing GUARDED")?;
+            if had.get(k) != Some(v) {
+                map.insert(k, v, 0).context("writing GUARDED")?;
+            }
         }
         self.maps
             .guard_filter
