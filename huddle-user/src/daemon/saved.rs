@@ -78,12 +78,20 @@ impl Balancer {
     pub fn restore(&mut self, saved: &Saved) {
         let now = self.now();
         let mut n = 0;
+        // By name: a search of the list for each service was 4,096^2
+        // compares of formatted names, 0.6 s of a reload at that size.
+        let by_name: std::collections::HashMap<&str, &SavedService> = saved
+            .services
+            .iter()
+            .map(|x| (x.name.as_str(), x))
+            .collect();
         for (si, s) in self.cfg.services.iter().enumerate() {
-            let Some(ss) = saved.services.iter().find(|x| x.name == s.name()) else {
+            let Some(ss) = by_name.get(s.name().as_str()) else {
                 continue;
             };
             for (bi, a) in s.backends.iter().enumerate() {
-                let Some(sb) = ss.backends.iter().find(|b| b.addr == a.to_string()) else {
+                let addr = a.to_string();
+                let Some(sb) = ss.backends.iter().find(|b| b.addr == addr) else {
                     continue;
                 };
                 let h = &mut self.huddles[si];
