@@ -2,7 +2,7 @@
 
 use super::*;
 use crate::config::LatencyMode;
-use huddle_common::{BackendStats, Latency, Pulse};
+use huddle_common::{BackendStats, Latency, Pulse, HUNG_NEW_FLOWS};
 
 fn settings() -> Settings {
     Settings::default()
@@ -96,12 +96,14 @@ fn a_backend_owing_answers_too_long_is_hung() {
     // Held 3 s with nothing else coming (a long poll on a quiet
     // backend): still not hung, as nothing new went unanswered.
     assert_eq!(owing(&mut t, &owes(0, 0), 1, 4000, &s), None);
-    // One new connection sent to it and unanswered: not yet.
-    assert_eq!(owing(&mut t, &owes(1, 4000), 2, 4150, &s), None);
-    // A second, just sent: it may still be answered.
-    assert_eq!(owing(&mut t, &owes(2, 4160), 3, 4170, &s), None);
+    // Fewer new connections than `HUNG_NEW_FLOWS` sent to it and
+    // unanswered: not yet, however long.
+    let n = HUNG_NEW_FLOWS;
+    assert_eq!(owing(&mut t, &owes(n - 1, 4000), 2, 4150, &s), None);
+    // The last one, just sent: it may still be answered.
+    assert_eq!(owing(&mut t, &owes(n, 4160), 3, 4170, &s), None);
     // Unanswered for half of `hung_after` (100 ms): hung.
-    assert!(owing(&mut t, &owes(2, 4160), 3, 4270, &s)
+    assert!(owing(&mut t, &owes(n, 4160), 3, 4270, &s)
         .unwrap()
         .starts_with("hung"));
     // An answer to a turn clears the pulse, and the fault.
