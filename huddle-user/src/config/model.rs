@@ -176,6 +176,18 @@ pub struct Limits {
     pub maglev_services: Option<u32>,
 }
 
+/// Services, backends over all of them, and services with
+/// `selection = "maglev"` of `services`: what the maps must hold.
+#[must_use]
+pub fn counts(services: &[Service]) -> (usize, usize, usize) {
+    let backends = services.iter().map(|s| s.backends.len()).sum();
+    let maglev = services
+        .iter()
+        .filter(|s| s.selection == Selection::Maglev)
+        .count();
+    (services.len(), backends, maglev)
+}
+
 pub const MIN_FLOW_TABLE: u32 = 1024;
 
 /// Bounds of `maglev_table_size`: every service has two tables of it

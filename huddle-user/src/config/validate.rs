@@ -48,8 +48,7 @@ impl ConfigFile {
         let limits = limits(&self, &services)?;
         let mut huddle = huddle;
         if self.huddle.metrics_per_backend.is_none() {
-            let backends = services.iter().map(|s| s.backends.len()).sum();
-            huddle.metrics_per_backend = BackendMetrics::for_backends(backends);
+            huddle.metrics_per_backend = BackendMetrics::for_backends(counts(&services).1);
         }
         let control_socket = self
             .control_socket
@@ -142,12 +141,8 @@ fn limits(f: &ConfigFile, services: &[Service]) -> Result<Limits> {
             v => Ok(v),
         }
     };
-    let backends = services.iter().map(|s| s.backends.len()).sum();
-    let maglev = services
-        .iter()
-        .filter(|s| s.selection == Selection::Maglev)
-        .count();
-    let services_max = check("max_services", f.max_services, MAX_SERVICES, services.len())?;
+    let (n, backends, maglev) = counts(services);
+    let services_max = check("max_services", f.max_services, MAX_SERVICES, n)?;
     Ok(Limits {
         services: services_max,
         backends: check("max_backends", f.max_backends, MAX_BACKENDS, backends)?,
@@ -249,7 +244,7 @@ fn services(
         }
         services.push(svc);
     }
-    let total_backends: usize = services.iter().map(|s| s.backends.len()).sum();
+    let total_backends = counts(&services).1;
     if total_backends > MAX_BACKENDS as usize {
         bail!("service: {total_backends} backends in all, at most {MAX_BACKENDS} are supported");
     }

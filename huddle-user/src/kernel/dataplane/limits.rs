@@ -3,7 +3,7 @@
 //! 6 KiB of kernel memory a backend slot on two CPUs, most of it three
 //! per-CPU latency histograms). A pinned data plane keeps its sizes.
 
-use crate::config::{Config, Selection};
+use crate::config::{counts, Config};
 use anyhow::{bail, Context, Result};
 use aya::EbpfLoader;
 use huddle_common::{
@@ -50,7 +50,7 @@ impl MapLimits {
     /// configuration past them, twice what it has (room to grow by reload);
     /// a data plane pinned in `pins` keeps the sizes it was made with.
     pub fn of(cfg: &Config, pins: Option<&Path>) -> Result<MapLimits> {
-        let (services, backends, maglev) = counts(cfg);
+        let (services, backends, maglev) = counts(&cfg.services);
         let room =
             |n: usize, default: u32, max: u32| (n as u32).saturating_mul(2).clamp(default, max);
         let mut l = MapLimits {
@@ -84,7 +84,7 @@ impl MapLimits {
 
     /// Whether `cfg` fits these maps (a reload cannot resize them).
     pub fn fits(&self, cfg: &Config) -> Result<()> {
-        let (services, backends, maglev) = counts(cfg);
+        let (services, backends, maglev) = counts(&cfg.services);
         let restart = "the running maps were sized at start: set it and restart with `huddle stop` first (which drops every flow), or remove others";
         if services > self.services as usize {
             bail!(
@@ -115,18 +115,15 @@ impl MapLimits {
 
     /// Sizes each map of `loader` by these limits.
     pub fn size(&self, loader: &mut EbpfLoader) {
-        for name in PER_SERVICE {
-            let n = if name == maps::RINGS {
-                2 * self.services
-            } else {
-                self.services
-            };
-            loader.map_max_entries(name, n);
+        for name in PER_SERVICE
+            .iter()
+            .chain(&PER_BACKEND)
+            .chain([&maps::MAGLEV])
+        {
+            if let Some(n) = self.pinned_size(name) {
+                loader.map_max_entries(name, n);
+            }
         }
-        for name in PER_BACKEND {
-            loader.map_max_entries(name, self.backends);
-        }
-        loader.map_max_entries(maps::MAGLEV, self.maglev_elements());
         // VIPs and SNAT addresses; the guard's every VIP and backend.
         loader.map_max_entries(maps::SERVICES, self.services + MAX_SNAT as u32);
         loader.map_max_entries(maps::SERVICES6, self.services + MAX_SNAT as u32);
@@ -148,38 +145,6 @@ impl MapLimits {
             None
         }
     }
-
-    /// Kernel memory a service and a backend slot take, in bytes, with
-    /// `cpus` possible CPUs (per-CPU maps hold one value each).
-    #[must_use]
-    pub fn bytes_per(cpus: usize) -> (usize, usize) {
-        use huddle_common::*;
-        let per_cpu = |n: usize| n * cpus.max(1);
-        let service = 2 * size_of::<Ring>()
-            + size_of::<u64>()
-            + per_cpu(size_of::<u32>())
-            + size_of::<Tuning>()
-            + per_cpu(size_of::<ServiceStats>());
-        let backend = size_of::<Backend>()
-            + per_cpu(size_of::<NextHop>() + size_of::<NatCursor>())
-            + size_of::<u64>()
-            + per_cpu(
-                size_of::<BackendStats>() + 3 * size_of::<Latency>() + size_of::<HeavySource>(),
-            )
-            + size_of::<Pulse>();
-        (service, backend)
-    }
-}
-
-/// Services, backends and Maglev services `cfg` configures.
-fn counts(cfg: &Config) -> (usize, usize, usize) {
-    let backends = cfg.services.iter().map(|s| s.backends.len()).sum();
-    let maglev = cfg
-        .services
-        .iter()
-        .filter(|s| s.selection == Selection::Maglev)
-        .count();
-    (cfg.services.len(), backends, maglev)
 }
 
 /// The size of map `name` pinned in `dir`, if it is.
