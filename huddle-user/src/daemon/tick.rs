@@ -103,9 +103,13 @@ impl Balancer {
                 return;
             }
         };
-        // The huddle judges from every balancer's samples.
+        // The huddle judges from every balancer's samples (`alone`: there
+        // are none but its own, already looked for).
         let all = own.map(|mut all| {
-            if let Some(peers) = self.cluster.pool.sum(at.service, addr) {
+            if let Some(peers) = (!alone)
+                .then(|| self.cluster.pool.sum(at.service, addr))
+                .flatten()
+            {
                 all.add(peers);
             }
             all

@@ -4,7 +4,8 @@
 //! system calls a backend a tick.
 
 use anyhow::{bail, Result};
-use std::os::fd::{AsRawFd, BorrowedFd};
+use aya::maps::{IterableMap, MapData};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd};
 
 /// `enum bpf_cmd`'s `BPF_MAP_LOOKUP_BATCH`.
 const BPF_MAP_LOOKUP_BATCH: libc::c_long = 24;
@@ -81,14 +82,21 @@ pub fn per_cpu_size(size: usize, cpus: usize) -> usize {
     size.next_multiple_of(8) * cpus
 }
 
-/// Elements `first..first + n` of the per-CPU array map `fd` of `T`:
-/// each element's value on each of `cpus` CPUs.
-pub fn per_cpu<T: aya::Pod>(
-    fd: BorrowedFd<'_>,
+/// The descriptor of `map` (an aya map), borrowed: no copy of it a read.
+fn fd_of<K: aya::Pod, V>(map: &impl IterableMap<K, V>) -> BorrowedFd<'_> {
+    let data: &MapData = map.map();
+    data.fd().as_fd()
+}
+
+/// Elements `first..first + n` of the per-CPU array `map` of `T`: each
+/// element's value on each of `cpus` CPUs.
+pub fn per_cpu<T: aya::Pod, V>(
+    map: &impl IterableMap<u32, V>,
     first: u32,
     n: u32,
     cpus: usize,
 ) -> Result<Vec<Vec<T>>> {
+    let fd = fd_of(map);
     let one = per_cpu_size(size_of::<T>(), cpus);
     let stride = size_of::<T>().next_multiple_of(8);
     let (got, raw) = lookup_array(fd, first, n, one)?;
@@ -107,9 +115,9 @@ pub fn per_cpu<T: aya::Pod>(
         .collect())
 }
 
-/// Elements `first..first + n` of the array map `fd` of `T`.
-pub fn plain<T: aya::Pod>(fd: BorrowedFd<'_>, first: u32, n: u32) -> Result<Vec<T>> {
-    let (_, raw) = lookup_array(fd, first, n, size_of::<T>())?;
+/// Elements `first..first + n` of the array `map` of `T`.
+pub fn plain<T: aya::Pod>(map: &impl IterableMap<u32, T>, first: u32, n: u32) -> Result<Vec<T>> {
+    let (_, raw) = lookup_array(fd_of(map), first, n, size_of::<T>())?;
     Ok(raw
         .chunks_exact(size_of::<T>())
         // SAFETY: one plain-old-data value a chunk.

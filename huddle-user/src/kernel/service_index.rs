@@ -33,6 +33,12 @@ pub struct Placed {
 /// tried does (the program then keeps asking `SERVICES`).
 #[must_use]
 pub fn place(entries: &[(ServiceKey, ServiceValue)]) -> Option<Placed> {
+    // The same key twice would be found first only: refused.
+    let mut words: Vec<u64> = entries.iter().map(|(k, _)| k.word()).collect();
+    words.sort_unstable();
+    if words.windows(2).any(|w| w[0] == w[1]) {
+        return None;
+    }
     let mut state = 0x9e37_79b9_7f4a_7c15_u64;
     (0..TRIES).find_map(|_| {
         let mul = splitmix(&mut state) | 1;
@@ -45,13 +51,7 @@ pub fn place(entries: &[(ServiceKey, ServiceValue)]) -> Option<Placed> {
                 value: *value,
             };
         }
-        // The same key twice would be found first only: refused.
-        let mut words: Vec<u64> = entries.iter().map(|(k, _)| k.word()).collect();
-        words.sort_unstable();
-        words
-            .windows(2)
-            .all(|w| w[0] != w[1])
-            .then_some(Placed { mul, slots })
+        Some(Placed { mul, slots })
     })
 }
 

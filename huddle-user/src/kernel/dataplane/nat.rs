@@ -163,33 +163,17 @@ impl Dataplane {
         };
         // Every cursor in one read (one a backend took 65,536 system
         // calls a second at that size); each alone if that fails.
-        let ids = self.services.iter().flat_map(|s| s.backend_ids.iter());
-        let lo = ids.clone().min().copied().unwrap_or(0);
-        let hi = ids.max().copied().unwrap_or(0);
-        let all: Option<Vec<Vec<NatCursor>>> = {
-            use aya::maps::IterableMap;
-            use std::os::fd::AsFd;
-            let map = IterableMap::map(&self.nat.nat_cursor);
-            map.fd()
-                .as_fd()
-                .try_clone_to_owned()
-                .ok()
-                .and_then(|fd| batch::per_cpu(fd.as_fd(), lo, hi - lo + 1, self.cpus).ok())
-        };
+        let (lo, hi) = self.backend_id_range().unwrap_or_default();
+        let all: Option<Vec<Vec<NatCursor>>> =
+            batch::per_cpu(&self.nat.nat_cursor, lo, hi - lo + 1, self.cpus).ok();
         for slot in &self.services {
             for (id, addr) in slot.backend_ids.iter().zip(&slot.service.backends) {
-                let cursors: Option<Vec<(u32, u32)>> = match &all {
-                    Some(all) => all
-                        .get((id - lo) as usize)
-                        .map(|v| v.iter().map(|c| (c.port, c.addr)).collect()),
-                    None => self
-                        .nat
-                        .nat_cursor
-                        .get(id, 0)
-                        .ok()
-                        .map(|v| v.iter().map(|c| (c.port, c.addr)).collect()),
+                let cursors: Option<Vec<NatCursor>> = match &all {
+                    Some(all) => all.get((id - lo) as usize).cloned(),
+                    None => self.nat.nat_cursor.get(id, 0).ok().map(|v| v.to_vec()),
                 };
                 if let Some(c) = cursors {
+                    let c = c.iter().map(|c| (c.port, c.addr)).collect();
                     w.backends.insert(addr.to_string(), c);
                 }
             }

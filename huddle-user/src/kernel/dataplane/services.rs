@@ -264,14 +264,9 @@ impl Dataplane {
     /// Backend slots as the map has them now (in one batch read: one
     /// lookup a slot was 131,072 system calls a reload at 65,536 backends).
     fn backend_slots(&self) -> Result<Slots> {
-        use aya::maps::IterableMap;
-        use std::os::fd::AsFd;
         let n = self.maps.limits.backends;
-        let fd = IterableMap::map(&self.maps.backends_map)
-            .fd()
-            .as_fd()
-            .try_clone_to_owned()?;
-        let values: Vec<Backend> = match crate::kernel::batch::plain(fd.as_fd(), 0, n) {
+        let values: Vec<Backend> = match crate::kernel::batch::plain(&self.maps.backends_map, 0, n)
+        {
             Ok(v) if v.len() == n as usize => v,
             _ => (0..n)
                 .map(|id| self.maps.backends_map.get(&id, 0))

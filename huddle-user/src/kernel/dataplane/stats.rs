@@ -30,14 +30,17 @@ impl BackendSnapshot {
 }
 
 impl Dataplane {
+    /// The lowest and highest backend id the services hold.
+    pub(super) fn backend_id_range(&self) -> Option<(u32, u32)> {
+        let ids = self.services.iter().flat_map(|s| s.backend_ids.iter());
+        Some((*ids.clone().min()?, *ids.max()?))
+    }
+
     /// `BackendSnapshot` of the ids the services hold (from the lowest to
     /// the highest; ids are given from the top down, so they sit together).
     pub fn backend_snapshot(&self) -> Result<BackendSnapshot> {
         use crate::kernel::batch;
-        use aya::maps::IterableMap;
-        use std::os::fd::AsFd;
-        let ids = self.services.iter().flat_map(|s| s.backend_ids.iter());
-        let (Some(lo), Some(hi)) = (ids.clone().min().copied(), ids.max().copied()) else {
+        let Some((lo, hi)) = self.backend_id_range() else {
             return Ok(BackendSnapshot {
                 first: 0,
                 stats: Vec::new(),
@@ -45,13 +48,10 @@ impl Dataplane {
             });
         };
         let n = hi - lo + 1;
-        let fd = |m: &MapData| m.fd().as_fd().try_clone_to_owned();
-        let stats_fd = fd(IterableMap::map(&self.stats.backend_stats))?;
-        let per_cpu: Vec<Vec<BackendStats>> = batch::per_cpu(stats_fd.as_fd(), lo, n, self.cpus)?;
-        let swept_fd = fd(IterableMap::map(&self.nat.swept))?;
-        let swept: Vec<u64> = batch::plain(swept_fd.as_fd(), lo, n)?;
-        let pulse_fd = fd(IterableMap::map(&self.stats.pulse))?;
-        let pulse: Vec<Pulse> = batch::plain(pulse_fd.as_fd(), lo, n)?;
+        let per_cpu: Vec<Vec<BackendStats>> =
+            batch::per_cpu(&self.stats.backend_stats, lo, n, self.cpus)?;
+        let swept = batch::plain(&self.nat.swept, lo, n)?;
+        let pulse = batch::plain(&self.stats.pulse, lo, n)?;
         let stats = per_cpu
             .iter()
             .enumerate()
