@@ -181,7 +181,8 @@ impl Balancer {
         // two per-CPU reads (2 KiB a CPU) are skipped. A sample counted
         // between the two reads shows with the backend's next one. Kept
         // only where the quiet path above cannot serve (2 KiB a backend).
-        let (ttfb, ttfb_heavy) = match self.hist_cache.get(&id) {
+        let cached = (!alone).then(|| self.hist_cache.get(&id)).flatten();
+        let (ttfb, ttfb_heavy) = match cached {
             Some((answered, all, heavy)) if *answered == stats.answered => (*all, *heavy),
             _ => {
                 let (all, heavy) = self.dp.latency_parts(id)?;
