@@ -109,23 +109,28 @@ pub struct Pulse {
     pub turn_wait_ns: u64,
     /// First SYN not followed by any SYN-ACK or RST from the backend.
     pub syn_wait_ns: u64,
-    /// New flows sent to the backend since `turn_wait_ns` (counted up to
-    /// `HUNG_NEW_FLOWS`), and when the last of those went: the evidence.
-    /// One owed turn is no fault (a long poll); new connections going
-    /// unanswered as well are. Until it has had that many, a backend
-    /// owing past the pass-over limit still gets new flows.
-    pub opened: u64,
+    /// Request turns started at the backend since `turn_wait_ns`, on any
+    /// flow (counted up to `HUNG_EVIDENCE`), and when the last of those
+    /// started: the evidence. One owed turn is no fault (a long poll);
+    /// further requests unanswered as well are. Until it has had that
+    /// many, a backend owing past the pass-over limit still gets new
+    /// flows.
+    pub evidence: u64,
     pub evidence_ns: u64,
 }
 shared!(Pulse, 32);
 
-/// New flows a backend owing an answer still gets, and that must go
-/// unanswered, with nothing else answered, before it is hung. With 2, a
-/// healthy backend among slow-by-design traffic (a long poll owed, then
-/// two connections of uploads or a 200 ms endpoint, and new flows passed
-/// over meanwhile) was called hung in 2 of 11 all-kinds runs; with 3, 0
-/// of 6, and a SIGSTOPped one still left in 196 ms.
-pub const HUNG_NEW_FLOWS: u64 = 3;
+/// Request turns a backend owing an answer must be sent, on any flow, each
+/// unanswered, with nothing else answered, before it is hung; until then
+/// new flows still go to it. Each is slow by design (a long poll, a 200 ms
+/// endpoint, an upload's body) with some chance p: in 3 minutes of
+/// all-kinds traffic, 14 owed answers had one unanswered evidence flow, 1
+/// had two (p about 7%), so a healthy backend is called hung about p^k as
+/// often as it owes. Counted as new connections at their SYN, 2 of them
+/// called a healthy backend hung in 2 of 11 all-kinds runs of 10 s, 3 in
+/// 0 of 6; 4 requests, in 0 of 20 runs of 30 s, and a SIGSTOPped backend
+/// still left in 194-199 ms.
+pub const HUNG_EVIDENCE: u64 = 4;
 
 /// Index of the most significant set bit (0 for 0), without a loop or a
 /// count-leading-zeros instruction (BPF has none).

@@ -60,7 +60,7 @@ pub use halfopen::*;
 pub use hash::*;
 pub use hop::*;
 pub use latency::{
-    latency_bucket, source_prefix, HeavySource, Latency, Pulse, HEAVY_HOLD, HUNG_NEW_FLOWS,
+    latency_bucket, source_prefix, HeavySource, Latency, Pulse, HEAVY_HOLD, HUNG_EVIDENCE,
     LATENCY_BUCKETS,
 };
 pub use limits::*;

@@ -106,7 +106,6 @@ pub fn new_flow<F: Balanced>(
     };
     sc.nval.backend = backend_id;
     sc.nval.backend_seq = 0;
-    timing::opened(backend_id, now);
     let proto = sc.nval.flow.proto;
     let tcp_half = half && p.is_tcp() && !dsr;
     let (nat_port_be, snat) = if dsr {

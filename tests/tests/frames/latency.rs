@@ -218,6 +218,101 @@ fn data_answering_no_turn_leaves_the_backends_owed_answer_owed() {
     assert_eq!(env.dp.backend_stats(id).unwrap().answered, 2);
 }
 
+/// Evidence that a backend owing an answer is hung is further requests,
+/// on any flow, counted and dated when each starts: not new connections
+/// at their SYN (an idle one proves nothing), not more of a request (an
+/// upload to a hung backend goes on as long as it lasts), and at most
+/// `HUNG_EVIDENCE` (bounded writes of the shared line). (Counted at the
+/// SYN, the requests below counted none.)
+#[test]
+fn requests_sent_while_an_answer_is_owed_are_the_evidence() {
+    use huddle_common::HUNG_EVIDENCE;
+    let env = env("pr-evid");
+    let ring = [backend(0), backend(1), backend(2)];
+    let flows: Vec<(u16, Ipv4Addr, u16)> = (40500..40518)
+        .map(|sport| {
+            let (b, port) = establish(&env, sport, &ring);
+            (sport, b, port)
+        })
+        .collect();
+    let b = flows[0].1;
+    let on_b: Vec<(u16, u16)> = flows
+        .iter()
+        .filter(|f| f.1 == b)
+        .map(|f| (f.0, f.2))
+        .collect();
+    let n = HUNG_EVIDENCE as usize;
+    assert!(on_b.len() >= n + 2, "{} flows on one backend", on_b.len());
+    let id = backend_id(&env, b);
+    let pulse = || env.dp.pulse(id).unwrap();
+    let first = |sport: u16| {
+        client_frame(sport)
+            .flags(ACK | PSH)
+            .seq_ack(1001, 7001)
+            .payload(b"POST / HTTP/1.1\r\n")
+    };
+    let more = |sport: u16| {
+        client_frame(sport)
+            .flags(ACK | PSH)
+            .seq_ack(1019, 7001)
+            .payload(b"X-More: 1\r\n")
+    };
+    // The first request owes; it is no evidence of its own.
+    forward(&env, first(on_b[0].0));
+    assert_ne!(pulse().turn_wait_ns, 0, "a request is owed an answer");
+    assert_eq!(pulse().evidence, 0);
+    let mut dated = 0;
+    for (k, f) in on_b[1..=n].iter().enumerate() {
+        forward(&env, first(f.0));
+        let p = pulse();
+        assert_eq!(p.evidence, k as u64 + 1, "{p:?}");
+        assert!(p.evidence_ns >= dated, "{p:?}");
+        dated = p.evidence_ns;
+    }
+    // Past the cap a request is counted and dated no more.
+    forward(&env, first(on_b[n + 1].0));
+    assert_eq!(
+        (pulse().evidence, pulse().evidence_ns),
+        (HUNG_EVIDENCE, dated)
+    );
+    // A new connection is no evidence.
+    for sport in 40520..40523 {
+        establish(&env, sport, &ring);
+    }
+    assert_eq!(
+        (pulse().evidence, pulse().evidence_ns),
+        (HUNG_EVIDENCE, dated)
+    );
+    // More of a request, owed or evidence, dates nothing.
+    std::thread::sleep(std::time::Duration::from_millis(3));
+    forward(&env, more(on_b[0].0));
+    forward(&env, more(on_b[1].0));
+    assert_eq!(
+        (pulse().evidence, pulse().evidence_ns),
+        (HUNG_EVIDENCE, dated)
+    );
+    // An answer settles what is owed; the next request owes afresh.
+    forward(
+        &env,
+        Frame::tcp((b, 8080), (BALANCER_IP, on_b[2].1))
+            .macs(mac_of(b), BALANCER_MAC)
+            .flags(ACK | PSH)
+            .seq_ack(7001, 1019)
+            .payload(b"HTTP/1.1 200 OK\r\n"),
+    );
+    assert_eq!(pulse().turn_wait_ns, 0);
+    let sport = (40524..40530)
+        .find(|&sport| establish(&env, sport, &ring).0 == b)
+        .expect("a new flow on the backend");
+    forward(&env, first(sport));
+    assert_ne!(pulse().turn_wait_ns, 0);
+    assert_eq!(
+        pulse().evidence,
+        0,
+        "a new owed answer's evidence starts at none"
+    );
+}
+
 /// The tick's one read of every backend (`Dataplane::backend_snapshot`,
 /// three batch lookups) gives what reading each alone gives.
 #[test]

@@ -14,8 +14,9 @@ use crate::{
     net::parse::{Packet, TCP_ACK, TCP_PSH, TCP_RST, TCP_SYN},
 };
 use aya_ebpf::helpers::bpf_ktime_get_ns;
+use core::ptr::write_volatile;
 use huddle_common::{
-    flow_flags, latency_bucket, Addr, FlowKey, FlowValue, HUNG_NEW_FLOWS, LATENCY_BUCKETS,
+    flow_flags, latency_bucket, Addr, FlowKey, FlowValue, HUNG_EVIDENCE, LATENCY_BUCKETS,
 };
 
 /// The wait a new flow starts with: a SYN waits for its SYN-ACK, a first
@@ -92,6 +93,7 @@ pub fn request<F: Family>(f: *mut FlowValue, p: &Packet<F>, backend: u32) {
     }
 }
 
+/// A request turn starts at `backend`: counted, and owed.
 #[inline(always)]
 pub fn start_turn(backend: u32, now: u64) {
     bump(&BACKEND_STATS, backend, |s| s.turns += 1);
@@ -99,7 +101,11 @@ pub fn start_turn(backend: u32, now: u64) {
 }
 
 /// Records that `backend` owes an answer from `now` on, unless it already
-/// owed one (a turn's starts its evidence count afresh).
+/// owed one: then the turn is evidence, up to `HUNG_EVIDENCE` of them (at
+/// most that many writes of the shared line per owed answer), dated by
+/// its start. More of its request dates nothing: an upload to a hung
+/// backend goes on (its kernel takes it) for as long as the upload lasts,
+/// and dated by its last write one kept a SIGSTOPped backend in for 1.6 s.
 #[inline(always)]
 fn owe(backend: u32, now: u64, syn: bool) {
     if let Some(p) = PULSE.get_ptr_mut(backend) {
@@ -111,23 +117,12 @@ fn owe(backend: u32, now: u64, syn: bool) {
                     (*p).syn_wait_ns = now;
                 }
             } else if (*p).turn_wait_ns == 0 {
-                (*p).turn_wait_ns = now;
-                (*p).opened = 0;
-            }
-        }
-    }
-}
-
-/// A new flow went to `backend` at `now`: while it owes an answer, one of
-/// the evidence flows (`Pulse::opened`). At most `HUNG_NEW_FLOWS` writes
-/// of the shared line per owed answer.
-#[inline(always)]
-pub fn opened(backend: u32, now: u64) {
-    if let Some(p) = PULSE.get_ptr_mut(backend) {
-        // SAFETY: as in `owe`.
-        unsafe {
-            if (*p).turn_wait_ns != 0 && (*p).opened < HUNG_NEW_FLOWS {
-                (*p).opened += 1;
+                // In this order, so a tick never reads the new wait with
+                // the last one's evidence.
+                write_volatile(&mut (*p).evidence, 0);
+                write_volatile(&mut (*p).turn_wait_ns, now);
+            } else if (*p).evidence < HUNG_EVIDENCE {
+                (*p).evidence += 1;
                 (*p).evidence_ns = now;
             }
         }

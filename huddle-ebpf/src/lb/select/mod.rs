@@ -14,14 +14,14 @@ pub mod ring;
 
 use crate::lb::maps::{bump, BACKEND_STATS, PULSE, TUNING};
 use core::ptr::read_volatile;
-use huddle_common::{verdict::NO_BACKEND, Tuning, HUNG_NEW_FLOWS};
+use huddle_common::{verdict::NO_BACKEND, Tuning, HUNG_EVIDENCE};
 
 /// The backend for a new flow of `service` at `now`. Of the ring's next
 /// two entries it takes the first (with `Tuning::two_choices`, the one
 /// that has owed an answer for less time), unless it owes for longer than
 /// the limits (then the second), never `avoid` (the backend that just
 /// refused or ignored this connection); a backend owing a turn still takes
-/// its evidence flows (`look`); if both are past, the next two
+/// new flows until it has had its evidence (`look`); if both are past, the next two
 /// entries are taken as they come. With Maglev (`Tuning::maglev_size`) the
 /// flow's entry in the service's table, never passed over; its second
 /// entry only when the first is `avoid` (`maglev_seed`: the caller's
@@ -87,11 +87,11 @@ const LATE: u64 = 1 << 63;
 /// How long backend `id` has owed an answer or a SYN-ACK at `now` (the
 /// longer of the two, in ns; 0: nothing), with `LATE` set when either is
 /// past its limit (0: no limit). A turn past it is late only once the
-/// backend has had its `HUNG_NEW_FLOWS` evidence flows (`Pulse::opened`):
+/// backend has had its `HUNG_EVIDENCE` evidence turns (`Pulse::evidence`):
 /// passing over must not starve the evidence, since a backend owing one
-/// long turn (a long poll) is healthy if it answers new requests, and
-/// only new flows can show that; a hung one is found by the control plane
-/// from those going unanswered. Not a SYN-ACK owed: a healthy backend's
+/// long turn (a long poll) is healthy if it answers other requests, and
+/// new flows may be all that can show that; a hung one is found by the
+/// control plane from those going unanswered. Not a SYN-ACK owed: a healthy backend's
 /// kernel answers SYNs at once whatever the traffic, so a late one is no
 /// traffic's doing, and its SYNs would only wait to be retried elsewhere
 /// (measured: 55 of 802 SYNs toward a backend whose firewall drops them,
@@ -104,11 +104,11 @@ fn look(id: u32, now: u64, limits: &Tuning) -> u64 {
     };
     // SAFETY: a map value pointer, valid for this run; other CPUs write it
     // with plain stores, so each load sees an old or a new value.
-    let (turn, syn, opened) = unsafe {
+    let (turn, syn, evidence) = unsafe {
         (
             read_volatile(&(*p).turn_wait_ns),
             read_volatile(&(*p).syn_wait_ns),
-            read_volatile(&(*p).opened),
+            read_volatile(&(*p).evidence),
         )
     };
     let age = |since: u64| {
@@ -120,7 +120,7 @@ fn look(id: u32, now: u64, limits: &Tuning) -> u64 {
     };
     let (turn, syn) = (age(turn), age(syn));
     let late = (limits.syn_skip_ns != 0 && syn > limits.syn_skip_ns)
-        || (limits.turn_skip_ns != 0 && turn > limits.turn_skip_ns && opened >= HUNG_NEW_FLOWS);
+        || (limits.turn_skip_ns != 0 && turn > limits.turn_skip_ns && evidence >= HUNG_EVIDENCE);
     let longer = if turn > syn { turn } else { syn };
     (longer & !LATE) | if late { LATE } else { 0 }
 }

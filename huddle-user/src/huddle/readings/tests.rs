@@ -2,7 +2,7 @@
 
 use super::*;
 use crate::config::LatencyMode;
-use huddle_common::{BackendStats, Latency, Pulse, HUNG_NEW_FLOWS};
+use huddle_common::{BackendStats, Latency, Pulse, HUNG_EVIDENCE};
 
 fn settings() -> Settings {
     Settings::default()
@@ -83,11 +83,11 @@ fn a_backend_owing_answers_too_long_is_hung() {
     let s = settings();
     let mut t = tracker();
     let ms = 1_000_000u64;
-    // Owing since 1 s, with `opened` evidence flows, the last at `last`.
-    let owes = |opened: u64, last: u64| Pulse {
+    // Owing since 1 s, with `evidence` turns, the last written at `last`.
+    let owes = |evidence: u64, last: u64| Pulse {
         turn_wait_ns: 1000 * ms,
         syn_wait_ns: 0,
-        opened,
+        evidence,
         evidence_ns: last * ms,
     };
     assert_eq!(owing(&mut t, &owes(0, 0), 1, 1100, &s), None);
@@ -96,9 +96,9 @@ fn a_backend_owing_answers_too_long_is_hung() {
     // Held 3 s with nothing else coming (a long poll on a quiet
     // backend): still not hung, as nothing new went unanswered.
     assert_eq!(owing(&mut t, &owes(0, 0), 1, 4000, &s), None);
-    // Fewer new connections than `HUNG_NEW_FLOWS` sent to it and
-    // unanswered: not yet, however long.
-    let n = HUNG_NEW_FLOWS;
+    // Fewer requests than `HUNG_EVIDENCE` sent to it and unanswered:
+    // not yet, however long.
+    let n = HUNG_EVIDENCE;
     assert_eq!(owing(&mut t, &owes(n - 1, 4000), 2, 4150, &s), None);
     // The last one, just sent: it may still be answered.
     assert_eq!(owing(&mut t, &owes(n, 4160), 3, 4170, &s), None);
@@ -176,7 +176,7 @@ fn with_latency_connect_requests_owe_nothing_and_connect_times_judge() {
     let ms = 1_000_000u64;
     let owes = Pulse {
         turn_wait_ns: 1000 * ms,
-        opened: 2,
+        evidence: 2,
         ..Pulse::default()
     };
     let tr = &mut h.trackers[0];

@@ -13,7 +13,7 @@ use crate::{
     net::probe::ProbeResult,
     net::scrape::HostTracker,
 };
-use huddle_common::{BackendStats, Latency, Pulse, HUNG_NEW_FLOWS, LATENCY_BUCKETS};
+use huddle_common::{BackendStats, Latency, Pulse, HUNG_EVIDENCE, LATENCY_BUCKETS};
 use std::{collections::VecDeque, time::Duration};
 
 /// Everything the huddle tracks about one backend.
@@ -363,18 +363,19 @@ impl Tracker {
         };
         if let Some(age) = owed(turns, now_ns, stats.flows_new, &mut self.wait_seen) {
             // One turn owed long is no fault (a long poll, a stream, an
-            // upload's body): hung is new connections, sent to it since it
-            // last answered anything (the kernel's evidence flows, which
-            // the pass-over never withholds), still unanswered after half
-            // of `hung_after`, with nothing else answered all that time.
-            // The health probe covers a backend that gets no traffic.
-            let evidence = pulse.opened >= HUNG_NEW_FLOWS
+            // upload's body): hung is further requests, sent to it since
+            // it last answered anything (the kernel's evidence turns, which
+            // the pass-over never withholds), still unanswered half of
+            // `hung_after` after the last of their writes, with nothing
+            // else answered all that time. The health probe covers a
+            // backend that gets no traffic.
+            let evidence = pulse.evidence >= HUNG_EVIDENCE
                 && now_ns.saturating_sub(pulse.evidence_ns) > hung_ns / 2;
             if evidence {
                 self.kernel_fault = Some(format!(
-                    "hung: no answer for {} ms, {} connections opened since",
+                    "hung: no answer for {} ms, {} requests sent since",
                     age / 1_000_000,
-                    pulse.opened
+                    pulse.evidence
                 ));
             }
         }
