@@ -190,6 +190,12 @@ impl Pool {
         bad
     }
 
+    /// Whether no peer's readings came at all.
+    #[must_use]
+    pub fn is_empty(&self) -> bool {
+        self.last.is_empty()
+    }
+
     /// What the peers added for `backend` of `service`.
     #[must_use]
     pub fn sum(&self, service: &str, backend: SocketAddr) -> Option<&Counts> {

@@ -33,6 +33,10 @@ pub struct Balancer {
     pub(super) hist_cache: HashMap<u32, (u64, huddle_common::Latency, huddle_common::Latency)>,
     /// This tick's read of every backend's counters (`Dataplane::backend_snapshot`).
     pub(super) snapshot: Option<crate::kernel::dataplane::stats::BackendSnapshot>,
+    /// The counters as last read, kept between ticks (`settle`), and
+    /// the next settled service whose backends a tick looks at.
+    pub(super) kept: Option<crate::kernel::dataplane::stats::BackendSnapshot>,
+    pub(super) wake_cursor: usize,
     /// Start, reload and stop.
     pub life: Lifecycle,
     /// What the balancer has seen and tells an operator.
@@ -75,6 +79,8 @@ pub struct Seen {
     pub(super) last_panic: HashMap<usize, Instant>,
     /// Probes sent since start.
     pub(super) probes_sent: u64,
+    /// Services the last tick passed by (`settle`).
+    pub(super) passed_by: usize,
     /// How long the last ticks took, newest last (`TICKS_TIMED`).
     pub(super) tick_took: VecDeque<Duration>,
 }
@@ -158,6 +164,8 @@ impl Balancer {
             moving: HashSet::new(),
             tuned: HashMap::new(),
             hist_cache: HashMap::new(),
+            kept: None,
+            wake_cursor: 0,
             snapshot: None,
             life: Lifecycle {
                 started: Instant::now(),

@@ -60,6 +60,7 @@ impl Balancer {
             );
             for h in &mut self.huddles {
                 h.engine.hold_until = until;
+                h.dirty = true;
             }
             self.cluster.hold = Some((until, why));
         }

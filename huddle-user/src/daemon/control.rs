@@ -90,6 +90,7 @@ impl Balancer {
         let now = self.now();
         for &(si, bi) in &targets {
             self.huddles[si].engine.set_drained(bi, drain, now);
+            self.huddles[si].dirty = true;
             self.publish(si)?;
         }
         self.save_state();

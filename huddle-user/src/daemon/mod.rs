@@ -14,6 +14,7 @@ mod preflight;
 mod report;
 pub mod run;
 mod saved;
+mod settle;
 mod snapshot;
 mod start;
 pub mod stop;

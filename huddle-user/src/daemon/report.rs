@@ -85,6 +85,7 @@ impl Balancer {
             probes_sent: self.seen.probes_sent,
             map_bytes,
             maps,
+            services_at_rest: self.seen.passed_by,
         }
     }
 

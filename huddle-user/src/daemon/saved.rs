@@ -95,6 +95,7 @@ impl Balancer {
                     continue;
                 };
                 let h = &mut self.huddles[si];
+                h.dirty = true;
                 let t = thermal::unit(sb.temperature);
                 h.trackers[bi].temperature = t;
                 h.trackers[bi].unhealthy = sb.unhealthy.clone();

@@ -23,15 +23,31 @@ use tokio::{
 };
 use tracing::{debug, info, warn};
 
-/// Writes the state file every second (and `tick` after any rotation),
-/// and moves the next-hop generation on so every CPU asks the FIB again.
+/// Backends whose state the saver writes a second, at most.
+const STATE_BACKENDS: usize = 4_096;
+
+/// Writes the state file every second, or less often past
+/// `STATE_BACKENDS` (and `tick` after any rotation), the NAT walk every
+/// second, and moves the next-hop generation on so every CPU asks the
+/// FIB again.
 pub(super) async fn saver(shared: Arc<Mutex<Balancer>>) {
     let mut tick = tokio::time::interval(Duration::from_secs(1));
     let mut unresolved = 0;
+    let mut round: u64 = 0;
     loop {
         tick.tick().await;
+        round += 1;
         let mut b = lock(&shared);
-        b.save_state();
+        // The state file once every backends / `STATE_BACKENDS` seconds:
+        // rotations are saved at once (`tick`), so a later write adds only
+        // temperatures, and at 65,536 backends writing it every second was
+        // a sixth of an idle daemon's time. The NAT walk every second.
+        let backends: usize = b.huddles.iter().map(|h| h.trackers.len()).sum();
+        if round.is_multiple_of((backends / STATE_BACKENDS).max(1) as u64) {
+            b.save_state();
+        } else {
+            b.save_nat_walk(false);
+        }
         if let Err(e) = b.dp.refresh_next_hops() {
             warn!("{e:#}");
         }
@@ -196,6 +212,7 @@ pub(super) async fn scraper(shared: Arc<Mutex<Balancer>>, every: Duration, timeo
             let dsr = b.cfg.services[*si].mode.is_dsr();
             let min_samples = b.cfg.huddle.min_samples;
             let t = &mut b.huddles[*si].trackers[*bi];
+            t.stirred = true;
             match r {
                 Ok((sample, agent)) => {
                     t.host.update(sample);

@@ -41,12 +41,25 @@ impl Balancer {
 
     fn tick_inner(&mut self) {
         let now = self.now();
-        // Every backend's counters at once (each alone if that fails).
-        self.snapshot = self
-            .dp
-            .backend_snapshot()
-            .map_err(|e| debug!("backend counters read one by one: {e:#}"))
-            .ok();
+        let plan = self.plan_reads(now);
+        // Every backend's counters at once (each alone if that fails), or
+        // those of the services this tick reads (`settle`).
+        if plan.pass {
+            let mut kept = self.kept.take();
+            self.snapshot = match self.dp.refresh_snapshot(&mut kept, &plan.ranges) {
+                Ok(()) => kept,
+                Err(e) => {
+                    debug!("backend counters read one by one: {e:#}");
+                    None
+                }
+            };
+        } else {
+            self.snapshot = self
+                .dp
+                .backend_snapshot()
+                .map_err(|e| debug!("backend counters read one by one: {e:#}"))
+                .ok();
+        }
         let now_ns = host::monotonic_ns();
         let mut rotated = false;
         // SYNs sent and answers seen over all backends, for `watch_tx`.
@@ -55,7 +68,12 @@ impl Balancer {
             answered: 0,
             done: false,
         };
+        self.seen.passed_by = 0;
         for si in 0..self.huddles.len() {
+            if plan.pass && self.huddles[si].settled && !self.wakes(si, plan.read[si]) {
+                self.seen.passed_by += 1;
+                continue;
+            }
             let service = self.cfg.services[si].name();
             let hung_after = self.huddles[si].hung_after(&self.cfg.huddle);
             for bi in 0..self.huddles[si].trackers.len() {
@@ -66,7 +84,8 @@ impl Balancer {
                 };
                 self.observe_backend(si, bi, at, &mut tx);
             }
-            rotated |= self.rotate(si, now);
+            let moved = self.rotate(si, now);
+            rotated |= moved;
             if let Err(e) = self.publish(si) {
                 warn!("{e:#}");
             }
@@ -74,8 +93,15 @@ impl Balancer {
             if self.cfg.huddle.move_flows_off_dead {
                 self.mark_dead(si);
             }
+            // DSR rings judge on windows of their own (`observe_connect`):
+            // never passed by.
+            let dsr = self.cfg.services[si].mode.is_dsr();
+            let h = &mut self.huddles[si];
+            h.dirty = false;
+            h.settled = !moved && !dsr && h.at_rest(now);
         }
-        self.snapshot = None;
+        // Kept for the next tick's partial read (`settle`).
+        self.kept = self.snapshot.take().filter(|_| plan.pass);
         // A restart must not undo a rotation: save it at once.
         if rotated {
             self.save_state();

@@ -96,23 +96,40 @@ pub fn per_cpu<T: aya::Pod, V>(
     n: u32,
     cpus: usize,
 ) -> Result<Vec<Vec<T>>> {
+    let mut out: Vec<Vec<T>> = Vec::new();
+    per_cpu_fold(map, first, n, cpus, |i, v: &T| {
+        if out.len() == i {
+            out.push(Vec::with_capacity(cpus));
+        }
+        out[i].push(*v);
+    })?;
+    Ok(out)
+}
+
+/// `f(i, value)` for each CPU's value of each element `first + i` of the
+/// per-CPU array `map` of `T`, in order, with nothing allocated per
+/// element; how many elements were read.
+pub fn per_cpu_fold<T: aya::Pod, V>(
+    map: &impl IterableMap<u32, V>,
+    first: u32,
+    n: u32,
+    cpus: usize,
+    mut f: impl FnMut(usize, &T),
+) -> Result<usize> {
     let fd = fd_of(map);
     let one = per_cpu_size(size_of::<T>(), cpus);
     let stride = size_of::<T>().next_multiple_of(8);
     let (got, raw) = lookup_array(fd, first, n, one)?;
-    Ok((0..got as usize)
-        .map(|i| {
-            (0..cpus)
-                .map(|cpu| {
-                    // SAFETY: in bounds (`got` elements of `one` bytes); a
-                    // plain-old-data value.
-                    unsafe {
-                        std::ptr::read_unaligned(raw[i * one + cpu * stride..].as_ptr().cast())
-                    }
-                })
-                .collect()
-        })
-        .collect())
+    for i in 0..got as usize {
+        for cpu in 0..cpus {
+            // SAFETY: in bounds (`got` elements of `one` bytes); a
+            // plain-old-data value.
+            let v: T =
+                unsafe { std::ptr::read_unaligned(raw[i * one + cpu * stride..].as_ptr().cast()) };
+            f(i, &v);
+        }
+    }
+    Ok(got as usize)
 }
 
 /// Elements `first..first + n` of the array `map` of `T`.

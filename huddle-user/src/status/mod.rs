@@ -59,6 +59,9 @@ pub struct ControlCost {
     pub map_bytes: u64,
     #[serde(default)]
     pub maps: usize,
+    /// Services the last tick passed by, at rest (see `daemon::settle`).
+    #[serde(default)]
+    pub services_at_rest: usize,
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -200,11 +203,12 @@ impl Status {
         let c = &self.control;
         let _ = writeln!(
             out,
-            "\ncontrol: tick took {:.2} ms (p50), {:.2} ms (p99), {:.2} ms (longest) of {} ms; {} probes sent; {} kernel maps hold {:.1} MiB",
+            "\ncontrol: tick took {:.2} ms (p50), {:.2} ms (p99), {:.2} ms (longest) of {} ms, passing by {} services at rest; {} probes sent; {} kernel maps hold {:.1} MiB",
             c.tick_p50_ms,
             c.tick_p99_ms,
             c.tick_max_ms,
             self.tick_ms,
+            c.services_at_rest,
             c.probes_sent,
             c.maps,
             c.map_bytes as f64 / f64::from(1 << 20)

@@ -262,7 +262,13 @@ fn run_size(bin: &Path, server_bin: &Path, n: usize, m: usize, secs: u64) -> Res
     row.cpu_idle = cpu_share(pid, secs)?;
     row.probes_s = (bed.status()?.control.probes_sent - p0) as f64 / t.elapsed().as_secs_f64();
     row.rss_mib = rss_mib(pid)?;
-    row.maps_mib = bed.status()?.control.map_bytes as f64 / f64::from(1 << 20);
+    let st = bed.status()?;
+    row.maps_mib = st.control.map_bytes as f64 / f64::from(1 << 20);
+    eprintln!(
+        "[hc-scale] idle: the last tick passed by {} of {} services at rest",
+        st.control.services_at_rest,
+        st.services.len()
+    );
     let (kib, ms) = in_ns(&bed.lb, || {
         let t = Instant::now();
         let page = http_get_path(

@@ -37,6 +37,11 @@ pub struct ServiceHuddle {
     /// Median over the inner ring of each backend's median time to first
     /// byte (the request latencies' reference), as of the last tick.
     pub ring_p50_ms: Option<f64>,
+    /// Its last tick left it `at_rest`: later ticks may pass it by until
+    /// one of its backends `wakes` (see `Balancer::tick`).
+    pub settled: bool,
+    /// Changed outside the tick (a drain, restored state): not settled.
+    pub dirty: bool,
 }
 
 impl ServiceHuddle {
@@ -62,6 +67,8 @@ impl ServiceHuddle {
             rotation: s.rotation,
             answer_p99_ms: None,
             ring_p50_ms: None,
+            settled: false,
+            dirty: true,
         }
     }
 
@@ -181,6 +188,13 @@ impl ServiceHuddle {
             t.probes_at_move = t.probes_seen;
         }
         moves
+    }
+
+    /// Whether a tick at `now` would change nothing (`Engine::at_rest`,
+    /// `Tracker::at_rest`).
+    #[must_use]
+    pub fn at_rest(&self, now: Duration) -> bool {
+        !self.dirty && self.engine.at_rest(now) && self.trackers.iter().all(Tracker::at_rest)
     }
 
     /// The inner ring as backend ids, in configured order.

@@ -127,6 +127,8 @@ fn hung_after_and_pass_over_follow_the_rings_own_answer_times() {
         rotation: true,
         answer_p99_ms: None,
         ring_p50_ms: None,
+        settled: false,
+        dirty: true,
     };
     let ms = |d: Duration| d.as_secs_f64() * 1e3;
     // No figure yet: the configured bound.
@@ -343,4 +345,61 @@ fn a_rested_backend_keeps_its_temperature_until_a_probe_after_the_move() {
         "{}",
         h.trackers[2].temperature
     );
+}
+
+/// A service whose counters stand still comes to rest (a tick may pass it
+/// by) within a few ticks, and new counters, an owed answer, a probe or a
+/// drain take it out of rest.
+#[test]
+fn a_service_with_nothing_moving_rests_until_something_comes() {
+    let mut s = settings();
+    s.rotation_params.warmup = Duration::ZERO;
+    let svc = Service::plain(
+        "1.1.1.1:1".parse().unwrap(),
+        Proto::Tcp,
+        vec!["2.2.2.2:2".parse().unwrap(), "2.2.2.3:2".parse().unwrap()],
+    );
+    let mut h = ServiceHuddle::new(&svc, &[0, 1], &s, Duration::ZERO);
+    let (still, hist) = (stats(5, 25, 5), hist_of(&[5, 5, 5, 5, 5]));
+    let mut rested = None;
+    for tick in 1..=100u64 {
+        let now = Duration::from_millis(100 * tick);
+        for t in &mut h.trackers {
+            t.observe(
+                &still,
+                &hist,
+                &Pulse::default(),
+                tick * 100_000_000,
+                &s,
+                s.hung_after,
+            );
+        }
+        assert!(h.step(&s, now).is_empty());
+        h.dirty = false;
+        if h.at_rest(now) {
+            rested = Some(tick);
+            break;
+        }
+    }
+    assert!(rested.is_some_and(|t| t <= 3), "rested at tick {rested:?}");
+    let now = Duration::from_secs(11);
+    let t = &h.trackers[0];
+    assert!(!t.wakes(&still, &Pulse::default()));
+    assert!(t.wakes(&stats(6, 30, 6), &Pulse::default()), "new counters");
+    let owed = Pulse {
+        turn_wait_ns: 1,
+        ..Pulse::default()
+    };
+    assert!(t.wakes(&still, &owed), "an owed answer");
+    h.trackers[1].probed(crate::net::probe::ProbeResult {
+        latency_ms: 0.2,
+        error: None,
+        local: false,
+    });
+    assert!(!h.at_rest(now), "a probe came");
+    h.trackers[1].stirred = false;
+    h.trackers[1].probe_fresh = false;
+    assert!(h.at_rest(now));
+    h.engine.set_drained(0, true, now);
+    assert!(!h.at_rest(now), "drained");
 }

@@ -72,6 +72,12 @@ pub struct Tracker {
     pub latency: LatencyMode,
     /// Connect samples (`latency = "connect"`).
     pub connect: Option<Box<connect::ConnectWindow>>,
+    /// Something besides the kernel's counters came since the last tick
+    /// (a probe, a host reading): the next tick must look (`at_rest`).
+    pub stirred: bool,
+    /// Whether the last tick's counters or temperature differed from the
+    /// tick before.
+    moved: bool,
 }
 
 impl Tracker {
@@ -108,6 +114,8 @@ impl Tracker {
             rtt: None,
             agent: None,
             latency: LatencyMode::Auto,
+            stirred: true,
+            moved: true,
             connect: None,
         }
     }
@@ -219,6 +227,32 @@ impl Tracker {
         }
         self.probe = Some(r);
         self.probe_fresh = true;
+        self.stirred = true;
+    }
+
+    /// Whether a tick would change nothing here: its counters and
+    /// temperature stood still last tick, its latency window is empty, it
+    /// owes nothing, it is healthy, and nothing else came since. Then the
+    /// tick may leave it be until `wakes`.
+    #[must_use]
+    pub fn at_rest(&self) -> bool {
+        !self.moved
+            && !self.stirred
+            && !self.probe_fresh
+            && !self.clear_pulse
+            && self.ticks.is_empty()
+            && self.wait_seen.is_none()
+            && self.syn_seen.is_none()
+            && self.kernel_fault.is_none()
+            && self.unhealthy.is_none()
+            && self.error_rate == 0.0
+            && self.latency != LatencyMode::Connect
+    }
+
+    /// Whether a backend `at_rest` has new counters or owes an answer.
+    #[must_use]
+    pub fn wakes(&self, stats: &BackendStats, pulse: &Pulse) -> bool {
+        *pulse != Pulse::default() || self.prev.as_ref().is_none_or(|p| p.0 != *stats)
     }
 
     /// Whether `stats` show no request answered since the last tick: then
@@ -245,6 +279,8 @@ impl Tracker {
         // same (a sample is counted before it is put in one), so an empty
         // tick, and the 2 KiB of histograms neither copied nor compared.
         let quiet = self.quiet(stats);
+        self.stirred = false;
+        self.moved = self.prev.as_ref().is_none_or(|p| p.0 != *stats);
         let ps = match self.prev.as_mut() {
             Some(p) if quiet => {
                 let ps = std::mem::replace(&mut p.0, *stats);
@@ -461,7 +497,11 @@ impl Tracker {
         self.latency_ms = r.latency_ms;
         let c = crate::huddle::thermal::score(&r, median, &s.thermal);
         self.components = c;
-        self.temperature = crate::huddle::thermal::ema(self.temperature, c.raw, s.thermal.alpha);
+        let t = crate::huddle::thermal::ema(self.temperature, c.raw, s.thermal.alpha);
+        // Moving by less, the EMA is at rest: left there it stays within
+        // 1e-4 / alpha of where it would go, far inside any threshold.
+        self.moved |= (t - self.temperature).abs() > 1e-4;
+        self.temperature = t;
         self.probe_fresh = false;
     }
 

@@ -74,6 +74,11 @@ pub(super) struct Ticks {
 }
 
 impl Ticks {
+    /// Whether no tick in the window holds a sample.
+    pub(super) fn is_empty(&self) -> bool {
+        self.ticks.iter().all(TickSamples::is_empty)
+    }
+
     /// Adds `tick` as the newest; the window over the newest ticks
     /// holding `min_samples`.
     pub(super) fn push(&mut self, tick: TickSamples, min_samples: u64) -> Window {

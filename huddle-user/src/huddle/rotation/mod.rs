@@ -155,6 +155,23 @@ impl Engine {
         e
     }
 
+    /// Whether a tick at `now` with every temperature as it is would move
+    /// nothing, now or later: every member inside, healthy, not drained,
+    /// forgiven and below its heat, and no hold in force. (A resting one
+    /// returns on a timer, so a ring with one is never at rest.)
+    #[must_use]
+    pub fn at_rest(&self, now: Duration) -> bool {
+        !self.panic
+            && now >= self.hold_until
+            && self.members.iter().enumerate().all(|(i, m)| {
+                m.place == Place::Inner
+                    && !m.drained
+                    && m.unhealthy.is_none()
+                    && m.strikes == 0
+                    && m.temperature < self.heat_of(i)
+            })
+    }
+
     /// Inner members, in member order (the ring the kernel gets).
     #[must_use]
     pub fn inner(&self) -> Vec<usize> {

@@ -39,7 +39,6 @@ impl Dataplane {
     /// `BackendSnapshot` of the ids the services hold (from the lowest to
     /// the highest; ids are given from the top down, so they sit together).
     pub fn backend_snapshot(&self) -> Result<BackendSnapshot> {
-        use crate::kernel::batch;
         let Some((lo, hi)) = self.backend_id_range() else {
             return Ok(BackendSnapshot {
                 first: 0,
@@ -47,28 +46,56 @@ impl Dataplane {
                 pulse: Vec::new(),
             });
         };
-        let n = hi - lo + 1;
-        let per_cpu: Vec<Vec<BackendStats>> =
-            batch::per_cpu(&self.stats.backend_stats, lo, n, self.cpus)?;
-        let swept = batch::plain(&self.nat.swept, lo, n)?;
-        let pulse = batch::plain(&self.stats.pulse, lo, n)?;
-        let stats = per_cpu
-            .iter()
-            .enumerate()
-            .map(|(i, cpus)| {
-                let mut st = BackendStats::default();
-                for v in cpus {
-                    st.accumulate(v);
-                }
-                st.flows_closed += swept.get(i).copied().unwrap_or(0);
-                st
-            })
-            .collect();
-        Ok(BackendSnapshot {
+        let n = (hi - lo + 1) as usize;
+        let mut snap = BackendSnapshot {
             first: lo,
-            stats,
-            pulse,
-        })
+            stats: vec![BackendStats::default(); n],
+            pulse: vec![Pulse::default(); n],
+        };
+        self.read_into(&mut snap, lo, hi)?;
+        Ok(snap)
+    }
+
+    /// Reads ids `lo..=hi` of each of `ranges` into `snap` again, or all
+    /// of them when `snap` holds another id range (or none).
+    pub fn refresh_snapshot(
+        &self,
+        snap: &mut Option<BackendSnapshot>,
+        ranges: &[(u32, u32)],
+    ) -> Result<()> {
+        let whole = self.backend_id_range();
+        match (snap.as_mut(), whole) {
+            (Some(s), Some((lo, hi)))
+                if s.first == lo && s.stats.len() == (hi - lo + 1) as usize =>
+            {
+                for &(a, b) in ranges {
+                    self.read_into(s, a.max(lo), b.min(hi))?;
+                }
+            }
+            _ => *snap = Some(self.backend_snapshot()?),
+        }
+        Ok(())
+    }
+
+    /// Ids `a..=b` (within `snap`'s) read into `snap`: three batch reads.
+    fn read_into(&self, snap: &mut BackendSnapshot, a: u32, b: u32) -> Result<()> {
+        use crate::kernel::batch;
+        if a > b {
+            return Ok(());
+        }
+        let (n, off) = (b - a + 1, (a - snap.first) as usize);
+        let swept = batch::plain(&self.nat.swept, a, n)?;
+        let pulse = batch::plain(&self.stats.pulse, a, n)?;
+        let stats = &mut snap.stats[off..off + n as usize];
+        stats.fill(BackendStats::default());
+        batch::per_cpu_fold(&self.stats.backend_stats, a, n, self.cpus, |i, v| {
+            stats[i].accumulate(v);
+        })?;
+        for (st, sw) in stats.iter_mut().zip(&swept) {
+            st.flows_closed += sw;
+        }
+        snap.pulse[off..off + pulse.len()].copy_from_slice(&pulse);
+        Ok(())
     }
 
     /// Sum over CPUs of one backend's counters; `flows_closed` includes

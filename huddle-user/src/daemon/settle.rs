@@ -1,0 +1,105 @@
+//! Ticks that leave settled services be. At 4,096 services x 16 backends
+//! reading and judging every backend every tick took the whole 100 ms
+//! tick (a core) with no traffic at all. A service whose last tick
+//! changed nothing and would change nothing again (`ServiceHuddle::at_rest`:
+//! every backend inside, healthy, owing nothing, with no samples in its
+//! window and a temperature at rest) is passed by until one of its
+//! backends' counters move or owe (`Tracker::wakes`), a probe or host
+//! reading comes (`Tracker::stirred`) or an operator changes it
+//! (`ServiceHuddle::dirty`). Its counters are read again in turn,
+//! `WAKE_SLICE` backends a tick, so new traffic to it is seen within
+//! (backends / `WAKE_SLICE`) ticks.
+
+use super::balancer::{Balancer, TX_WATCH};
+use std::time::Duration;
+
+/// Below this many backends every service is read and judged every tick,
+/// as it always was.
+pub(super) const PASS_SETTLED_FROM: usize = 1_024;
+
+/// Backends of settled services whose counters a tick reads again.
+const WAKE_SLICE: usize = 4_096;
+
+/// What one tick reads: whether it may pass settled services by, which
+/// services it reads, and their backend id ranges (inclusive, merged).
+pub(super) struct Plan {
+    pub(super) pass: bool,
+    pub(super) read: Vec<bool>,
+    pub(super) ranges: Vec<(u32, u32)>,
+}
+
+impl Balancer {
+    /// This tick's reads at `now`.
+    pub(super) fn plan_reads(&mut self, now: Duration) -> Plan {
+        let n = self.huddles.len();
+        let backends: usize = self.huddles.iter().map(|h| h.trackers.len()).sum();
+        // Never with peers (their samples change a backend with no
+        // counter of ours moving) nor in the first seconds (`watch_tx`
+        // counts every backend's SYNs).
+        let pass = backends >= PASS_SETTLED_FROM
+            && self.cluster.pool.is_empty()
+            && now >= TX_WATCH + self.cfg.huddle.tick;
+        if !pass {
+            return Plan {
+                pass,
+                read: vec![true; n],
+                ranges: Vec::new(),
+            };
+        }
+        let mut read: Vec<bool> = self
+            .huddles
+            .iter()
+            .map(|h| !h.settled || h.dirty || h.trackers.iter().any(|t| t.stirred))
+            .collect();
+        // The next settled services in turn, up to the slice.
+        let mut taken = 0;
+        for k in 0..n {
+            if taken >= WAKE_SLICE {
+                break;
+            }
+            let si = (self.wake_cursor + k) % n;
+            if self.huddles[si].settled {
+                read[si] = true;
+                taken += self.huddles[si].trackers.len();
+            }
+            self.wake_cursor = (si + 1) % n;
+        }
+        let mut ranges: Vec<(u32, u32)> = (0..n)
+            .filter(|&si| read[si])
+            .filter_map(|si| {
+                let ids = self.huddles[si].trackers.iter().map(|t| t.id);
+                Some((ids.clone().min()?, ids.max()?))
+            })
+            .collect();
+        ranges.sort_unstable();
+        let mut merged: Vec<(u32, u32)> = Vec::with_capacity(ranges.len());
+        for (a, b) in ranges {
+            match merged.last_mut() {
+                // Ids a few apart: one read rather than two.
+                Some(last) if a <= last.1.saturating_add(64) => last.1 = last.1.max(b),
+                _ => merged.push((a, b)),
+            }
+        }
+        Plan {
+            pass,
+            read,
+            ranges: merged,
+        }
+    }
+
+    /// Whether settled service `si` must be judged this tick: read
+    /// (`read`), one of its backends moved or owes; or something came
+    /// besides its counters.
+    pub(super) fn wakes(&self, si: usize, read: bool) -> bool {
+        let h = &self.huddles[si];
+        if h.dirty || h.trackers.iter().any(|t| t.stirred) {
+            return true;
+        }
+        read && h.trackers.iter().any(|t| {
+            self.snapshot
+                .as_ref()
+                .and_then(|s| s.get(t.id))
+                .is_none_or(|(st, pulse)| t.wakes(&st, &pulse))
+        })
+    }
+}
