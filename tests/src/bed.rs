@@ -500,6 +500,11 @@ impl Testbed {
         r.status.context("no status in reply")
     }
 
+    /// The status of the services whose names contain one of `only`.
+    pub fn status_of(&self, only: &[String]) -> Result<Status> {
+        huddle_user::status::control::status_of(&self.socket(), only)
+    }
+
     pub fn control(&self, req: Request) -> Result<Reply> {
         control::call(&self.socket(), &req)
     }

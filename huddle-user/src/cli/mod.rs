@@ -475,22 +475,7 @@ fn run(args: RunArgs) -> Result<()> {
 
 /// `huddle status`, as text or JSON.
 fn status(target: &Target, json: bool, only: &[String]) -> Result<()> {
-    let reply = call(&target.socket()?, &Request::Status)?;
-    let mut status = match (reply.ok, reply.status) {
-        (true, Some(s)) => s,
-        _ => bail!(
-            "{}",
-            reply.error.unwrap_or_else(|| "no status in reply".into())
-        ),
-    };
-    if !only.is_empty() {
-        status
-            .services
-            .retain(|s| only.iter().any(|o| s.name.contains(o.as_str())));
-        if status.services.is_empty() {
-            bail!("no service's name contains {}", only.join(" or "));
-        }
-    }
+    let status = crate::status::control::status_of(&target.socket()?, only)?;
     if json {
         println!("{}", serde_json::to_string_pretty(&status)?);
     } else {

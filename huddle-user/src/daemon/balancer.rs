@@ -135,11 +135,55 @@ pub type Reloader = Arc<dyn Fn() -> Result<Config> + Send + Sync>;
 pub(super) const EVENTS_KEPT: usize = 50;
 
 /// Locks the balancer; a panic elsewhere must not stop the data plane's
-/// control.
-pub fn lock<T>(shared: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    shared
+/// control. A hold longer than `LONG_HOLD` is logged with where it was
+/// taken: every other task (ticks, probes, the control socket) waits on it.
+#[track_caller]
+pub fn lock<T>(shared: &Mutex<T>) -> Held<'_, T> {
+    let at = std::panic::Location::caller();
+    let guard = shared
         .lock()
-        .unwrap_or_else(std::sync::PoisonError::into_inner)
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    Held {
+        guard,
+        since: std::time::Instant::now(),
+        at,
+    }
+}
+
+/// Holds of the balancer's lock logged as long (a tick is 100 ms).
+const LONG_HOLD: Duration = Duration::from_millis(500);
+
+/// The balancer's lock, held (`lock`).
+pub struct Held<'a, T> {
+    guard: std::sync::MutexGuard<'a, T>,
+    since: std::time::Instant,
+    at: &'static std::panic::Location<'static>,
+}
+
+impl<T> std::ops::Deref for Held<'_, T> {
+    type Target = T;
+    fn deref(&self) -> &T {
+        &self.guard
+    }
+}
+
+impl<T> std::ops::DerefMut for Held<'_, T> {
+    fn deref_mut(&mut self) -> &mut T {
+        &mut self.guard
+    }
+}
+
+impl<T> Drop for Held<'_, T> {
+    fn drop(&mut self) {
+        let held = self.since.elapsed();
+        if held > LONG_HOLD {
+            tracing::info!(
+                "the balancer's lock was held {} ms (taken at {}); ticks, probes and the control socket waited",
+                held.as_millis(),
+                self.at
+            );
+        }
+    }
 }
 
 impl Balancer {
@@ -294,11 +338,11 @@ impl Balancer {
         Ok(())
     }
 
-    /// (service, backend, address, whether it needs probing every round:
-    /// `probing`) of every backend of a TCP service, for probes (a UDP
-    /// service's protocol is unknown to us).
+    /// (service, backend, address, how much a probe tells: `probing`) of
+    /// every backend of a TCP service, for probes (a UDP service's
+    /// protocol is unknown to us).
     #[must_use]
-    pub fn probe_targets(&self) -> Vec<(usize, usize, SocketAddr, bool)> {
+    pub fn probe_targets(&self) -> Vec<(usize, usize, SocketAddr, crate::huddle::probing::Need)> {
         let huddles = &self.huddles;
         let settings = &self.cfg.huddle;
         self.cfg
@@ -308,8 +352,12 @@ impl Balancer {
             .filter(|(_, s)| s.proto == crate::config::Proto::Tcp)
             .flat_map(|(si, s)| {
                 s.backends.iter().enumerate().map(move |(bi, a)| {
-                    let urgent = huddles.get(si).is_none_or(|h| h.needs_probe(bi, settings));
-                    (si, bi, *a, urgent)
+                    let need = huddles
+                        .get(si)
+                        .map_or(crate::huddle::probing::Need::Now, |h| {
+                            h.needs_probe(bi, settings)
+                        });
+                    (si, bi, *a, need)
                 })
             })
             .collect()

@@ -104,6 +104,9 @@ impl Balancer {
     pub(super) fn handle(&mut self, req: Request) -> Reply {
         let result = match req {
             Request::Status => self.status().map(Reply::status),
+            // Built under the lock: a few services cost little, and
+            // waiting for a snapshot of every backend would cost a tick.
+            Request::StatusOf { services } => self.status_of(&services).map(Reply::status),
             Request::Drain { backend, vip } => self
                 .set_drained(&backend, vip.as_deref(), true)
                 .map(Reply::message),
@@ -230,10 +233,20 @@ async fn client(stream: UnixStream, shared: Arc<Mutex<Balancer>>, snapshots: Arc
     while let Ok(Ok(Some(line))) = tokio::time::timeout(wait, lines.next_line()).await {
         wait = IDLE;
         let reply = match serde_json::from_str::<Request>(&line) {
-            Ok(Request::Status) => match snapshots.fresh().await {
+            Ok(Request::Status) => match snapshots.fresh(false).await {
                 Ok(s) => Reply::status(s.status.clone()),
                 Err(e) => Reply::error(&e),
             },
+            Ok(Request::StatusOf { services }) => {
+                match snapshots
+                    .fresh(false)
+                    .await
+                    .and_then(|s| s.status.only(&services))
+                {
+                    Ok(s) => Reply::status(s),
+                    Err(e) => Reply::error(&e),
+                }
+            }
             Ok(req) => lock(&shared).handle(req),
             Err(e) => Reply::error(&anyhow::anyhow!("bad request: {e}")),
         };

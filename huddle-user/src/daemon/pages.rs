@@ -24,7 +24,7 @@ pub async fn route(
 ) -> Reply {
     let path = asked.path.as_str();
     match path {
-        "/metrics" => match snapshots.fresh().await {
+        "/metrics" => match snapshots.fresh(true).await {
             Ok(s) => (200, OPENMETRICS, render(s)),
             Err(e) => (503, "text/plain", format!("{e:#}\n")),
         }

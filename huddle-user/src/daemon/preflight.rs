@@ -187,11 +187,24 @@ fn nat_ports(cfg: &Config, snat: &[Ipv4Addr]) -> Result<()> {
 }
 
 /// Refuses backends this host has no route to (a UDP connect sends nothing
-/// but asks the kernel for a route). Errors name the field.
+/// but asks the kernel for a route). Errors name the field. Each address
+/// is asked once, on one socket a family: at 65,536 backends a socket a
+/// backend was most of a reload's time.
 fn check_reachable(cfg: &Config) -> Result<()> {
+    let mut seen = std::collections::HashSet::new();
+    let (mut v4, mut v6) = (None, None);
     for (i, s) in cfg.services.iter().enumerate() {
         for (j, b) in s.backends.iter().enumerate() {
-            let sock = crate::sys::addresses::udp_for(b.ip()).context("opening a UDP socket")?;
+            if !seen.insert(b.ip()) {
+                continue;
+            }
+            let slot = if b.is_ipv4() { &mut v4 } else { &mut v6 };
+            let sock = match slot {
+                Some(s) => s,
+                None => slot.insert(
+                    crate::sys::addresses::udp_for(b.ip()).context("opening a UDP socket")?,
+                ),
+            };
             if let Err(e) = sock.connect(b) {
                 bail!(
                     "service[{i}].backends[{j}]: backend {b} is unreachable from this host ({e})"

@@ -142,7 +142,8 @@ pub(super) async fn prober(shared: Arc<Mutex<Balancer>>, p: crate::config::Probe
     loop {
         tick.tick().await;
         let targets = lock(&shared).probe_targets();
-        let wants: Vec<(SocketAddr, bool)> = targets.iter().map(|t| (t.2, t.3)).collect();
+        let wants: Vec<(SocketAddr, crate::huddle::probing::Need)> =
+            targets.iter().map(|t| (t.2, t.3)).collect();
         let addrs = planner.plan(&wants, start.elapsed(), &budget);
         // Spread over most of the round, so the next finds it done.
         let results = crate::net::probe::probe_all(&addrs, &p, p.interval * 3 / 4).await;

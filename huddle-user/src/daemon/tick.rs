@@ -256,7 +256,6 @@ impl Balancer {
         now: Duration,
     ) {
         let service = self.cfg.services[si].name();
-        let ring_ms = self.huddles[si].ring_p50_ms;
         for m in moves {
             let backend = self.cfg.services[si].backends[m.member];
             // What made it hot, for whoever reads the log.
@@ -268,7 +267,7 @@ impl Balancer {
                     "latency {} ({}) against the ring's {}: anomaly {:.2}, cpu {:.2}, memory {:.2}, errors {:.2}, load {:.2}",
                     ms(t.latency_ms),
                     t.latency_source,
-                    ms(ring_ms),
+                    ms(t.against_ms),
                     c.anomaly,
                     c.cpu,
                     c.memory,

@@ -14,6 +14,13 @@ use std::{
 #[serde(tag = "cmd", rename_all = "lowercase")]
 pub enum Request {
     Status,
+    /// The status of the services whose names contain one of `services`
+    /// (all when empty): at 65,536 backends the whole status is megabytes
+    /// a call.
+    #[serde(rename = "status-of")]
+    StatusOf {
+        services: Vec<String>,
+    },
     /// Take a backend out of its service's ring; its flows finish normally.
     Drain {
         backend: String,
@@ -82,6 +89,38 @@ impl Reply {
 
 /// Largest request line accepted.
 pub const MAX_REQUEST: usize = 64 * 1024;
+
+/// The status of the services whose names contain one of `only` (every
+/// service when empty), asked of the daemon at `socket`; a daemon older
+/// than `StatusOf` is asked for the whole and filtered here. A filtered
+/// status is as of the last tick (the whole one is read fresh).
+pub fn status_of(socket: &Path, only: &[String]) -> Result<crate::status::Status> {
+    let mut reply = if only.is_empty() {
+        call(socket, &Request::Status)?
+    } else {
+        call(
+            socket,
+            &Request::StatusOf {
+                services: only.to_vec(),
+            },
+        )?
+    };
+    if reply
+        .error
+        .as_deref()
+        .is_some_and(|e| e.starts_with("bad request"))
+    {
+        reply = call(socket, &Request::Status)?;
+    }
+    let status = match (reply.ok, reply.status) {
+        (true, Some(s)) => s,
+        _ => bail!(
+            "{}",
+            reply.error.unwrap_or_else(|| "no status in reply".into())
+        ),
+    };
+    status.only(only)
+}
 
 /// Sends one request to the daemon at `socket` and returns its reply.
 pub fn call(socket: &Path, req: &Request) -> Result<Reply> {

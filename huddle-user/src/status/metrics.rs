@@ -23,6 +23,9 @@ pub struct Snapshot {
     pub status: Status,
     /// What the page shows per backend.
     pub per_backend: crate::config::BackendMetrics,
+    /// Whether `ttfb` (and, when `per_backend` shows them, `connect`)
+    /// were read: a status call's snapshot skips them.
+    pub histograms: bool,
     /// Per backend (service, backend): its time-to-first-byte and connect
     /// time histograms.
     pub ttfb: Vec<(String, String, Histogram)>,

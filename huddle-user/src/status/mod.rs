@@ -166,6 +166,35 @@ pub struct BackendStatus {
 }
 
 impl Status {
+    /// This status with only the services whose names contain one of
+    /// `names` (all when empty); an error when none does.
+    pub fn only(&self, names: &[String]) -> anyhow::Result<Status> {
+        let keep = |n: &str| names.is_empty() || names.iter().any(|o| n.contains(o.as_str()));
+        let services: Vec<ServiceStatus> = self
+            .services
+            .iter()
+            .filter(|s| keep(&s.name))
+            .cloned()
+            .collect();
+        if services.is_empty() && !names.is_empty() {
+            anyhow::bail!("no service's name contains {}", names.join(" or "));
+        }
+        Ok(Status {
+            interface: self.interface.clone(),
+            xdp_mode: self.xdp_mode.clone(),
+            program_id: self.program_id,
+            snat: self.snat.clone(),
+            nat_ports: self.nat_ports.clone(),
+            uptime_s: self.uptime_s,
+            tick_ms: self.tick_ms,
+            services,
+            global: self.global.clone(),
+            notes: self.notes.clone(),
+            bgp: self.bgp.clone(),
+            control: self.control.clone(),
+        })
+    }
+
     /// Human-readable table.
     #[must_use]
     pub fn render(&self) -> String {

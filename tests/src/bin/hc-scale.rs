@@ -303,6 +303,8 @@ fn run_size(bin: &Path, server_bin: &Path, n: usize, m: usize, secs: u64) -> Res
     row.tick_p99 = st.control.tick_p99_ms;
     let victim = backend(slow_s * m);
     let server = (slow_s * m / ports()) % SERVERS;
+    // Only the slow service's status: the whole is megabytes a call.
+    let service = vec![st.services[slow_s].name.clone()];
     let t = Instant::now();
     testbed::backend_admin(
         &bed.backends[server],
@@ -311,9 +313,32 @@ fn run_size(bin: &Path, server_bin: &Path, n: usize, m: usize, secs: u64) -> Res
     )?;
     let name = victim.to_string();
     while t.elapsed() < Duration::from_secs(10) {
-        let st = bed.status()?;
-        if !st.services[slow_s].ring.contains(&name) {
+        let st = bed.status_of(&service)?;
+        let me = st.services.iter().find(|s| s.name == service[0]);
+        if std::env::var_os("HC_SCALE_TRACE").is_some() {
+            if let Some(b) = me.and_then(|s| s.backends.iter().find(|b| b.addr == name)) {
+                eprintln!(
+                    "[hc-scale] {:5} ms: t={:.2} {} {:?} samples={} probe={:?}",
+                    t.elapsed().as_millis(),
+                    b.temperature,
+                    b.latency_source,
+                    b.p50_ms,
+                    b.samples,
+                    b.probe_ms
+                );
+            }
+        }
+        let ring = me.map(|s| &s.ring);
+        if !ring.is_some_and(|r| r.contains(&name)) {
             row.slow_leave_ms = Some(t.elapsed().as_secs_f64() * 1e3);
+            // Why it left: the rotation line names the rule and figures.
+            for l in bed
+                .huddle_log()
+                .lines()
+                .filter(|l| l.contains("-> outer ring") || l.contains("lock was held"))
+            {
+                eprintln!("[hc-scale]   {}", l.split(" event=").next().unwrap_or(l));
+            }
             break;
         }
         thread::sleep(Duration::from_millis(10));

@@ -9,6 +9,7 @@
 
 use crate::{
     config::{Huddle as Settings, Proto, Service},
+    huddle::probing::Need,
     huddle::rotation::{Engine, Move, Place, Reason},
     huddle::thermal,
 };
@@ -207,16 +208,23 @@ impl ServiceHuddle {
             .collect()
     }
 
-    /// Whether backend `i` needs probing every round (`probing`): all but
-    /// a healthy inner one whose own traffic fills its window, with
-    /// nothing suspect about it.
+    /// How much a probe of backend `i` would tell (`probing::Need`): a
+    /// healthy inner one whose own traffic fills its window, with nothing
+    /// suspect about it, least; one with traffic too thin for its window
+    /// before one with none.
     #[must_use]
-    pub fn needs_probe(&self, i: usize, s: &Settings) -> bool {
+    pub fn needs_probe(&self, i: usize, s: &Settings) -> Need {
         let (t, m) = (&self.trackers[i], &self.engine.members[i]);
-        let measured = t
-            .judged_window()
-            .is_some_and(|w| w.samples >= s.min_samples);
-        !(m.place == Place::Inner && t.unhealthy.is_none() && measured && !t.suspect())
+        let samples = t.judged_window().map_or(0, |w| w.samples);
+        if m.place != Place::Inner || t.unhealthy.is_some() || t.suspect() {
+            Need::Now
+        } else if samples >= s.min_samples {
+            Need::Measured
+        } else if samples > 0 || t.active_flows > 0 {
+            Need::Thin
+        } else {
+            Need::Idle
+        }
     }
 
     /// Whether the last move of member `i` was for being unhealthy.

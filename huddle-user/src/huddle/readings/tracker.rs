@@ -57,6 +57,8 @@ pub struct Tracker {
     pub latency_source: &'static str,
     /// The latency it used (ms), if any.
     pub latency_ms: Option<f64>,
+    /// The ring's median it was held against (of requests or of probes).
+    pub against_ms: Option<f64>,
     /// Set when a successful probe proves the backend answers again: the
     /// daemon then clears the kernel's stale "owes an answer" record.
     pub clear_pulse: bool,
@@ -109,6 +111,7 @@ impl Tracker {
             temperature: 0.0,
             components: Components::default(),
             latency_source: "none",
+            against_ms: None,
             latency_ms: None,
             clear_pulse: false,
             rtt: None,
@@ -495,6 +498,7 @@ impl Tracker {
             None
         };
         self.latency_ms = r.latency_ms;
+        self.against_ms = median;
         let c = crate::huddle::thermal::score(&r, median, &s.thermal);
         self.components = c;
         let t = crate::huddle::thermal::ema(self.temperature, c.raw, s.thermal.alpha);
