@@ -361,11 +361,12 @@ impl Snapshot {
 /// Every kernel counter per backend, one family each (the summed times to
 /// first byte and of connects are the histograms' sums).
 fn backend_counters(enc: &mut DescriptorEncoder, st: &Status) -> Encoded {
-    let mut names: Vec<&String> = st
+    let mut names: Vec<&str> = st
         .services
         .iter()
         .flat_map(|s| s.backends.iter().flat_map(|b| b.counters.keys()))
-        .filter(|c| c.as_str() != "ttfb_ns" && c.as_str() != "connect_ns")
+        .map(AsRef::as_ref)
+        .filter(|c| *c != "ttfb_ns" && *c != "connect_ns")
         .collect();
     names.sort();
     names.dedup();

@@ -8,14 +8,17 @@ use crate::{huddle::rotation::Place, huddle::thermal::Components};
 use serde::{Deserialize, Serialize};
 use std::{collections::BTreeMap, fmt::Write as _};
 
-pub type Counters = BTreeMap<String, u64>;
+/// Counters by field name: the names are the program's own (borrowed,
+/// not a string allocated per counter per backend: at 65,536 backends
+/// those were millions of allocations a status).
+pub type Counters = BTreeMap<std::borrow::Cow<'static, str>, u64>;
 
 /// Counters of one stats struct, by field name.
 #[must_use]
 pub fn counters(c: &impl huddle_common::Counters) -> Counters {
     let mut map = Counters::new();
     c.for_each(|name, value| {
-        map.insert(name.to_string(), value);
+        map.insert(std::borrow::Cow::Borrowed(name), value);
     });
     map
 }
