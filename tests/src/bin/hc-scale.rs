@@ -378,6 +378,7 @@ fn run_size(bin: &Path, server_bin: &Path, n: usize, m: usize, secs: u64) -> Res
 
 fn main() -> Result<()> {
     testbed::require_root();
+    testbed::remove_on_signal();
     testbed::raise_nofile();
     let cli = Cli::parse();
     if let Some(t) = &cli.huddle_toml {
