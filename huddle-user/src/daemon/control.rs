@@ -237,16 +237,6 @@ async fn client(stream: UnixStream, shared: Arc<Mutex<Balancer>>, snapshots: Arc
                 Ok(s) => Reply::status(s.status.clone()),
                 Err(e) => Reply::error(&e),
             },
-            Ok(Request::StatusOf { services }) => {
-                match snapshots
-                    .fresh(false)
-                    .await
-                    .and_then(|s| s.status.only(&services))
-                {
-                    Ok(s) => Reply::status(s),
-                    Err(e) => Reply::error(&e),
-                }
-            }
             Ok(req) => lock(&shared).handle(req),
             Err(e) => Reply::error(&anyhow::anyhow!("bad request: {e}")),
         };

@@ -21,12 +21,8 @@ impl Balancer {
     /// backends the whole took seconds, with the tick waiting.
     pub fn status_of(&self, names: &[String]) -> Result<Status> {
         let now = self.now();
-        let keep = |si: usize| {
-            let n = self.dp.services[si].service.name();
-            names.is_empty() || names.iter().any(|o| n.contains(o.as_str()))
-        };
         let services = (0..self.dp.services.len())
-            .filter(|si| keep(*si))
+            .filter(|si| crate::status::named(&self.dp.services[*si].service.name(), names))
             .map(|si| self.service_status(si, now))
             .collect::<Result<Vec<_>>>()?;
         if services.is_empty() && !names.is_empty() {

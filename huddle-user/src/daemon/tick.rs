@@ -42,24 +42,17 @@ impl Balancer {
     fn tick_inner(&mut self) {
         let now = self.now();
         let plan = self.plan_reads(now);
-        // Every backend's counters at once (each alone if that fails), or
-        // those of the services this tick reads (`settle`).
-        if plan.pass {
-            let mut kept = self.kept.take();
-            self.snapshot = match self.dp.refresh_snapshot(&mut kept, &plan.ranges) {
-                Ok(()) => kept,
-                Err(e) => {
-                    debug!("backend counters read one by one: {e:#}");
-                    None
-                }
-            };
-        } else {
-            self.snapshot = self
-                .dp
-                .backend_snapshot()
-                .map_err(|e| debug!("backend counters read one by one: {e:#}"))
-                .ok();
-        }
+        // Those of the services this tick reads into the last tick's read
+        // (`settle`), or, with nothing kept, every backend's counters at
+        // once (each alone if that fails).
+        let mut kept = self.kept.take();
+        self.snapshot = match self.dp.refresh_snapshot(&mut kept, &plan.ranges) {
+            Ok(()) => kept,
+            Err(e) => {
+                debug!("backend counters read one by one: {e:#}");
+                None
+            }
+        };
         let now_ns = host::monotonic_ns();
         let mut rotated = false;
         // SYNs sent and answers seen over all backends, for `watch_tx`.

@@ -105,11 +105,11 @@ pub fn status_of(socket: &Path, only: &[String]) -> Result<crate::status::Status
             },
         )?
     };
-    if reply
+    let older = reply
         .error
         .as_deref()
-        .is_some_and(|e| e.starts_with("bad request"))
-    {
+        .is_some_and(|e| e.starts_with("bad request"));
+    if older {
         reply = call(socket, &Request::Status)?;
     }
     let status = match (reply.ok, reply.status) {
@@ -119,7 +119,12 @@ pub fn status_of(socket: &Path, only: &[String]) -> Result<crate::status::Status
             reply.error.unwrap_or_else(|| "no status in reply".into())
         ),
     };
-    status.only(only)
+    // The daemon filtered it, unless it was asked for all.
+    if older || only.is_empty() {
+        status.only(only)
+    } else {
+        Ok(status)
+    }
 }
 
 /// Sends one request to the daemon at `socket` and returns its reply.

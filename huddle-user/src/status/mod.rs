@@ -168,15 +168,21 @@ pub struct BackendStatus {
     pub counters: Counters,
 }
 
+/// Whether a service named `name` is one of those `names` asks for (its
+/// name contains one of them; every service when `names` is empty).
+#[must_use]
+pub fn named(name: &str, names: &[String]) -> bool {
+    names.is_empty() || names.iter().any(|o| name.contains(o.as_str()))
+}
+
 impl Status {
     /// This status with only the services whose names contain one of
     /// `names` (all when empty); an error when none does.
     pub fn only(&self, names: &[String]) -> anyhow::Result<Status> {
-        let keep = |n: &str| names.is_empty() || names.iter().any(|o| n.contains(o.as_str()));
         let services: Vec<ServiceStatus> = self
             .services
             .iter()
-            .filter(|s| keep(&s.name))
+            .filter(|s| named(&s.name, names))
             .cloned()
             .collect();
         if services.is_empty() && !names.is_empty() {
