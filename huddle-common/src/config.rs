@@ -2,6 +2,12 @@
 
 use crate::*;
 
+/// The layouts of this build's maps, recorded in `KernelConfig::layout`.
+/// Raise it with any change to a pinned map's key, value or meaning, and
+/// teach `dataplane::migrate` the step from the one before. 1: the
+/// previous release (`fabdcf1`), which recorded none.
+pub const LAYOUT_VERSION: u32 = 2;
+
 /// Data plane settings, one element in `CONFIG`.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -52,7 +58,10 @@ pub struct KernelConfig {
     /// Tuples per backend id in `NAT_USED` (`nat_used_per_backend`); 0:
     /// no such filter, every new flow looks its tuple up in `NAT`.
     pub nat_used_per_backend: u32,
-    pub _pad3: u32,
+    /// The map layouts of the build that wrote this (`LAYOUT_VERSION`),
+    /// for the next build's start over the pinned maps. The program never
+    /// reads it.
+    pub layout: u32,
     /// Each `SERVICE_INDEX` half's hash multiplier: written before the
     /// half goes live and never while it is, so a packet that read
     /// `service_half` finds the multiplier that placed that half.

@@ -70,6 +70,8 @@ pub struct Testbed {
     /// Arguments of the last `start_huddle`, for restarts.
     huddle_args: Vec<String>,
     huddle_bin: PathBuf,
+    /// Environment the next `huddle` starts with, besides the test's.
+    pub huddle_env: Vec<(String, String)>,
     backend_bin: PathBuf,
     backend_extra: Vec<String>,
     /// Folder for sockets and logs of this testbed.
@@ -113,6 +115,7 @@ impl Testbed {
             pins: pin_dir(&prefix),
             huddle_args: Vec::new(),
             huddle_bin: PathBuf::new(),
+            huddle_env: Vec::new(),
             backend_bin: PathBuf::new(),
             backend_extra: Vec::new(),
             dir,
@@ -476,6 +479,7 @@ impl Testbed {
             huddle_user::sys::netns::command_in(&self.lb.name, &self.huddle_bin)?
         };
         cmd.args(&args)
+            .envs(self.huddle_env.iter().map(|(k, v)| (k, v)))
             .stdin(Stdio::null())
             .stdout(file.try_clone()?)
             .stderr(file);
@@ -483,10 +487,13 @@ impl Testbed {
             child: cmd.spawn().context("starting huddle")?,
             what: "huddle".into(),
         };
-        let ready = wait_until(Duration::from_secs(20), || {
-            control::call(&sock, &Request::Status).is_ok_and(|r| r.ok)
+        // Up, or gone (a refused start need not be waited out).
+        let mut up = false;
+        let _ = wait_until(Duration::from_secs(20), || {
+            up = control::call(&sock, &Request::Status).is_ok_and(|r| r.ok);
+            up || p.child.try_wait().is_ok_and(|s| s.is_some())
         });
-        if ready.is_err() {
+        if !up {
             let exited = p.child.try_wait()?;
             let text = std::fs::read_to_string(&log).unwrap_or_default();
             bail!("huddle did not come up (exit: {exited:?}); its log:\n{text}");

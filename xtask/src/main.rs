@@ -5,6 +5,7 @@
 //! is doing; on a machine that has everything, setup takes a second.
 
 mod package;
+mod previous;
 mod setup;
 
 use anyhow::{bail, Context, Result};
@@ -117,9 +118,12 @@ fn run_with(prog: &str, args: &[&str], envs: &[(&str, &std::path::Path)]) -> Res
 /// Runs `cargo args`, echoing its output, and ends with one line that
 /// adds up every test binary's result.
 fn run_tests(args: &[&str]) -> Result<()> {
+    // The upgrade test starts this build over the previous release's.
+    let previous = previous::build(&root())?;
     println!("==> cargo {}", args.join(" "));
     let mut child = Command::new("cargo")
         .args(args)
+        .env("HC_PREVIOUS_HUDDLE", previous)
         .current_dir(root())
         .stdout(Stdio::piped())
         .spawn()

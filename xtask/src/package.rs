@@ -79,6 +79,12 @@ pub fn build(binary: &Path, packaging: &Path, out: &Path) -> Result<PathBuf> {
         b"/etc/huddle/example.toml\n",
         0o644,
     )?;
+    // An upgrade restarts running balancers on the new binary (hitless).
+    write(
+        &stage.join("DEBIAN/postinst"),
+        &fs::read(packaging.join("postinst")).context("packaging/postinst")?,
+        0o755,
+    )?;
     let deb = out.join(format!("huddle_{version}_{arch}.deb"));
     let status = Command::new("dpkg-deb")
         .args(["--root-owner-group", "--build"])

@@ -11,4 +11,5 @@ pub mod mmap;
 pub mod object;
 pub mod packet;
 pub mod prog_run;
+pub mod rawmap;
 pub mod service_index;

@@ -18,6 +18,16 @@ impl Dataplane {
     /// link gets the new program atomically (traffic never stops), and a
     /// new link is pinned so the program outlives the daemon.
     pub fn attach(&mut self, ifindex: u32, mode: XdpMode) -> Result<AttachedMode> {
+        let attached = self.attach_program(ifindex, mode)?;
+        // The new program runs: a migration copies what the old one made
+        // since, then unpins the old maps.
+        if let Some(m) = self.attach.migration.take() {
+            m.finish().context("ending the migration")?;
+        }
+        Ok(attached)
+    }
+
+    fn attach_program(&mut self, ifindex: u32, mode: XdpMode) -> Result<AttachedMode> {
         let link_pin = self.attach.pins.as_ref().map(|d| d.join(LINK_PIN));
         if let Some(pin) = link_pin.as_ref().filter(|p| p.exists()) {
             match self.adopt_link(pin) {

@@ -13,6 +13,7 @@ use huddle_common::{
     addr_v4, maps, KernelConfig, FAMILY_V4, MAX_SNAT, PROGRAM6_NAME, PROGRAM_NAME,
 };
 use limits::MapLimits;
+use migrate::{Found, Migration};
 use std::{net::Ipv4Addr, path::Path};
 use tracing::{info, warn};
 
@@ -37,10 +38,15 @@ impl Dataplane {
         let geo = NatGeometry::of(cfg, snat.len() + snat6.len())?;
         let (cpus, nat_used) = (geo.cpus, geo.nat_used);
         let half_open = cfg.half_open_table_size.next_power_of_two();
+        // An older build's maps set aside first: sized afresh below.
+        let migration = match pins {
+            Some(dir) => prepare(dir)?,
+            None => None,
+        };
         let limits = MapLimits::of(cfg, pins)?;
         let mut loader = loader(cfg, &limits, half_open, nat_used);
         let (adopted, fresh_cursors) = match pins {
-            Some(dir) => pin_to(&mut loader, dir, &limits, half_open)?,
+            Some(dir) => pin_to(&mut loader, dir, &limits, half_open, migration.is_some())?,
             None => (false, true),
         };
         let mut ebpf = loader
@@ -57,9 +63,17 @@ impl Dataplane {
             // asked the NAT table about it.
             fill(&ebpf, maps::NAT_USED, [1u8; huddle_common::NAT_USED_LINE])?;
         }
+        // Before CONFIG records this layout: a copy cut short is made
+        // again by the next start (`migrate::inspect`).
+        if let Some(m) = &migration {
+            m.copy()?;
+        }
         let mut config: Array<MapData, KernelConfig> = take(&mut ebpf, maps::CONFIG)?;
-        let (snat_addrs, kernel_config) =
-            kernel_config(cfg, snat, snat6, &geo, half_open, config.get(&0, 0).ok())?;
+        let prior = migration
+            .as_ref()
+            .and_then(|m| m.old_config)
+            .or(config.get(&0, 0).ok());
+        let (snat_addrs, kernel_config) = kernel_config(cfg, snat, snat6, &geo, half_open, prior)?;
         config.set(0, kernel_config, 0).context("writing CONFIG")?;
         let nat = NatState::take(&mut ebpf, snat_addrs, fresh_cursors, resume)?;
         let mut dp = Dataplane {
@@ -75,6 +89,7 @@ impl Dataplane {
                 adopted,
                 mode: None,
                 mode_note: None,
+                migration,
             },
             settings: Settings {
                 snat: snat.to_vec(),
@@ -363,19 +378,34 @@ fn loader(cfg: &Config, limits: &MapLimits, half_open: u32, nat_used: u32) -> Eb
     loader
 }
 
+/// The pin folder `dir` made, and what is pinned there read: an older
+/// layout's maps set aside for a migration (see `migrate`), a layout this
+/// build does not know refused.
+fn prepare(dir: &Path) -> Result<Option<Migration>> {
+    std::fs::create_dir_all(dir)
+        .with_context(|| format!("creating the pin folder {}", dir.display()))?;
+    Ok(match migrate::inspect(dir)? {
+        Found::Older(n) => Some(Migration::begin(dir, n)?),
+        Found::Finishing => Some(Migration::finishing(dir)),
+        Found::Fresh | Found::Current | Found::Unrecorded => None,
+    })
+}
+
 /// Pins every map under `dir` (adopting what is pinned there, once its
-/// layouts are checked); returns (adopted, fresh cursors).
+/// layouts are checked; all made afresh in a migration, which copies into
+/// them); returns (adopted, fresh cursors).
 fn pin_to(
     loader: &mut EbpfLoader,
     dir: &Path,
     limits: &MapLimits,
     half_open: u32,
+    migrating: bool,
 ) -> Result<(bool, bool)> {
-    std::fs::create_dir_all(dir)
-        .with_context(|| format!("creating the pin folder {}", dir.display()))?;
-    check_pinned_layouts(dir, half_open, limits)?;
-    let adopted = dir.join(maps::FLOWS).exists();
-    let fresh_cursors = !dir.join(maps::NAT_CURSOR).exists();
+    if !migrating {
+        check_pinned_layouts(dir, half_open, limits)?;
+    }
+    let adopted = migrating || dir.join(maps::FLOWS).exists();
+    let fresh_cursors = !migrating && !dir.join(maps::NAT_CURSOR).exists();
     for name in maps::ALL {
         loader.map_pin_path(name, dir.join(name));
     }
@@ -493,7 +523,7 @@ fn kernel_config(
         encap_src: [0; 16],
         encap6_src: [0; 16],
         nat_used_per_backend: geo.nat_used,
-        _pad3: 0,
+        layout: huddle_common::LAYOUT_VERSION,
         service_mul: old.map_or([0; 2], |c| c.service_mul),
         maglev_seed,
     };

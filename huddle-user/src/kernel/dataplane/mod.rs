@@ -7,6 +7,7 @@ pub mod guard;
 pub mod keys;
 pub mod limits;
 pub mod load;
+pub mod migrate;
 pub mod nat;
 pub mod rings;
 pub mod services;
@@ -85,6 +86,14 @@ pub fn unpin(dir: &Path) -> Result<usize> {
             n += 1;
         }
     }
+    // An older build's maps a migration had set aside, if it stopped.
+    let aside = dir.join(migrate::ASIDE);
+    if aside.exists() {
+        for name in maps::ALL {
+            let _ = std::fs::remove_file(aside.join(name));
+        }
+        std::fs::remove_dir(&aside).with_context(|| format!("removing {}", aside.display()))?;
+    }
     if dir.exists() {
         std::fs::remove_dir(dir).with_context(|| format!("removing {}", dir.display()))?;
     }
@@ -156,6 +165,9 @@ pub struct Attachment {
     pub mode: Option<AttachedMode>,
     /// Why `auto` chose the mode it did, when that needs saying.
     pub mode_note: Option<String>,
+    /// An older build's data plane being migrated: finished once this
+    /// program runs.
+    migration: Option<migrate::Migration>,
 }
 
 /// The balancer-wide settings: `CONFIG` and the SNAT addresses and ports.

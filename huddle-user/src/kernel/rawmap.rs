@@ -1,0 +1,201 @@
+//! A pinned map as bytes: its elements read and written whatever the
+//! types of the build that made it. Migration (`dataplane::migrate`) reads
+//! an older build's maps, whose Rust types this build no longer has.
+
+use anyhow::{bail, Context, Result};
+use aya::maps::{MapData, MapInfo};
+use std::{
+    os::fd::{AsFd, AsRawFd},
+    path::Path,
+};
+
+/// `enum bpf_cmd`'s element commands.
+const LOOKUP: libc::c_long = 1;
+const UPDATE: libc::c_long = 2;
+const NEXT_KEY: libc::c_long = 4;
+
+/// `BPF_NOEXIST`: an update that leaves an existing element alone.
+pub const NOEXIST: u64 = 1;
+/// `BPF_ANY`.
+pub const ANY: u64 = 0;
+
+/// `union bpf_attr`'s part for the element commands.
+#[repr(C)]
+struct ElemAttr {
+    map_fd: u32,
+    _pad: u32,
+    key: u64,
+    value: u64,
+    flags: u64,
+}
+
+/// A map opened by its pin, with the sizes the kernel gives.
+pub struct RawMap {
+    data: MapData,
+    pub name: String,
+    pub key_size: usize,
+    /// Bytes of one element as the kernel copies it: a per-CPU map's
+    /// value rounded up to 8 bytes, once per possible CPU.
+    pub value_len: usize,
+    /// One value's size (one CPU's, for a per-CPU map).
+    pub value_size: usize,
+    pub max_entries: u32,
+    pub per_cpu: bool,
+    pub array: bool,
+}
+
+impl RawMap {
+    /// The map pinned at `pin`.
+    pub fn open(pin: &Path) -> Result<RawMap> {
+        let data = MapData::from_pin(pin).with_context(|| format!("opening {}", pin.display()))?;
+        let info = MapInfo::from_pin(pin)?;
+        let kind = info.map_type()?;
+        use aya::maps::MapType as T;
+        let per_cpu = matches!(kind, T::PerCpuArray | T::PerCpuHash | T::LruPerCpuHash);
+        let array = matches!(kind, T::Array | T::PerCpuArray);
+        let value_size = info.value_size() as usize;
+        let value_len = if per_cpu {
+            value_size.next_multiple_of(8) * crate::sys::host::possible_cpus()?
+        } else {
+            value_size
+        };
+        Ok(RawMap {
+            data,
+            name: pin
+                .file_name()
+                .map(|n| n.to_string_lossy().into_owned())
+                .unwrap_or_default(),
+            key_size: info.key_size() as usize,
+            value_len,
+            value_size,
+            max_entries: info.max_entries(),
+            per_cpu,
+            array,
+        })
+    }
+
+    fn call(
+        &self,
+        cmd: libc::c_long,
+        key: *const u8,
+        value: *mut u8,
+        flags: u64,
+    ) -> std::io::Result<()> {
+        let mut attr = ElemAttr {
+            map_fd: self.data.fd().as_fd().as_raw_fd() as u32,
+            _pad: 0,
+            key: key as u64,
+            value: value as u64,
+            flags,
+        };
+        // SAFETY: the attribute and the buffers it points at (key_size and
+        // value_len bytes, checked by the callers) live across the call.
+        let r = unsafe {
+            libc::syscall(
+                libc::SYS_bpf,
+                cmd,
+                std::ptr::addr_of_mut!(attr),
+                size_of::<ElemAttr>() as u32,
+            )
+        };
+        if r < 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        Ok(())
+    }
+
+    /// The element at `key`, if any.
+    pub fn get(&self, key: &[u8]) -> Result<Option<Vec<u8>>> {
+        self.check_key(key)?;
+        let mut v = vec![0u8; self.value_len];
+        match self.call(LOOKUP, key.as_ptr(), v.as_mut_ptr(), 0) {
+            Ok(()) => Ok(Some(v)),
+            Err(e) if e.raw_os_error() == Some(libc::ENOENT) => Ok(None),
+            Err(e) => Err(e).with_context(|| format!("reading an element of {}", self.name)),
+        }
+    }
+
+    /// Writes `value` at `key` (`flags`: `ANY` or `NOEXIST`); false if
+    /// `NOEXIST` found one there.
+    pub fn put(&self, key: &[u8], value: &[u8], flags: u64) -> Result<bool> {
+        self.check_key(key)?;
+        if value.len() != self.value_len {
+            bail!(
+                "{}: a value of {} bytes, the map's are {}",
+                self.name,
+                value.len(),
+                self.value_len
+            );
+        }
+        match self.call(UPDATE, key.as_ptr(), value.as_ptr().cast_mut(), flags) {
+            Ok(()) => Ok(true),
+            Err(e) if flags == NOEXIST && e.raw_os_error() == Some(libc::EEXIST) => Ok(false),
+            Err(e) => Err(e).with_context(|| format!("writing an element of {}", self.name)),
+        }
+    }
+
+    /// Every key, at most `max_entries` of them plus as many again (a hash
+    /// map walked while a program changes it may give a key twice; the
+    /// bound keeps the walk finite).
+    pub fn keys(&self) -> Result<Vec<Vec<u8>>> {
+        if self.array {
+            return Ok((0..self.max_entries)
+                .map(|i| i.to_ne_bytes()[..self.key_size.min(4)].to_vec())
+                .collect());
+        }
+        let mut out = Vec::new();
+        let mut seen = std::collections::HashSet::new();
+        let mut prev: Option<Vec<u8>> = None;
+        let bound = 2 * self.max_entries as usize + 1;
+        for _ in 0..bound {
+            let mut next = vec![0u8; self.key_size];
+            let key = prev.as_ref().map_or(std::ptr::null(), |k| k.as_ptr());
+            match self.call(NEXT_KEY, key, next.as_mut_ptr(), 0) {
+                Ok(()) => {}
+                Err(e) if e.raw_os_error() == Some(libc::ENOENT) => break,
+                Err(e) => {
+                    return Err(e).with_context(|| format!("walking the keys of {}", self.name))
+                }
+            }
+            if seen.insert(next.clone()) {
+                out.push(next.clone());
+            }
+            prev = Some(next);
+        }
+        Ok(out)
+    }
+
+    fn check_key(&self, key: &[u8]) -> Result<()> {
+        if key.len() != self.key_size {
+            bail!(
+                "{}: a key of {} bytes, the map's are {}",
+                self.name,
+                key.len(),
+                self.key_size
+            );
+        }
+        Ok(())
+    }
+}
+
+/// `T` read from the front of `b` (which holds at least its size).
+#[must_use]
+pub fn read_pod<T: aya::Pod>(b: &[u8]) -> T {
+    assert!(
+        b.len() >= size_of::<T>(),
+        "{} bytes for a {}-byte value",
+        b.len(),
+        size_of::<T>()
+    );
+    // SAFETY: `Pod`: every bit pattern is a valid `T`; the length is
+    // checked above and the read is unaligned.
+    unsafe { std::ptr::read_unaligned(b.as_ptr().cast::<T>()) }
+}
+
+/// `T`'s bytes, as a map holds them.
+#[must_use]
+pub fn pod_bytes<T: aya::Pod>(t: &T) -> Vec<u8> {
+    // SAFETY: `Pod`: plain bytes with explicit padding, `size_of` long.
+    unsafe { std::slice::from_raw_parts(std::ptr::from_ref(t).cast::<u8>(), size_of::<T>()) }
+        .to_vec()
+}

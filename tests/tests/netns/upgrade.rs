@@ -1,0 +1,302 @@
+//! Upgrades over a running data plane whose map layouts changed (issue
+//! 30). The previous release (`fabdcf1`, built from git by `cargo xtask
+//! test`, which names it in `HC_PREVIOUS_HUDDLE`) runs under keep-alive
+//! and new-connection load with a flow table of 131,072 more flows; this
+//! build starts over it and migrates its maps. Then a downgrade, and a
+//! layout this build does not know, are each refused with the data plane
+//! left forwarding.
+
+use huddle_common::{maps, FlowKey, FlowValue, KernelConfig, LAYOUT_VERSION};
+use huddle_user::kernel::rawmap::{pod_bytes as bytes, read_pod as read, RawMap, ANY};
+use std::{
+    net::SocketAddr,
+    path::{Path, PathBuf},
+    sync::atomic::Ordering,
+    thread,
+    time::{Duration, Instant},
+};
+use testbed::{
+    backend_ip, require_root, xdp_attached, HeldConnections, OpenLoop, Testbed, HTTP_PORT, VIP,
+};
+
+const HUDDLE: &str = env!("CARGO_BIN_EXE_hc-huddle");
+const BACKEND: &str = env!("CARGO_BIN_EXE_hc-backend");
+const N: usize = 4;
+/// Keep-alive connections: 4 threads of 50, each asking every 50 ms.
+const THREADS: usize = 4;
+const PER_THREAD: usize = 50;
+/// Flows written into the old flow table besides the real ones.
+const FILL: u32 = 131_072;
+
+/// The previous release's `huddle`.
+fn previous() -> PathBuf {
+    let p = std::env::var_os("HC_PREVIOUS_HUDDLE").map(PathBuf::from).expect(
+        "HC_PREVIOUS_HUDDLE: the previous release's huddle, which `cargo xtask test` builds from git",
+    );
+    assert!(p.exists(), "{} is missing", p.display());
+    p
+}
+
+fn args(bed: &Testbed) -> Vec<String> {
+    let config = bed.dir.join("huddle.toml");
+    std::fs::write(&config, "flow_table_size = 262144\n").unwrap();
+    let mut a = vec![
+        "--config".to_string(),
+        config.display().to_string(),
+        "--vip".into(),
+        format!("{VIP}:80"),
+    ];
+    for i in 0..N {
+        a.push("--backend".into());
+        a.push(format!("{}:{HTTP_PORT}", backend_ip(i)));
+    }
+    a
+}
+
+/// Writes `n` made-up established flows into the flow table pinned in
+/// `pins`, each a copy of a real one but for its client.
+fn fill_flows(pins: &Path, n: u32) {
+    let flows = RawMap::open(&pins.join(maps::FLOWS)).expect("FLOWS");
+    let real = flows.keys().expect("keys");
+    let value = real
+        .iter()
+        .find_map(|k| flows.get(k).ok().flatten())
+        .expect("a real flow to copy");
+    let template: FlowKey = read(&real[0]);
+    for i in 0..n {
+        let mut k = template;
+        k.client = huddle_common::addr_v4([10, 96 + (i >> 16) as u8, (i >> 8) as u8, i as u8]);
+        k.client_port_be = 40_000u16.to_be();
+        flows.put(&bytes(&k), &value, ANY).expect("a made-up flow");
+    }
+    let _: FlowValue = read(&value);
+}
+
+/// Sum of a counter over the service's backends.
+fn total(bed: &Testbed, counter: &str) -> u64 {
+    bed.status().expect("status").services[0]
+        .backends
+        .iter()
+        .map(|b| b.counters[counter])
+        .sum()
+}
+
+/// Starts `bin` over the running data plane, expecting a refusal: its
+/// reason (the log's last line naming the pinned data plane).
+fn refused(bed: &mut Testbed, bin: &Path, args: &[String]) -> String {
+    let before = bed.huddle_log().len();
+    let a: Vec<&str> = args.iter().map(String::as_str).collect();
+    let e = bed
+        .start_huddle(bin, &a)
+        .expect_err("a start over a data plane it cannot take over");
+    let log = bed.huddle_log();
+    let reason = log[before..]
+        .lines()
+        .rev()
+        .find(|l| l.contains("pinned under"))
+        .unwrap_or_else(|| panic!("no reason given: {e:#}\n{}", &log[before..]))
+        .to_string();
+    bed.huddle = None;
+    reason
+}
+
+/// Errors over the connections and requests since `load` and `held`
+/// started: (failed new-connection requests, broken keep-alive ones).
+fn outcome(load: OpenLoop, held: HeldConnections) -> (Vec<String>, Vec<String>, usize, u64) {
+    let asked = held.asked.load(Ordering::Relaxed);
+    let broken = held.stop();
+    let outcomes = load.stop();
+    let failed = outcomes
+        .iter()
+        .filter_map(|o| {
+            o.result
+                .as_ref()
+                .err()
+                .map(|e| format!("at {:?}: {e}", o.at))
+        })
+        .collect();
+    (failed, broken, outcomes.len(), asked)
+}
+
+/// One upgrade from the previous release under load; `flows`: whether
+/// the migration carries the flow and NAT tables (off: the control).
+fn upgrade(tag: &str, flows: bool) -> (Testbed, Vec<String>, Vec<String>) {
+    let mut bed = Testbed::new(tag, N).expect("testbed");
+    bed.start_backends(Path::new(BACKEND)).expect("backends");
+    let args = args(&bed);
+    let a: Vec<&str> = args.iter().map(String::as_str).collect();
+    bed.start_huddle(&previous(), &a)
+        .unwrap_or_else(|e| panic!("the previous release: {e:#}"));
+    let vip: SocketAddr = (VIP, 80).into();
+    // The control's broken connections each wait out a request timeout
+    // (5 s), one after the other in their thread: fewer a thread there.
+    let (threads, per_thread) = if flows {
+        (THREADS, PER_THREAD)
+    } else {
+        (20, 2)
+    };
+    let held = HeldConnections::start(
+        &bed.client,
+        vip,
+        threads,
+        per_thread,
+        Duration::from_millis(50),
+    );
+    let load = OpenLoop::start(&bed.client, vip, 100.0, Duration::from_secs(3));
+    held.wait_opened((threads * per_thread) as u64, Duration::from_secs(10))
+        .expect("keep-alive connections opened");
+    thread::sleep(Duration::from_secs(1));
+    if flows {
+        fill_flows(&bed.pins, FILL);
+    }
+    // As `systemctl restart` after `dpkg -i` does: SIGTERM leaves the
+    // data plane running; the new build starts over it.
+    bed.kill_huddle(libc::SIGTERM);
+    let opened_before = load.start.elapsed();
+    if !flows {
+        bed.huddle_env = vec![("HUDDLE_MIGRATE_FLOWS".into(), "0".into())];
+    }
+    let t0 = Instant::now();
+    bed.start_huddle(Path::new(HUDDLE), &a)
+        .unwrap_or_else(|e| panic!("this build over the previous release: {e:#}"));
+    let took = t0.elapsed();
+    bed.huddle_env.clear();
+    // Long enough for a keep-alive request without its flow to time out.
+    thread::sleep(Duration::from_secs(if flows { 3 } else { 7 }));
+    let st = bed.status().expect("status");
+    let active: u64 = st.services[0].backends.iter().map(|b| b.active_flows).sum();
+    let flows_new = total(&bed, "flows_new");
+    let (failed, broken, sent, asked) = outcome(load, held);
+    let log = bed.huddle_log();
+    let migrated = log
+        .lines()
+        .find(|l| l.contains("migrated layout"))
+        .unwrap_or("(no migration line)")
+        .to_string();
+    let steps: Vec<&str> = log
+        .lines()
+        .filter(|l| {
+            ["layout 1:", "after the swap", "took over", "attached to"]
+                .iter()
+                .any(|w| l.contains(w))
+        })
+        .collect();
+    println!(
+        "{tag}: upgrade from the previous release (flows carried: {flows}) started in {} ms, {} s into the load: {}\n{}\n  \
+         {sent} new-connection requests, {} failed; {} keep-alive connections asked {asked} times, {} broken; \
+         status after: {active} active flows, flows_new {flows_new}; xdp {}",
+        took.as_millis(),
+        opened_before.as_secs(),
+        migrated,
+        steps.join("\n"),
+        failed.len(),
+        threads * per_thread,
+        broken.len(),
+        st.xdp_mode
+    );
+    if flows {
+        assert!(migrated.contains("TCP flows"), "{log}");
+        // The keep-alive connections and every connection the old build
+        // counted carried on in the new build's counters.
+        assert!(active >= (THREADS * PER_THREAD) as u64, "active {active}");
+        assert!(
+            flows_new as usize >= THREADS * PER_THREAD,
+            "flows_new {flows_new}"
+        );
+    }
+    (bed, failed, broken)
+}
+
+#[test]
+fn an_upgrade_from_the_previous_release_keeps_every_flow_and_a_downgrade_is_refused() {
+    require_root();
+    let (mut bed, failed, broken) = upgrade("upgrade", true);
+    assert!(failed.is_empty(), "failed requests: {failed:?}");
+    assert!(
+        broken.is_empty(),
+        "keep-alive connections broken: {broken:?}"
+    );
+
+    // Downgrade: the previous release over this build's data plane is
+    // refused, and the data plane forwards on.
+    let vip: SocketAddr = (VIP, 80).into();
+    let held = HeldConnections::start(&bed.client, vip, 1, 20, Duration::from_millis(50));
+    let load = OpenLoop::start(&bed.client, vip, 100.0, Duration::from_secs(3));
+    held.wait_opened(20, Duration::from_secs(10)).unwrap();
+    bed.kill_huddle(libc::SIGTERM);
+    let args = args(&bed);
+    let why = refused(&mut bed, &previous(), &args);
+    println!("downgrade refused: {why}");
+    thread::sleep(Duration::from_secs(1));
+    assert!(
+        xdp_attached(&bed.lb),
+        "the refused start detached the data plane"
+    );
+    let a: Vec<&str> = args.iter().map(String::as_str).collect();
+    bed.start_huddle(Path::new(HUDDLE), &a)
+        .expect("this build again");
+    thread::sleep(Duration::from_secs(1));
+    let (failed, broken, sent, _) = outcome(load, held);
+    println!(
+        "around the refused downgrade: {sent} requests, {} failed, {} broken",
+        failed.len(),
+        broken.len()
+    );
+    assert!(failed.is_empty(), "failed requests: {failed:?}");
+    assert!(broken.is_empty(), "broken: {broken:?}");
+    bed.stop_huddle();
+}
+
+/// The control: the same upgrade with the flow and NAT tables left
+/// behind breaks the keep-alive connections, so the test above can fail.
+#[test]
+fn the_same_upgrade_without_the_flows_breaks_connections() {
+    require_root();
+    let (mut bed, failed, broken) = upgrade("upnoflow", false);
+    println!(
+        "without the flows: {} failed, {} broken",
+        failed.len(),
+        broken.len()
+    );
+    assert!(!broken.is_empty(), "no connection broke without its flow");
+    bed.stop_huddle();
+}
+
+/// A data plane recording a layout newer than this build's is refused
+/// with a one-line reason and left forwarding.
+#[test]
+fn an_unknown_layout_is_refused_and_left_forwarding() {
+    require_root();
+    let mut bed = Testbed::new("uplayout", 2).expect("testbed");
+    bed.start_backends(Path::new(BACKEND)).expect("backends");
+    let args = args(&bed);
+    let a: Vec<&str> = args.iter().map(String::as_str).collect();
+    bed.start_huddle(Path::new(HUDDLE), &a).expect("huddle");
+    let vip: SocketAddr = (VIP, 80).into();
+    let held = HeldConnections::start(&bed.client, vip, 1, 20, Duration::from_millis(50));
+    let load = OpenLoop::start(&bed.client, vip, 100.0, Duration::from_secs(3));
+    held.wait_opened(20, Duration::from_secs(10)).unwrap();
+    bed.kill_huddle(libc::SIGTERM);
+    // What a newer build would have written.
+    let config = RawMap::open(&bed.pins.join(maps::CONFIG)).expect("CONFIG");
+    let mut c: KernelConfig = read(&config.get(&0u32.to_ne_bytes()).unwrap().unwrap());
+    c.layout = LAYOUT_VERSION + 1;
+    config.put(&0u32.to_ne_bytes(), &bytes(&c), ANY).unwrap();
+    let why = refused(&mut bed, Path::new(HUDDLE), &args);
+    println!("refused: {why}");
+    assert!(
+        why.contains(&format!("layout {}", LAYOUT_VERSION + 1)),
+        "{why}"
+    );
+    thread::sleep(Duration::from_secs(1));
+    assert!(xdp_attached(&bed.lb));
+    let (failed, broken, sent, _) = outcome(load, held);
+    println!(
+        "{sent} requests, {} failed, {} broken",
+        failed.len(),
+        broken.len()
+    );
+    assert!(failed.is_empty(), "failed requests: {failed:?}");
+    assert!(broken.is_empty(), "broken: {broken:?}");
+    bed.stop_huddle();
+}
