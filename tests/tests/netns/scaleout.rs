@@ -24,6 +24,18 @@ use testbed::{
 const HUDDLE: &str = env!("CARGO_BIN_EXE_hc-huddle");
 const BACKEND: &str = env!("CARGO_BIN_EXE_hc-backend");
 
+/// The timed test runs alone: beside another three-balancer testbed on
+/// two cores (CI, 4 December), its rings disagreed for 261 ms and left
+/// after 1.5-1.7 s, against 0.3-0.7 s and 133-202 ms alone (ten runs).
+/// The others may share the machine with each other.
+static TIMED: std::sync::RwLock<()> = std::sync::RwLock::new(());
+
+fn shared() -> std::sync::RwLockReadGuard<'static, ()> {
+    TIMED
+        .read()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
 fn taken_over(s: &ScaleOut, i: usize) -> u64 {
     s.status(i)
         .ok()
@@ -43,6 +55,7 @@ fn taken_over(s: &ScaleOut, i: usize) -> u64 {
 /// for the rings' hold (`membership`; the slow twist below tests it).
 #[test]
 fn connections_a_lost_balancer_had_carry_on_through_the_others() {
+    let _shared = shared();
     failover(true, Twist::None);
 }
 
@@ -54,6 +67,7 @@ fn connections_a_lost_balancer_had_carry_on_through_the_others() {
 /// connection on backend 0 would break (about a quarter of them).
 #[test]
 fn connections_keep_their_backend_across_a_ring_change_and_a_failover() {
+    let _shared = shared();
     failover(false, Twist::DrainFirst);
 }
 
@@ -68,6 +82,7 @@ fn connections_keep_their_backend_across_a_ring_change_and_a_failover() {
 /// moved connections.
 #[test]
 fn a_backend_turning_slow_while_a_balancer_is_lost_rests_once_connections_moved() {
+    let _shared = shared();
     failover(true, Twist::SlowDuringCut);
 }
 
@@ -373,6 +388,9 @@ fn failover(rotation: bool, twist: Twist) {
 #[test]
 fn a_slow_backend_leaves_every_balancers_ring_together() {
     testbed::require_root();
+    let _alone = TIMED
+        .write()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
     let mut s = ScaleOut::build("sos", 3, 4).expect("build");
     s.start_with(
         Path::new(HUDDLE),
@@ -439,6 +457,14 @@ fn a_slow_backend_leaves_every_balancers_ring_together() {
             .filter(|n| n.starts_with("readings:"))
             .collect();
         println!("balancer {i}: {readings:?}");
+        if let Ok(st) = s.status(i) {
+            for e in &st.services[0].recent {
+                println!(
+                    "  at {:.2} s: {} to {:?} ({}, {:.2})",
+                    e.at_s, e.backend, e.to, e.reason, e.temperature
+                );
+            }
+        }
         assert!(
             readings.iter().any(|n| n.matches(":9477").count() == 2),
             "balancer {i} did not pool both peers' readings: {notes:?}"
