@@ -15,15 +15,14 @@
 //! flows the old program made meanwhile, and only then unpins the old
 //! maps. Entries it cannot translate are counted and logged by kind.
 
+mod tally;
 mod v1;
 
 use crate::kernel::rawmap::{RawMap, NOEXIST};
 use anyhow::{anyhow, Context, Result};
 use huddle_common::{maps, KernelConfig, LAYOUT_VERSION};
-use std::{
-    collections::BTreeMap,
-    path::{Path, PathBuf},
-};
+use std::path::{Path, PathBuf};
+use tally::{line, Tally};
 use tracing::{info, warn};
 
 /// Where a migration keeps the old build's pins until the new program
@@ -106,32 +105,6 @@ fn recorded(dir: &Path) -> Result<Option<u32>> {
     };
     let at = std::mem::offset_of!(KernelConfig, layout);
     Ok(Some(u32::from_ne_bytes(v[at..at + 4].try_into()?)))
-}
-
-/// Entries carried over and left behind, by kind.
-#[derive(Default)]
-pub struct Tally {
-    pub carried: BTreeMap<&'static str, u64>,
-    pub dropped: BTreeMap<&'static str, u64>,
-}
-
-impl Tally {
-    fn carry(&mut self, kind: &'static str, n: u64) {
-        *self.carried.entry(kind).or_default() += n;
-    }
-
-    fn drop(&mut self, kind: &'static str, n: u64) {
-        *self.dropped.entry(kind).or_default() += n;
-    }
-}
-
-fn line(m: &BTreeMap<&'static str, u64>) -> String {
-    let parts: Vec<String> = m.iter().map(|(k, n)| format!("{k} {n}")).collect();
-    if parts.is_empty() {
-        "none".into()
-    } else {
-        parts.join(", ")
-    }
 }
 
 /// A migration under way: the old pins set aside, the new maps made.

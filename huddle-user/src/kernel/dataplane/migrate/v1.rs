@@ -9,7 +9,7 @@
 //! UDP flows and UDP NAT entries moved out of `FLOWS` and `NAT` into
 //! tables of their own (`DSR_FLOWS`, `UDP_FLOWS`, `UDP_NAT`).
 
-use super::Tally;
+use super::tally::Tally;
 use crate::kernel::rawmap::{pod_bytes as bytes, read_pod as from_bytes, RawMap, ANY};
 use anyhow::{Context, Result};
 use huddle_common::{
