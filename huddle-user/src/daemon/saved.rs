@@ -11,17 +11,19 @@ use std::time::Duration;
 use tracing::{info, warn};
 
 impl Balancer {
-    /// Writes the state file; a failure is logged, never fatal.
+    /// Writes the state file; a failure is logged, never fatal. (The NAT
+    /// walk file is the saver's, once a second when it moved, and the
+    /// exit's: `save_state_and_walk`.)
     pub fn save_state(&self) {
-        self.save_state_and_walk(false);
+        if let Err(e) = state::save(&self.cfg.state_file, &self.snapshot()) {
+            warn!("{e:#}");
+        }
     }
 
     /// `save_state`, and the NAT walk file with the TIME_WAIT tuples when
     /// `last` (see `save_nat_walk`).
     pub fn save_state_and_walk(&self, last: bool) {
-        if let Err(e) = state::save(&self.cfg.state_file, &self.snapshot()) {
-            warn!("{e:#}");
-        }
+        self.save_state();
         self.save_nat_walk(last);
     }
 

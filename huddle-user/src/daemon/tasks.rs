@@ -34,19 +34,38 @@ pub(super) async fn saver(shared: Arc<Mutex<Balancer>>) {
     let mut tick = tokio::time::interval(Duration::from_secs(1));
     let mut unresolved = 0;
     let mut round: u64 = 0;
+    // The NAT walk as last written: an idle balancer's does not move.
+    let mut written: Option<crate::kernel::dataplane::walk::NatWalk> = None;
     loop {
         tick.tick().await;
         round += 1;
+        // Read under the lock, written (and synced) after it: a write held
+        // the tick up for as long as the disk took.
+        let (walk, path) = {
+            let b = lock(&shared);
+            let path = crate::kernel::dataplane::walk::nat_walk_file(&b.cfg.state_file);
+            (b.dp.nat_walk(), path)
+        };
+        if written.as_ref() != Some(&walk) {
+            let w = walk.clone();
+            let saved = tokio::task::spawn_blocking(move || {
+                crate::kernel::dataplane::walk::save_nat_walk(&path, &w)
+            })
+            .await;
+            match saved {
+                Ok(Ok(())) => written = Some(walk),
+                Ok(Err(e)) => warn!("{e:#}"),
+                Err(e) => warn!("saving the NAT walk: {e}"),
+            }
+        }
         let mut b = lock(&shared);
         // The state file once every backends / `STATE_BACKENDS` seconds:
         // rotations are saved at once (`tick`), so a later write adds only
         // temperatures, and at 65,536 backends writing it every second was
-        // a sixth of an idle daemon's time. The NAT walk every second.
+        // a sixth of an idle daemon's time.
         let backends: usize = b.huddles.iter().map(|h| h.trackers.len()).sum();
         if round.is_multiple_of((backends / STATE_BACKENDS).max(1) as u64) {
             b.save_state();
-        } else {
-            b.save_nat_walk(false);
         }
         if let Err(e) = b.dp.refresh_next_hops() {
             warn!("{e:#}");
