@@ -44,9 +44,19 @@ fn phase(bed: &Testbed, secs: u64) -> Phase {
     let before: Vec<_> = bed.backends.iter().map(|ns| in_ns(ns, tcp_ext)).collect();
     let client_before = in_ns(&bed.client, tcp_ext);
     let vip: SocketAddr = (VIP, 80).into();
-    let load = OpenLoop::start(&bed.client, vip, 200.0, Duration::from_secs(2));
+    // 4 s: a client's SYN resent once waits out its first retransmission
+    // timeout (1 s), and one resent twice its second (3 s). With 2 s, one
+    // request of 1,602 failed in a loaded CI run (4 December) whose client
+    // resent 16 SYNs: the client's patience, not a lost flow.
+    let load = OpenLoop::start(&bed.client, vip, 200.0, Duration::from_secs(4));
     std::thread::sleep(Duration::from_secs(secs));
     let outcomes = load.stop();
+    for o in outcomes.iter().filter(|o| o.result.is_err()) {
+        println!(
+            "  failed at {:?} after {:?}: {:?}",
+            o.at, o.latency, o.result
+        );
+    }
     let diff =
         |a: &std::collections::BTreeMap<String, u64>,
          b: &std::collections::BTreeMap<String, u64>,
@@ -204,8 +214,11 @@ fn a_syn_a_time_wait_refuses_is_resent_by_the_balancer_not_the_client() {
     // (`nat_reuse_early` counts from the walk's second round only: a
     // debug build's run reused tuples, 208 were refused, and counted 0.)
     assert!(balancer > 0, "no refusal was resent by the balancer");
+    // How many SYNs meet a TIME_WAIT depends on which end closed first
+    // (the backend's FIN races the client's): 4, 35 and 364 resent by the
+    // balancer in three runs here. With a handful the tenth is under one.
     assert!(
-        p.resent * 10 <= balancer,
+        p.resent <= (balancer / 10).max(2),
         "the client resent {} SYNs, the balancer {balancer}",
         p.resent
     );
