@@ -9,6 +9,7 @@ use super::{
     snapshot::Snapshots,
 };
 use crate::config::Config;
+use crate::kernel::dataplane::walk;
 use crate::sys::host;
 use anyhow::bail;
 use anyhow::Result;
@@ -27,55 +28,50 @@ use tracing::{debug, info, warn};
 const STATE_BACKENDS: usize = 4_096;
 
 /// Writes the state file every second, or less often past
-/// `STATE_BACKENDS` (and `tick` after any rotation), the NAT walk every
-/// second, and moves the next-hop generation on so every CPU asks the
+/// `STATE_BACKENDS` (and `tick` after any rotation), the NAT walk each
+/// second it moved, and moves the next-hop generation on so every CPU asks the
 /// FIB again.
 pub(super) async fn saver(shared: Arc<Mutex<Balancer>>) {
     let mut tick = tokio::time::interval(Duration::from_secs(1));
     let mut unresolved = 0;
     let mut round: u64 = 0;
     // The NAT walk as last written: an idle balancer's does not move.
-    let mut written: Option<crate::kernel::dataplane::walk::NatWalk> = None;
+    let mut written: Option<walk::NatWalk> = None;
     loop {
         tick.tick().await;
         round += 1;
-        // Read under the lock, written (and synced) after it: a write held
-        // the tick up for as long as the disk took.
-        let (walk, path) = {
-            let b = lock(&shared);
-            let path = crate::kernel::dataplane::walk::nat_walk_file(&b.cfg.state_file);
-            (b.dp.nat_walk(), path)
+        let (now, path) = {
+            let mut b = lock(&shared);
+            // The state file once every backends / `STATE_BACKENDS` seconds:
+            // rotations are saved at once (`tick`), so a later write adds only
+            // temperatures, and at 65,536 backends writing it every second was
+            // a sixth of an idle daemon's time.
+            let backends: usize = b.huddles.iter().map(|h| h.trackers.len()).sum();
+            if round.is_multiple_of((backends / STATE_BACKENDS).max(1) as u64) {
+                b.save_state();
+            }
+            if let Err(e) = b.dp.refresh_next_hops() {
+                warn!("{e:#}");
+            }
+            // L2 DSR cannot hand a packet to the kernel to resolve its next
+            // hop (the kernel would route it by its VIP): resolve it here.
+            if let Ok(g) = b.dp.global_stats() {
+                if g.drop_no_neigh != unresolved {
+                    unresolved = g.drop_no_neigh;
+                    crate::sys::addresses::warm_neighbours(&b.backend_addrs());
+                }
+            }
+            // The NAT walk read under the lock, written (and synced) after
+            // it (a write held the tick up for as long as the disk took),
+            // and only when it moved: an idle balancer's does not.
+            (b.dp.nat_walk(), walk::nat_walk_file(&b.cfg.state_file))
         };
-        if written.as_ref() != Some(&walk) {
-            let w = walk.clone();
-            let saved = tokio::task::spawn_blocking(move || {
-                crate::kernel::dataplane::walk::save_nat_walk(&path, &w)
-            })
-            .await;
-            match saved {
-                Ok(Ok(())) => written = Some(walk),
+        if written.as_ref() != Some(&now) {
+            let w = now.clone();
+            match tokio::task::spawn_blocking(move || walk::save_nat_walk(&path, &w)).await {
+                Ok(Ok(())) => written = Some(now),
                 Ok(Err(e)) => warn!("{e:#}"),
                 Err(e) => warn!("saving the NAT walk: {e}"),
-            }
-        }
-        let mut b = lock(&shared);
-        // The state file once every backends / `STATE_BACKENDS` seconds:
-        // rotations are saved at once (`tick`), so a later write adds only
-        // temperatures, and at 65,536 backends writing it every second was
-        // a sixth of an idle daemon's time.
-        let backends: usize = b.huddles.iter().map(|h| h.trackers.len()).sum();
-        if round.is_multiple_of((backends / STATE_BACKENDS).max(1) as u64) {
-            b.save_state();
-        }
-        if let Err(e) = b.dp.refresh_next_hops() {
-            warn!("{e:#}");
-        }
-        // L2 DSR cannot hand a packet to the kernel to resolve its next
-        // hop (the kernel would route it by its VIP): resolve it here.
-        if let Ok(g) = b.dp.global_stats() {
-            if g.drop_no_neigh != unresolved {
-                unresolved = g.drop_no_neigh;
-                crate::sys::addresses::warm_neighbours(&b.backend_addrs());
             }
         }
     }

@@ -51,22 +51,14 @@ pub fn lookup_array(
         map_fd: fd.as_raw_fd() as u32,
         ..Default::default()
     };
-    // SAFETY: the attribute and every buffer it points at live across the
-    // call, sized for `n` elements.
-    let r = unsafe {
-        libc::syscall(
-            libc::SYS_bpf,
-            BPF_MAP_LOOKUP_BATCH,
-            std::ptr::addr_of_mut!(attr),
-            size_of::<BatchAttr>() as u32,
-        )
-    };
-    // ENOENT: the map ended; `count` says how many came.
-    if r < 0 && std::io::Error::last_os_error().raw_os_error() != Some(libc::ENOENT) {
-        bail!(
-            "reading {n} map elements from {first} at once: {}",
-            std::io::Error::last_os_error()
-        );
+    // SAFETY: every buffer the attribute points at lives across the call,
+    // sized for `n` elements.
+    match unsafe { super::rawmap::bpf(BPF_MAP_LOOKUP_BATCH, &mut attr) } {
+        // ENOENT: the map ended; `count` says how many came.
+        Err(e) if e.raw_os_error() != Some(libc::ENOENT) => {
+            bail!("reading {n} map elements from {first} at once: {e}")
+        }
+        _ => {}
     }
     if attr.count > 0 && keys[0] != first {
         bail!("a batch read from {first} began at {}", keys[0]);

@@ -88,20 +88,9 @@ impl RawMap {
             value: value as u64,
             flags,
         };
-        // SAFETY: the attribute and the buffers it points at (key_size and
+        // SAFETY: the buffers the attribute points at (key_size and
         // value_len bytes, checked by the callers) live across the call.
-        let r = unsafe {
-            libc::syscall(
-                libc::SYS_bpf,
-                cmd,
-                std::ptr::addr_of_mut!(attr),
-                size_of::<ElemAttr>() as u32,
-            )
-        };
-        if r < 0 {
-            return Err(std::io::Error::last_os_error());
-        }
-        Ok(())
+        unsafe { bpf(cmd, &mut attr) }.map(drop)
     }
 
     /// The element at `key`, if any.
@@ -176,6 +165,29 @@ impl RawMap {
         }
         Ok(())
     }
+}
+
+/// The bpf(2) system call `cmd` on `attr`, the part of `union bpf_attr`
+/// that command reads (and the kernel may write back); its result.
+///
+/// # Safety
+/// Every pointer in `attr` must point at memory of the size the command
+/// expects, alive across the call.
+pub unsafe fn bpf<A>(cmd: libc::c_long, attr: &mut A) -> std::io::Result<libc::c_long> {
+    // SAFETY: `attr` is ours and `size_of::<A>()` long; the pointers in it
+    // are the caller's to vouch for.
+    let r = unsafe {
+        libc::syscall(
+            libc::SYS_bpf,
+            cmd,
+            std::ptr::from_mut(attr),
+            size_of::<A>() as u32,
+        )
+    };
+    if r < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(r)
 }
 
 /// `T` read from the front of `b` (which holds at least its size).

@@ -6,7 +6,7 @@
 //! layout this build does not know, are each refused with the data plane
 //! left forwarding.
 
-use huddle_common::{maps, FlowKey, FlowValue, KernelConfig, LAYOUT_VERSION};
+use huddle_common::{maps, FlowKey, KernelConfig, LAYOUT_VERSION};
 use huddle_user::kernel::rawmap::{pod_bytes as bytes, read_pod as read, RawMap, ANY};
 use std::{
     net::SocketAddr,
@@ -69,7 +69,23 @@ fn fill_flows(pins: &Path, n: u32) {
         k.client_port_be = 40_000u16.to_be();
         flows.put(&bytes(&k), &value, ANY).expect("a made-up flow");
     }
-    let _: FlowValue = read(&value);
+}
+
+/// `threads` x `per_thread` keep-alive connections asking every 50 ms,
+/// once all are open, and 100 new connections a second, to the VIP.
+fn traffic(bed: &Testbed, threads: usize, per_thread: usize) -> (HeldConnections, OpenLoop) {
+    let vip: SocketAddr = (VIP, 80).into();
+    let held = HeldConnections::start(
+        &bed.client,
+        vip,
+        threads,
+        per_thread,
+        Duration::from_millis(50),
+    );
+    let load = OpenLoop::start(&bed.client, vip, 100.0, Duration::from_secs(3));
+    held.wait_opened((threads * per_thread) as u64, Duration::from_secs(10))
+        .expect("keep-alive connections opened");
+    (held, load)
 }
 
 /// Sum of a counter over the service's backends.
@@ -127,7 +143,6 @@ fn upgrade(tag: &str, flows: bool) -> (Testbed, Vec<String>, Vec<String>) {
     let a: Vec<&str> = args.iter().map(String::as_str).collect();
     bed.start_huddle(&previous(), &a)
         .unwrap_or_else(|e| panic!("the previous release: {e:#}"));
-    let vip: SocketAddr = (VIP, 80).into();
     // The control's broken connections each wait out a request timeout
     // (5 s), one after the other in their thread: fewer a thread there.
     let (threads, per_thread) = if flows {
@@ -135,16 +150,7 @@ fn upgrade(tag: &str, flows: bool) -> (Testbed, Vec<String>, Vec<String>) {
     } else {
         (20, 2)
     };
-    let held = HeldConnections::start(
-        &bed.client,
-        vip,
-        threads,
-        per_thread,
-        Duration::from_millis(50),
-    );
-    let load = OpenLoop::start(&bed.client, vip, 100.0, Duration::from_secs(3));
-    held.wait_opened((threads * per_thread) as u64, Duration::from_secs(10))
-        .expect("keep-alive connections opened");
+    let (held, load) = traffic(&bed, threads, per_thread);
     thread::sleep(Duration::from_secs(1));
     if flows {
         fill_flows(&bed.pins, FILL);
@@ -219,10 +225,7 @@ fn an_upgrade_from_the_previous_release_keeps_every_flow_and_a_downgrade_is_refu
 
     // Downgrade: the previous release over this build's data plane is
     // refused, and the data plane forwards on.
-    let vip: SocketAddr = (VIP, 80).into();
-    let held = HeldConnections::start(&bed.client, vip, 1, 20, Duration::from_millis(50));
-    let load = OpenLoop::start(&bed.client, vip, 100.0, Duration::from_secs(3));
-    held.wait_opened(20, Duration::from_secs(10)).unwrap();
+    let (held, load) = traffic(&bed, 1, 20);
     bed.kill_huddle(libc::SIGTERM);
     let args = args(&bed);
     let why = refused(&mut bed, &previous(), &args);
@@ -272,10 +275,7 @@ fn an_unknown_layout_is_refused_and_left_forwarding() {
     let args = args(&bed);
     let a: Vec<&str> = args.iter().map(String::as_str).collect();
     bed.start_huddle(Path::new(HUDDLE), &a).expect("huddle");
-    let vip: SocketAddr = (VIP, 80).into();
-    let held = HeldConnections::start(&bed.client, vip, 1, 20, Duration::from_millis(50));
-    let load = OpenLoop::start(&bed.client, vip, 100.0, Duration::from_secs(3));
-    held.wait_opened(20, Duration::from_secs(10)).unwrap();
+    let (held, load) = traffic(&bed, 1, 20);
     bed.kill_huddle(libc::SIGTERM);
     // What a newer build would have written.
     let config = RawMap::open(&bed.pins.join(maps::CONFIG)).expect("CONFIG");

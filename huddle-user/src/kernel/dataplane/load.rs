@@ -385,9 +385,9 @@ fn prepare(dir: &Path) -> Result<Option<Migration>> {
     std::fs::create_dir_all(dir)
         .with_context(|| format!("creating the pin folder {}", dir.display()))?;
     Ok(match migrate::inspect(dir)? {
-        Found::Older(n) => Some(Migration::begin(dir, n)?),
+        Found::Older => Some(Migration::begin(dir)?),
         Found::Finishing => Some(Migration::finishing(dir)),
-        Found::Fresh | Found::Current | Found::Unrecorded => None,
+        Found::AsBefore => None,
     })
 }
 

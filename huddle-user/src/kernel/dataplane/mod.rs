@@ -87,13 +87,7 @@ pub fn unpin(dir: &Path) -> Result<usize> {
         }
     }
     // An older build's maps a migration had set aside, if it stopped.
-    let aside = dir.join(migrate::ASIDE);
-    if aside.exists() {
-        for name in maps::ALL {
-            let _ = std::fs::remove_file(aside.join(name));
-        }
-        std::fs::remove_dir(&aside).with_context(|| format!("removing {}", aside.display()))?;
-    }
+    migrate::remove_aside(dir)?;
     if dir.exists() {
         std::fs::remove_dir(dir).with_context(|| format!("removing {}", dir.display()))?;
     }

@@ -5,6 +5,7 @@
 //! link when its interface is destroyed with the namespace).
 
 use super::LINK_PIN;
+use crate::kernel::rawmap::bpf;
 use crate::sys::pins::NETNS_PREFIX;
 use anyhow::{bail, Context, Result};
 use std::{
@@ -59,12 +60,6 @@ pub struct PinnedXdp {
     pub ifindex: u32,
 }
 
-fn bpf(cmd: libc::c_long, attr: *mut libc::c_void, size: usize) -> libc::c_long {
-    // SAFETY: the bpf syscall reads and writes at most `size` bytes of the
-    // attribute union the caller owns.
-    unsafe { libc::syscall(libc::SYS_bpf, cmd, attr, size) }
-}
-
 /// The pinned XDP link at `pin`, as the kernel sees it now.
 pub fn pinned_xdp(pin: &Path) -> Result<PinnedXdp> {
     let path = CString::new(pin.as_os_str().as_encoded_bytes())?;
@@ -72,15 +67,9 @@ pub fn pinned_xdp(pin: &Path) -> Result<PinnedXdp> {
         pathname: path.as_ptr() as u64,
         ..ObjGet::default()
     };
-    let fd = bpf(
-        BPF_OBJ_GET,
-        std::ptr::addr_of_mut!(get).cast(),
-        std::mem::size_of::<ObjGet>(),
-    );
-    if fd < 0 {
-        return Err(std::io::Error::last_os_error())
-            .with_context(|| format!("opening the pinned link {}", pin.display()));
-    }
+    // SAFETY: `pathname` points at `path`, alive across the call.
+    let fd = unsafe { bpf(BPF_OBJ_GET, &mut get) }
+        .with_context(|| format!("opening the pinned link {}", pin.display()))?;
     // SAFETY: a descriptor the kernel just gave us, owned from here.
     let fd = unsafe { OwnedFd::from_raw_fd(fd as i32) };
     let mut head = LinkInfoHead::default();
@@ -89,15 +78,9 @@ pub fn pinned_xdp(pin: &Path) -> Result<PinnedXdp> {
         info_len: std::mem::size_of::<LinkInfoHead>() as u32,
         info: std::ptr::addr_of_mut!(head) as u64,
     };
-    if bpf(
-        BPF_OBJ_GET_INFO_BY_FD,
-        std::ptr::addr_of_mut!(info).cast(),
-        std::mem::size_of::<InfoByFd>(),
-    ) < 0
-    {
-        return Err(std::io::Error::last_os_error())
-            .with_context(|| format!("asking about the pinned link {}", pin.display()));
-    }
+    // SAFETY: `info` points at `head`, `info_len` bytes, alive across it.
+    unsafe { bpf(BPF_OBJ_GET_INFO_BY_FD, &mut info) }
+        .with_context(|| format!("asking about the pinned link {}", pin.display()))?;
     if head.kind != BPF_LINK_TYPE_XDP {
         bail!("{} is a link of type {}, not XDP", pin.display(), head.kind);
     }

@@ -23,7 +23,7 @@ use anyhow::{anyhow, Context, Result};
 use huddle_common::{maps, KernelConfig, LAYOUT_VERSION};
 use std::path::{Path, PathBuf};
 use tally::{line, Tally};
-use tracing::{info, warn};
+use tracing::info;
 
 /// Where a migration keeps the old build's pins until the new program
 /// runs (inside the pin folder; a crash leaves it for the next start).
@@ -31,15 +31,12 @@ pub const ASIDE: &str = "migrating";
 
 /// What the start finds pinned.
 pub(super) enum Found {
-    /// Nothing to take over.
-    Fresh,
-    /// This build's layout: adopted as it is.
-    Current,
-    /// A build that recorded no layout number (one made between the
-    /// previous release and this one): checked map by map, as before.
-    Unrecorded,
-    /// An older layout this build migrates.
-    Older(u32),
+    /// Nothing, this build's layout, or a build that recorded none (one
+    /// made between the previous release and this one): taken over as
+    /// before, each map's layout checked.
+    AsBefore,
+    /// The previous release's layout (`v1`): migrated.
+    Older,
     /// A migration whose copy was done, interrupted before it ended: the
     /// new maps are adopted and the migration finished.
     Finishing,
@@ -60,22 +57,21 @@ pub(super) fn inspect(dir: &Path) -> Result<Found> {
                 std::fs::remove_file(&p).with_context(|| format!("removing {}", p.display()))?;
             }
         }
-        return Ok(Found::Older(v1::LAYOUT));
+        return Ok(Found::Older);
     }
     if !dir.join(maps::FLOWS).exists() {
-        return Ok(Found::Fresh);
+        return Ok(Found::AsBefore);
     }
     match recorded(dir)? {
-        Some(n) if n == LAYOUT_VERSION => return Ok(Found::Current),
-        Some(0) => return Ok(Found::Unrecorded),
+        Some(0 | LAYOUT_VERSION) => return Ok(Found::AsBefore),
         Some(n) => return Err(refuse(dir, &format!("layout {n}"))),
         None => {}
     }
     if v1::matches(dir)? {
-        return Ok(Found::Older(v1::LAYOUT));
+        return Ok(Found::Older);
     }
     if !dir.join(maps::CONFIG).exists() {
-        return Ok(Found::Unrecorded);
+        return Ok(Found::AsBefore);
     }
     Err(refuse(dir, "a layout it does not know"))
 }
@@ -107,19 +103,43 @@ fn recorded(dir: &Path) -> Result<Option<u32>> {
     Ok(Some(u32::from_ne_bytes(v[at..at + 4].try_into()?)))
 }
 
+/// Whether a migration carries the flow and NAT tables (see
+/// `Migration::flows`).
+fn carries_flows() -> bool {
+    std::env::var("HUDDLE_MIGRATE_FLOWS").as_deref() != Ok("0")
+}
+
+/// Unpins what `ASIDE` in `dir` holds, and the folder: the end of a
+/// migration, or of a data plane `huddle stop` removes mid-migration.
+pub fn remove_aside(dir: &Path) -> Result<()> {
+    let aside = dir.join(ASIDE);
+    if !aside.exists() {
+        return Ok(());
+    }
+    for name in maps::ALL {
+        let p = aside.join(name);
+        if p.exists() {
+            std::fs::remove_file(&p).with_context(|| format!("removing {}", p.display()))?;
+        }
+    }
+    std::fs::remove_dir(&aside).with_context(|| format!("removing {}", aside.display()))
+}
+
 /// A migration under way: the old pins set aside, the new maps made.
 pub struct Migration {
     dir: PathBuf,
-    from: u32,
     /// Whether the copy is still to be made (not when finishing one).
     copy: bool,
+    /// Whether the flow and NAT tables are carried: always, but for the
+    /// upgrade test's control (`HUDDLE_MIGRATE_FLOWS=0`).
+    flows: bool,
     /// The old `CONFIG` as this build's (seeds and generation carried).
     pub(super) old_config: Option<KernelConfig>,
 }
 
 impl Migration {
     /// Sets the old build's pins in `dir` aside (see `ASIDE`).
-    pub(super) fn begin(dir: &Path, from: u32) -> Result<Migration> {
+    pub(super) fn begin(dir: &Path) -> Result<Migration> {
         let aside = dir.join(ASIDE);
         if !aside.exists() {
             std::fs::create_dir(&aside).with_context(|| format!("creating {}", aside.display()))?;
@@ -133,13 +153,14 @@ impl Migration {
         }
         let old_config = v1::config(&aside)?;
         info!(
-            "the data plane pinned under {} has layout {from}: migrating it to layout {LAYOUT_VERSION}",
-            dir.display()
+            "the data plane pinned under {} has layout {}: migrating it to layout {LAYOUT_VERSION}",
+            dir.display(),
+            v1::LAYOUT
         );
         Ok(Migration {
             dir: dir.to_path_buf(),
-            from,
             copy: true,
+            flows: carries_flows(),
             old_config,
         })
     }
@@ -148,8 +169,8 @@ impl Migration {
     pub(super) fn finishing(dir: &Path) -> Migration {
         Migration {
             dir: dir.to_path_buf(),
-            from: v1::LAYOUT,
             copy: false,
+            flows: carries_flows(),
             old_config: None,
         }
     }
@@ -162,11 +183,10 @@ impl Migration {
         }
         let began = std::time::Instant::now();
         let mut tally = Tally::default();
-        let flows = std::env::var("HUDDLE_MIGRATE_FLOWS").as_deref() != Ok("0");
-        v1::copy(&self.dir.join(ASIDE), &self.dir, flows, &mut tally)?;
+        v1::copy(&self.dir.join(ASIDE), &self.dir, self.flows, &mut tally)?;
         info!(
             "migrated layout {} to {LAYOUT_VERSION} in {} ms: carried {}; not carried {}",
-            self.from,
+            v1::LAYOUT,
             began.elapsed().as_millis(),
             line(&tally.carried),
             line(&tally.dropped)
@@ -180,8 +200,7 @@ impl Migration {
     pub(super) fn finish(self) -> Result<()> {
         let aside = self.dir.join(ASIDE);
         let mut tally = Tally::default();
-        let flows = std::env::var("HUDDLE_MIGRATE_FLOWS").as_deref() != Ok("0");
-        if flows {
+        if self.flows {
             v1::copy_flows(&aside, &self.dir, NOEXIST, &mut tally)?;
         }
         if !tally.carried.is_empty() || !tally.dropped.is_empty() {
@@ -191,16 +210,7 @@ impl Migration {
                 line(&tally.dropped)
             );
         }
-        for name in v1::MAPS {
-            let p = aside.join(name);
-            if p.exists() {
-                if let Err(e) = std::fs::remove_file(&p) {
-                    warn!("removing {}: {e}", p.display());
-                }
-            }
-        }
-        std::fs::remove_dir(&aside).with_context(|| format!("removing {}", aside.display()))?;
-        Ok(())
+        remove_aside(&self.dir)
     }
 }
 
