@@ -28,6 +28,12 @@ const PER_THREAD: usize = 50;
 /// Flows written into the old flow table besides the real ones.
 const FILL: u32 = 131_072;
 
+/// The upgrade under the load runs alone: beside the two other
+/// testbeds its start took 10-14 s, not 9, and in two of five such runs
+/// one new connection opened between the copy and the swap timed out
+/// (docs/operations/restarts.md, known gap).
+static ALONE: std::sync::RwLock<()> = std::sync::RwLock::new(());
+
 /// The previous release's `huddle`.
 fn previous() -> PathBuf {
     let p = std::env::var_os("HC_PREVIOUS_HUDDLE").map(PathBuf::from).expect(
@@ -216,6 +222,9 @@ fn upgrade(tag: &str, flows: bool) -> (Testbed, Vec<String>, Vec<String>) {
 #[test]
 fn an_upgrade_from_the_previous_release_keeps_every_flow_and_a_downgrade_is_refused() {
     require_root();
+    let _alone = ALONE
+        .write()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
     let (mut bed, failed, broken) = upgrade("upgrade", true);
     assert!(failed.is_empty(), "failed requests: {failed:?}");
     assert!(
@@ -255,6 +264,9 @@ fn an_upgrade_from_the_previous_release_keeps_every_flow_and_a_downgrade_is_refu
 #[test]
 fn the_same_upgrade_without_the_flows_breaks_connections() {
     require_root();
+    let _shared = ALONE
+        .read()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
     let (mut bed, failed, broken) = upgrade("upnoflow", false);
     println!(
         "without the flows: {} failed, {} broken",
@@ -270,6 +282,9 @@ fn the_same_upgrade_without_the_flows_breaks_connections() {
 #[test]
 fn an_unknown_layout_is_refused_and_left_forwarding() {
     require_root();
+    let _shared = ALONE
+        .read()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
     let mut bed = Testbed::new("uplayout", 2).expect("testbed");
     bed.start_backends(Path::new(BACKEND)).expect("backends");
     let args = args(&bed);
