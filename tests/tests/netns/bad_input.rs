@@ -227,12 +227,19 @@ fn hanging_lying_and_flooding_metrics_endpoints_never_stop_the_daemon() {
         bed.backend_admin(0, &format!("metrics={mode}")).unwrap();
         let t = Instant::now();
         let mut last_uptime = 0.0;
+        let mut slowest = Duration::ZERO;
         loop {
             let asked = Instant::now();
             let st = bed.status().unwrap();
             let took = asked.elapsed();
+            slowest = slowest.max(took);
+            // Status is answered from the next tick's snapshot: alone,
+            // within 90-102 ms (a tick); in a CI run of 4 December, beside
+            // this binary's three other testbeds, 632 ms. A daemon stuck
+            // on a scrape would not answer at all: the bound only needs to
+            // tell that from a late tick.
             assert!(
-                took < Duration::from_millis(500),
+                took < Duration::from_secs(2),
                 "status took {took:?} while b0 {what}"
             );
             assert!(st.uptime_s >= last_uptime);
@@ -246,7 +253,7 @@ fn hanging_lying_and_flooding_metrics_endpoints_never_stop_the_daemon() {
                 && b.host_note.as_deref().is_some_and(|n| n.contains(want))
             {
                 println!(
-                    "b0 {what}: host terms unknown, note {:?}",
+                    "b0 {what}: host terms unknown, note {:?}; status answered within {slowest:?}",
                     b.host_note.unwrap()
                 );
                 assert!(

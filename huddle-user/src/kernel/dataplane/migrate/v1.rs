@@ -13,8 +13,9 @@ use super::tally::Tally;
 use crate::kernel::rawmap::{pod_bytes as bytes, read_pod as from_bytes, RawMap, ANY};
 use anyhow::{Context, Result};
 use huddle_common::{
-    flow_flags, maps, service_mode, Backend, BackendStats, Counters, FlowKey, FlowValue,
-    GlobalStats, KernelConfig, NatKey, NatValue, Pulse, Ring, ServiceStats, MAX_SNAT, PROTO_UDP,
+    flow_flags, maps, service_mode, short_tag, Backend, BackendStats, Counters, FlowKey, FlowValue,
+    GlobalStats, HalfOpenNat, HalfOpenTags, KernelConfig, NatKey, NatValue, Pulse, Ring,
+    ServiceStats, HALF_OPEN_TAGS_PER_LINE, MAX_SNAT, PROTO_UDP,
 };
 use std::{collections::HashMap, path::Path};
 
@@ -177,10 +178,6 @@ pub(super) fn copy(old: &Path, new: &Path, flows: bool, tally: &mut Tally) -> Re
         (maps::NAT_CURSOR, "NAT cursors"),
         (maps::TW_HINTS, "TIME_WAIT hints"),
         (maps::TW_HINTS_UNTIL, "TIME_WAIT hint expiries"),
-        (maps::HALF_OPEN, "half-open slots"),
-        (maps::HALF_OPEN_NAT, "half-open NAT slots"),
-        (maps::HALF_OPEN_TAGS, "half-open tags"),
-        (maps::HALF_OPEN_NAT_TAGS, "half-open NAT tags"),
     ] {
         same(old, new, name, kind, tally)?;
     }
@@ -208,9 +205,11 @@ pub(super) fn copy(old: &Path, new: &Path, flows: bool, tally: &mut Tally) -> Re
     Ok(())
 }
 
-/// Flows and NAT entries, each into its table of this build (`flags`:
-/// `ANY`, or `NOEXIST` after the swap, leaving the new program's own).
+/// Flows, NAT entries and handshakes under way, each into its table of
+/// this build (`flags`: `ANY`, or `NOEXIST` after the swap, leaving the
+/// new program's own).
 pub(super) fn copy_flows(old: &Path, new: &Path, flags: u64, tally: &mut Tally) -> Result<()> {
+    half_open(old, new, tally)?;
     let modes = service_modes(old)?;
     let src = RawMap::open(&old.join(maps::FLOWS))?;
     let to = |name| RawMap::open(&new.join(name));
@@ -254,6 +253,69 @@ pub(super) fn copy_flows(old: &Path, new: &Path, flags: u64, tally: &mut Tally) 
             (&tcp, "TCP NAT entries")
         };
         put(dst, &key, &bytes(&n), flags, kind, tally);
+    }
+    Ok(())
+}
+
+/// The handshakes under way: each taken slot of `HALF_OPEN` and
+/// `HALF_OPEN_NAT` into the same slot of the new table where that one is
+/// empty, its short tag set to match. Made twice: at the copy, and after
+/// the swap for the SYNs the old program took in between (without it the
+/// client's ACK, or the backend's SYN-ACK, of such a handshake finds
+/// nothing in the new program and the connection stalls). Slots hash with
+/// the old seed, which `CONFIG` carries; a table of another size is not
+/// carried (its slots would be elsewhere).
+fn half_open(old: &Path, new: &Path, tally: &mut Tally) -> Result<()> {
+    let tables = [
+        (maps::HALF_OPEN, maps::HALF_OPEN_TAGS, "half-open slots"),
+        (
+            maps::HALF_OPEN_NAT,
+            maps::HALF_OPEN_NAT_TAGS,
+            "half-open NAT slots",
+        ),
+    ];
+    for (slots, tags, kind) in tables {
+        let (Some((src, dst)), Some((_, dst_tags))) =
+            (pair(old, new, slots)?, pair(old, new, tags)?)
+        else {
+            continue;
+        };
+        let taken = |v: &[u8]| v.len() >= 8 && v[..8].iter().any(|b| *b != 0);
+        if src.max_entries != dst.max_entries || src.value_len != dst.value_len {
+            let n = src
+                .keys()?
+                .iter()
+                .filter(|k| src.get(k).ok().flatten().is_some_and(|v| taken(&v)))
+                .count();
+            tally.drop(kind, n as u64);
+            continue;
+        }
+        for i in 0..src.max_entries {
+            let key = i.to_ne_bytes();
+            let Some(mut v) = src.get(&key)?.filter(|v| taken(v)) else {
+                continue;
+            };
+            if dst.get(&key)?.is_some_and(|d| taken(&d)) {
+                continue;
+            }
+            if slots == maps::HALF_OPEN_NAT {
+                // Padding in layout 1: no backend sequence number seen yet.
+                let mut h: HalfOpenNat = from_bytes(&v);
+                h.nat.backend_seq = 0;
+                v = bytes(&h);
+            }
+            let tag = u64::from_ne_bytes(v[..8].try_into()?);
+            put(&dst, &key, &v, ANY, kind, tally);
+            let line = (i / HALF_OPEN_TAGS_PER_LINE).to_ne_bytes();
+            let mut t: HalfOpenTags = dst_tags.get(&line)?.map_or(
+                HalfOpenTags {
+                    tags: [0; HALF_OPEN_TAGS_PER_LINE as usize],
+                },
+                |b| from_bytes(&b),
+            );
+            t.tags[(i % HALF_OPEN_TAGS_PER_LINE) as usize] = short_tag(tag);
+            dst_tags.put(&line, &bytes(&t), ANY)?;
+        }
     }
     Ok(())
 }
