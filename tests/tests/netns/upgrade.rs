@@ -206,6 +206,16 @@ fn upgrade(tag: &str, flows: bool) -> (Testbed, Vec<String>, Vec<String>) {
         broken.len(),
         st.xdp_mode
     );
+    // What the start did between the copy and the swap (the window in
+    // which the old program still opens connections).
+    let window: Vec<&str> = log
+        .lines()
+        .skip_while(|l| !l.contains("migrated layout"))
+        .take_while(|l| !l.contains("after the swap"))
+        .skip(1)
+        .take(20)
+        .collect();
+    println!("  between the copy and the swap:\n{}", window.join("\n"));
     if flows {
         assert!(migrated.contains("TCP flows"), "{log}");
         // The keep-alive connections and every connection the old build
