@@ -256,10 +256,18 @@ fn hanging_lying_and_flooding_metrics_endpoints_never_stop_the_daemon() {
                     "b0 {what}: host terms unknown, note {:?}; status answered within {slowest:?}",
                     b.host_note.unwrap()
                 );
-                assert!(
-                    st.services[0].backends[1].cpu.is_some(),
-                    "b1's metrics must be unaffected"
-                );
+                // b1's scrapes go on: its host terms are known now or
+                // soon (on a loaded CI machine one of its own scrapes
+                // can miss the 300 ms timeout; seen 4 December).
+                let since = Instant::now();
+                while bed.status().unwrap().services[0].backends[1].cpu.is_none() {
+                    assert!(
+                        since.elapsed() < Duration::from_secs(5),
+                        "b1's metrics must be unaffected: {:?}",
+                        bed.status().unwrap().services[0].backends[1].host_note
+                    );
+                    thread::sleep(Duration::from_millis(50));
+                }
                 break;
             }
             assert!(
