@@ -7,22 +7,7 @@ use anyhow::{bail, Result};
 use aya::maps::{IterableMap, MapData};
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd};
 
-/// `enum bpf_cmd`'s `BPF_MAP_LOOKUP_BATCH`.
-const BPF_MAP_LOOKUP_BATCH: libc::c_long = 24;
-
-/// `union bpf_attr`'s part for the batch commands.
-#[repr(C)]
-#[derive(Default)]
-struct BatchAttr {
-    in_batch: u64,
-    out_batch: u64,
-    keys: u64,
-    values: u64,
-    count: u32,
-    map_fd: u32,
-    elem_flags: u64,
-    flags: u64,
-}
+use super::rawmap::{BatchAttr, LOOKUP_BATCH as BPF_MAP_LOOKUP_BATCH};
 
 /// Elements `first..first + n` of the array map `fd`, as the kernel copies
 /// them: each `value_size` bytes (a per-CPU map's: `cpus` values, each

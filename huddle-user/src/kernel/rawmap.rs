@@ -13,6 +13,8 @@ use std::{
 const LOOKUP: libc::c_long = 1;
 const UPDATE: libc::c_long = 2;
 const NEXT_KEY: libc::c_long = 4;
+/// `BPF_MAP_LOOKUP_BATCH`.
+pub(crate) const LOOKUP_BATCH: libc::c_long = 24;
 
 /// `BPF_NOEXIST`: an update that leaves an existing element alone.
 pub const NOEXIST: u64 = 1;
@@ -27,6 +29,52 @@ struct ElemAttr {
     key: u64,
     value: u64,
     flags: u64,
+}
+
+/// `union bpf_attr`'s part for the batch commands.
+#[repr(C)]
+#[derive(Default)]
+pub(crate) struct BatchAttr {
+    pub in_batch: u64,
+    pub out_batch: u64,
+    pub keys: u64,
+    pub values: u64,
+    pub count: u32,
+    pub map_fd: u32,
+    pub elem_flags: u64,
+    pub flags: u64,
+}
+
+/// Elements asked for in one batch: a hash map answers whole buckets, so
+/// this must exceed the longest (doubled on `ENOSPC`).
+const BATCH: usize = 4096;
+
+/// Elements read at once: keys and values each in one buffer.
+pub struct Entries {
+    keys: Vec<u8>,
+    values: Vec<u8>,
+    key_size: usize,
+    value_len: usize,
+}
+
+impl Entries {
+    /// How many.
+    #[must_use]
+    pub fn len(&self) -> usize {
+        self.keys.len() / self.key_size.max(1)
+    }
+
+    #[must_use]
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Each (key, value).
+    pub fn iter(&self) -> impl Iterator<Item = (&[u8], &[u8])> {
+        self.keys
+            .chunks_exact(self.key_size.max(1))
+            .zip(self.values.chunks_exact(self.value_len.max(1)))
+    }
 }
 
 /// A map opened by its pin, with the sizes the kernel gives.
@@ -150,6 +198,64 @@ impl RawMap {
                 out.push(next.clone());
             }
             prev = Some(next);
+        }
+        Ok(out)
+    }
+
+    /// Every element, read a few thousand at a time
+    /// (`BPF_MAP_LOOKUP_BATCH`: a migration's pass over a full flow table
+    /// was seconds of one lookup each, during which the flows the old
+    /// program opened were missing from the new one). At most
+    /// `max_entries` plus as many again, as `keys`; an array's in order.
+    pub fn entries(&self) -> Result<Entries> {
+        let mut out = Entries {
+            keys: Vec::new(),
+            values: Vec::new(),
+            key_size: self.key_size,
+            value_len: self.value_len,
+        };
+        // The kernel's cursor: a bucket (hash maps) or a key (arrays).
+        let token_len = self.key_size.max(8);
+        let (mut token_in, mut token_out) = (vec![0u8; token_len], vec![0u8; token_len]);
+        let mut first = true;
+        let mut count = BATCH;
+        let bound = 2 * self.max_entries as usize + 1;
+        while out.len() < bound {
+            let (k0, v0) = (out.keys.len(), out.values.len());
+            out.keys.resize(k0 + count * self.key_size, 0);
+            out.values.resize(v0 + count * self.value_len, 0);
+            let mut attr = BatchAttr {
+                in_batch: if first {
+                    0
+                } else {
+                    token_in.as_mut_ptr() as u64
+                },
+                out_batch: token_out.as_mut_ptr() as u64,
+                keys: out.keys[k0..].as_mut_ptr() as u64,
+                values: out.values[v0..].as_mut_ptr() as u64,
+                count: count as u32,
+                map_fd: self.data.fd().as_fd().as_raw_fd() as u32,
+                ..Default::default()
+            };
+            // SAFETY: the buffers hold `count` more keys and values and a
+            // token of at least the key's size; they outlive the call.
+            let r = unsafe { bpf(LOOKUP_BATCH, &mut attr) };
+            let got = (attr.count as usize).min(count);
+            out.keys.truncate(k0 + got * self.key_size);
+            out.values.truncate(v0 + got * self.value_len);
+            match r {
+                Ok(_) => {}
+                Err(e) if e.raw_os_error() == Some(libc::ENOENT) => break,
+                Err(e) if e.raw_os_error() == Some(libc::ENOSPC) && count < 1 << 20 => {
+                    count *= 2;
+                    continue;
+                }
+                Err(e) => {
+                    return Err(e).with_context(|| format!("reading {} in batches", self.name))
+                }
+            }
+            std::mem::swap(&mut token_in, &mut token_out);
+            first = false;
         }
         Ok(out)
     }

@@ -94,6 +94,133 @@ fn traffic(bed: &Testbed, threads: usize, per_thread: usize) -> (HeldConnections
     (held, load)
 }
 
+/// The client's ports of `HeldHandshake`: one opened before the upgrade,
+/// one between its copy and its swap.
+const HELD_PORTS: [u16; 2] = [47_001, 47_002];
+
+/// A connection whose handshake is under way in the balancer across the
+/// upgrade: the client's firewall drops all but SYNs from its port, so
+/// its ACK of the SYN-ACK never came and the flow sits in the half-open
+/// tables; `finish` lets it out and asks a request.
+struct HeldHandshake {
+    ns: String,
+    port: u16,
+    stream: std::net::TcpStream,
+}
+
+/// `nft` in namespace `ns`.
+fn nft(ns: &str, rule: &str) {
+    let (ok, _, err) =
+        testbed::output(Path::new("ip"), &["netns", "exec", ns, "nft", rule]).expect("nft");
+    assert!(ok, "nft {rule}: {err}");
+}
+
+impl HeldHandshake {
+    fn open(ns: &str, port: u16) -> HeldHandshake {
+        let table = format!("held{port}");
+        nft(ns, &format!("add table ip {table}"));
+        nft(
+            ns,
+            &format!("add chain ip {table} out {{ type filter hook output priority 0 ; }}"),
+        );
+        nft(
+            ns,
+            &format!("add rule ip {table} out tcp sport {port} tcp flags & syn == 0 drop"),
+        );
+        let name = ns.to_string();
+        let stream = std::thread::spawn(move || {
+            huddle_user::sys::netns::enter(&name).expect("enter namespace");
+            connect_from(port, std::net::SocketAddrV4::new(VIP, 80))
+        })
+        .join()
+        .unwrap()
+        .expect("the held handshake's connect");
+        HeldHandshake {
+            ns: ns.to_string(),
+            port,
+            stream,
+        }
+    }
+
+    /// The answer's first line, or why there is none.
+    fn finish(self) -> Result<String, String> {
+        use std::io::{BufRead, BufReader, Write};
+        nft(&self.ns, &format!("delete table ip held{}", self.port));
+        let mut s = self.stream;
+        s.set_nodelay(true).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+        s.write_all(b"GET / HTTP/1.1\r\nHost: vip\r\n\r\n")
+            .map_err(|e| e.to_string())?;
+        let mut line = String::new();
+        BufReader::new(s)
+            .read_line(&mut line)
+            .map_err(|e| e.to_string())?;
+        Ok(line.trim_end().to_string())
+    }
+}
+
+/// Opens a `HeldHandshake` from `HELD_PORTS[1]` as soon as the log at
+/// `log` says the migration's copy is made (`None` if it never does
+/// within 60 s): the old program still runs, and only the pass after the
+/// swap can carry that handshake.
+fn hold_in_window(ns: &str, log: PathBuf) -> thread::JoinHandle<Option<HeldHandshake>> {
+    let ns = ns.to_string();
+    thread::spawn(move || {
+        let t = Instant::now();
+        while t.elapsed() < Duration::from_secs(60) {
+            let text = std::fs::read_to_string(&log).unwrap_or_default();
+            if text.contains("migrated layout") {
+                return Some(HeldHandshake::open(&ns, HELD_PORTS[1]));
+            }
+            thread::sleep(Duration::from_millis(5));
+        }
+        None
+    })
+}
+
+/// A TCP connection from `port` of this namespace's address to `to`.
+fn connect_from(port: u16, to: std::net::SocketAddrV4) -> std::io::Result<std::net::TcpStream> {
+    use std::os::fd::FromRawFd;
+    let sin = |a: std::net::SocketAddrV4| libc::sockaddr_in {
+        sin_family: libc::AF_INET as libc::sa_family_t,
+        sin_port: a.port().to_be(),
+        sin_addr: libc::in_addr {
+            s_addr: u32::from_ne_bytes(a.ip().octets()),
+        },
+        sin_zero: [0; 8],
+    };
+    let len = size_of::<libc::sockaddr_in>() as libc::socklen_t;
+    // SAFETY: plain system calls on a socket this function owns (the
+    // stream closes it on every return), with addresses of `len` bytes.
+    unsafe {
+        let fd = libc::socket(libc::AF_INET, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0);
+        if fd < 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        let s = std::net::TcpStream::from_raw_fd(fd);
+        let one: libc::c_int = 1;
+        libc::setsockopt(
+            fd,
+            libc::SOL_SOCKET,
+            libc::SO_REUSEADDR,
+            std::ptr::from_ref(&one).cast(),
+            size_of::<libc::c_int>() as libc::socklen_t,
+        );
+        let local = sin(std::net::SocketAddrV4::new(
+            std::net::Ipv4Addr::UNSPECIFIED,
+            port,
+        ));
+        if libc::bind(fd, std::ptr::from_ref(&local).cast(), len) < 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        let remote = sin(to);
+        if libc::connect(fd, std::ptr::from_ref(&remote).cast(), len) < 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        Ok(s)
+    }
+}
+
 /// Sum of a counter over the service's backends.
 fn total(bed: &Testbed, counter: &str) -> u64 {
     bed.status().expect("status").services[0]
@@ -161,6 +288,7 @@ fn upgrade(tag: &str, flows: bool) -> (Testbed, Vec<String>, Vec<String>) {
     if flows {
         fill_flows(&bed.pins, FILL);
     }
+    let handshake = HeldHandshake::open(&bed.client.name, HELD_PORTS[0]);
     // As `systemctl restart` after `dpkg -i` does: SIGTERM leaves the
     // data plane running; the new build starts over it.
     bed.kill_huddle(libc::SIGTERM);
@@ -168,11 +296,25 @@ fn upgrade(tag: &str, flows: bool) -> (Testbed, Vec<String>, Vec<String>) {
     if !flows {
         bed.huddle_env = vec![("HUDDLE_MIGRATE_FLOWS".into(), "0".into())];
     }
+    let in_window = hold_in_window(&bed.client.name, bed.dir.join("huddle.log"));
     let t0 = Instant::now();
     bed.start_huddle(Path::new(HUDDLE), &a)
         .unwrap_or_else(|e| panic!("this build over the previous release: {e:#}"));
     let took = t0.elapsed();
     bed.huddle_env.clear();
+    let in_window = in_window.join().unwrap();
+    let handshakes = [Some(handshake), in_window].map(|h| h.map(HeldHandshake::finish));
+    println!(
+        "{tag}: handshakes under way across the upgrade (opened before it; between its copy and its swap), finished after it: {handshakes:?}"
+    );
+    for h in &handshakes {
+        let h = h.as_ref().expect("a handshake opened in the window");
+        if flows {
+            assert!(h.as_deref().is_ok_and(|l| l.contains(" 200")), "{h:?}");
+        } else {
+            assert!(h.is_err(), "the control carried a handshake: {h:?}");
+        }
+    }
     // Long enough for a keep-alive request without its flow to time out.
     thread::sleep(Duration::from_secs(if flows { 3 } else { 7 }));
     let st = bed.status().expect("status");

@@ -39,7 +39,7 @@ impl Dataplane {
         let (cpus, nat_used) = (geo.cpus, geo.nat_used);
         let half_open = cfg.half_open_table_size.next_power_of_two();
         // An older build's maps set aside first: sized afresh below.
-        let migration = match pins {
+        let mut migration = match pins {
             Some(dir) => prepare(dir)?,
             None => None,
         };
@@ -65,7 +65,7 @@ impl Dataplane {
         }
         // Before CONFIG records this layout: a copy cut short is made
         // again by the next start (`migrate::inspect`).
-        if let Some(m) = &migration {
+        if let Some(m) = &mut migration {
             m.copy()?;
         }
         let mut config: Array<MapData, KernelConfig> = take(&mut ebpf, maps::CONFIG)?;

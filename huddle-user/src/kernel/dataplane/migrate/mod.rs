@@ -135,6 +135,8 @@ pub struct Migration {
     flows: bool,
     /// The old `CONFIG` as this build's (seeds and generation carried).
     pub(super) old_config: Option<KernelConfig>,
+    /// What the copy wrote: the pass after the swap writes only the rest.
+    copied: v1::Copied,
 }
 
 impl Migration {
@@ -162,6 +164,7 @@ impl Migration {
             copy: true,
             flows: carries_flows(),
             old_config,
+            copied: v1::Copied::default(),
         })
     }
 
@@ -172,18 +175,20 @@ impl Migration {
             copy: false,
             flows: carries_flows(),
             old_config: None,
+            copied: v1::Copied::default(),
         }
     }
 
     /// Copies what the old maps hold into the new ones (pinned in the
     /// folder by the load, before its `CONFIG` records this layout).
-    pub(super) fn copy(&self) -> Result<()> {
+    pub(super) fn copy(&mut self) -> Result<()> {
         if !self.copy {
             return Ok(());
         }
         let began = std::time::Instant::now();
         let mut tally = Tally::default();
-        v1::copy(&self.dir.join(ASIDE), &self.dir, self.flows, &mut tally)?;
+        let flows = self.flows.then_some(&mut self.copied);
+        v1::copy(&self.dir.join(ASIDE), &self.dir, flows, &mut tally)?;
         info!(
             "migrated layout {} to {LAYOUT_VERSION} in {} ms: carried {}; not carried {}",
             v1::LAYOUT,
@@ -197,15 +202,17 @@ impl Migration {
     /// Once the new program runs: the flows and NAT entries the old one
     /// made since the copy, then the old pins unpinned (the old maps are
     /// freed with the old program).
-    pub(super) fn finish(self) -> Result<()> {
+    pub(super) fn finish(mut self) -> Result<()> {
         let aside = self.dir.join(ASIDE);
+        let began = std::time::Instant::now();
         let mut tally = Tally::default();
         if self.flows {
-            v1::copy_flows(&aside, &self.dir, NOEXIST, &mut tally)?;
+            v1::copy_flows(&aside, &self.dir, NOEXIST, &mut tally, &mut self.copied)?;
         }
         if !tally.carried.is_empty() || !tally.dropped.is_empty() {
             info!(
-                "after the swap: carried {}; not carried {}",
+                "after the swap, in {} ms: carried {}; not carried {}",
+                began.elapsed().as_millis(),
                 line(&tally.carried),
                 line(&tally.dropped)
             );

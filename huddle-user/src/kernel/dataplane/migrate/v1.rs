@@ -17,7 +17,10 @@ use huddle_common::{
     GlobalStats, HalfOpenNat, HalfOpenTags, KernelConfig, NatKey, NatValue, Pulse, Ring,
     ServiceStats, HALF_OPEN_TAGS_PER_LINE, MAX_SNAT, PROTO_UDP,
 };
-use std::{collections::HashMap, path::Path};
+use std::{
+    collections::{HashMap, HashSet},
+    path::Path,
+};
 
 /// Its number.
 pub(super) const LAYOUT: u32 = 1;
@@ -164,9 +167,34 @@ pub(super) fn config(old: &Path) -> Result<Option<KernelConfig>> {
     Ok(Some(c))
 }
 
+/// The flow and NAT keys a pass wrote (or found written): the next pass
+/// writes only the others.
+#[derive(Default)]
+pub(super) struct Copied {
+    flows: Keys,
+    nat: Keys,
+}
+
+/// A set of keys of one map.
+#[derive(Default)]
+struct Keys(HashSet<Vec<u8>>);
+
+impl Keys {
+    /// Adds `key`; false if it was there.
+    fn insert(&mut self, key: &[u8]) -> bool {
+        !self.0.contains(key) && self.0.insert(key.to_vec())
+    }
+}
+
 /// Copies layout 1's maps in `old` into this build's in `new`; `flows`:
-/// the flow and NAT tables too (off only for the upgrade test's control).
-pub(super) fn copy(old: &Path, new: &Path, flows: bool, tally: &mut Tally) -> Result<()> {
+/// the flow and NAT tables too, noting their keys there (`None` only for
+/// the upgrade test's control).
+pub(super) fn copy(
+    old: &Path,
+    new: &Path,
+    flows: Option<&mut Copied>,
+    tally: &mut Tally,
+) -> Result<()> {
     for (name, kind) in [
         (maps::SERVICES, "services"),
         (maps::SERVICES6, "IPv6 services"),
@@ -199,29 +227,38 @@ pub(super) fn copy(old: &Path, new: &Path, flows: bool, tally: &mut Tally) -> Re
     counters::<BackendStats>(old, new, maps::BACKEND_STATS, &BACKEND_COUNTERS, tally)?;
     counters::<ServiceStats>(old, new, maps::SERVICE_STATS, &SERVICE_COUNTERS, tally)?;
     counters::<GlobalStats>(old, new, maps::GLOBAL_STATS, &GLOBAL_COUNTERS, tally)?;
-    if flows {
-        copy_flows(old, new, ANY, tally)?;
+    if let Some(copied) = flows {
+        copy_flows(old, new, ANY, tally, copied)?;
     }
     Ok(())
 }
 
 /// Flows, NAT entries and handshakes under way, each into its table of
 /// this build (`flags`: `ANY`, or `NOEXIST` after the swap, leaving the
-/// new program's own).
-pub(super) fn copy_flows(old: &Path, new: &Path, flags: u64, tally: &mut Tally) -> Result<()> {
+/// new program's own), but for the keys in `copied`, to which it adds
+/// those it wrote.
+pub(super) fn copy_flows(
+    old: &Path,
+    new: &Path,
+    flags: u64,
+    tally: &mut Tally,
+    copied: &mut Copied,
+) -> Result<()> {
     half_open(old, new, tally)?;
     let modes = service_modes(old)?;
     let src = RawMap::open(&old.join(maps::FLOWS))?;
     let to = |name| RawMap::open(&new.join(name));
     let (tcp, dsr, udp) = (to(maps::FLOWS)?, to(maps::DSR_FLOWS)?, to(maps::UDP_FLOWS)?);
-    for key in src.keys()? {
-        let Some(v) = src.get(&key)? else { continue };
+    for (key, v) in src.entries()?.iter() {
+        if !copied.flows.insert(key) {
+            continue;
+        }
         if key.len() != size_of::<FlowKey>() || v.len() != size_of::<FlowValue>() {
             tally.drop("flows", 1);
             continue;
         }
-        let k: FlowKey = from_bytes(&key);
-        let mut f: FlowValue = from_bytes(&v);
+        let k: FlowKey = from_bytes(key);
+        let mut f: FlowValue = from_bytes(v);
         let mode = modes.get(&f.service).copied().unwrap_or(service_mode::SNAT);
         let (dst, kind) = if mode != service_mode::SNAT {
             (&dsr, "DSR flows")
@@ -233,18 +270,20 @@ pub(super) fn copy_flows(old: &Path, new: &Path, flags: u64, tally: &mut Tally) 
         } else {
             (&tcp, "TCP flows")
         };
-        put(dst, &key, &bytes(&f), flags, kind, tally);
+        put(dst, key, &bytes(&f), flags, kind, tally);
     }
     let src = RawMap::open(&old.join(maps::NAT))?;
     let (tcp, udp) = (to(maps::NAT)?, to(maps::UDP_NAT)?);
-    for key in src.keys()? {
-        let Some(v) = src.get(&key)? else { continue };
+    for (key, v) in src.entries()?.iter() {
+        if !copied.nat.insert(key) {
+            continue;
+        }
         if key.len() != size_of::<NatKey>() || v.len() != size_of::<NatValue>() {
             tally.drop("NAT entries", 1);
             continue;
         }
-        let k: NatKey = from_bytes(&key);
-        let mut n: NatValue = from_bytes(&v);
+        let k: NatKey = from_bytes(key);
+        let mut n: NatValue = from_bytes(v);
         // Padding in layout 1: no backend sequence number seen yet.
         n.backend_seq = 0;
         let (dst, kind) = if k.proto == PROTO_UDP {
@@ -252,7 +291,7 @@ pub(super) fn copy_flows(old: &Path, new: &Path, flags: u64, tally: &mut Tally) 
         } else {
             (&tcp, "TCP NAT entries")
         };
-        put(dst, &key, &bytes(&n), flags, kind, tally);
+        put(dst, key, &bytes(&n), flags, kind, tally);
     }
     Ok(())
 }
@@ -275,22 +314,33 @@ fn half_open(old: &Path, new: &Path, tally: &mut Tally) -> Result<()> {
         ),
     ];
     for (slots, tags, kind) in tables {
-        let (Some((src, dst)), Some((_, dst_tags))) =
+        let (Some((src, dst)), Some((src_tags, dst_tags))) =
             (pair(old, new, slots)?, pair(old, new, tags)?)
         else {
             continue;
         };
-        let taken = |v: &[u8]| v.len() >= 8 && v[..8].iter().any(|b| *b != 0);
-        if src.max_entries != dst.max_entries || src.value_len != dst.value_len {
-            let n = src
-                .keys()?
+        // Which slots are taken, from the short tags both builds keep
+        // equal to the slots' (a 256 KiB read, not 8 MiB of slots).
+        let lanes = |m: &RawMap| -> Result<Vec<u32>> {
+            Ok(m.entries()?
                 .iter()
-                .filter(|k| src.get(k).ok().flatten().is_some_and(|v| taken(&v)))
-                .count();
-            tally.drop(kind, n as u64);
+                .flat_map(|(_, v)| from_bytes::<HalfOpenTags>(v).tags)
+                .collect())
+        };
+        let old_lanes = lanes(&src_tags)?;
+        if src.max_entries != dst.max_entries || src.value_len != dst.value_len {
+            tally.drop(kind, old_lanes.iter().filter(|t| **t != 0).count() as u64);
             continue;
         }
-        for i in 0..src.max_entries {
+        let new_lanes = lanes(&dst_tags)?;
+        let taken = |v: &[u8]| v.len() >= 8 && v[..8].iter().any(|b| *b != 0);
+        for (i, _) in old_lanes
+            .iter()
+            .zip(&new_lanes)
+            .enumerate()
+            .filter(|(i, (o, n))| **o != 0 && **n == 0 && (*i as u32) < src.max_entries)
+        {
+            let i = i as u32;
             let key = i.to_ne_bytes();
             let Some(mut v) = src.get(&key)?.filter(|v| taken(v)) else {
                 continue;
@@ -306,6 +356,8 @@ fn half_open(old: &Path, new: &Path, tally: &mut Tally) -> Result<()> {
             }
             let tag = u64::from_ne_bytes(v[..8].try_into()?);
             put(&dst, &key, &v, ANY, kind, tally);
+            // The line read again just before it is written: the new
+            // program may have set another lane of it meanwhile.
             let line = (i / HALF_OPEN_TAGS_PER_LINE).to_ne_bytes();
             let mut t: HalfOpenTags = dst_tags.get(&line)?.map_or(
                 HalfOpenTags {
@@ -440,8 +492,7 @@ fn each(
     tally: &mut Tally,
     f: impl Fn(&[u8]) -> Option<Vec<u8>>,
 ) -> Result<()> {
-    for key in src.keys()? {
-        let Some(v) = src.get(&key)? else { continue };
+    for (key, v) in src.entries()?.iter() {
         if src.array && v.iter().all(|b| *b == 0) {
             continue;
         }
@@ -449,8 +500,8 @@ fn each(
             tally.drop(kind, 1);
             continue;
         }
-        match f(&v).filter(|n| n.len() == dst.value_len) {
-            Some(n) => put(dst, &key, &n, ANY, kind, tally),
+        match f(v).filter(|n| n.len() == dst.value_len) {
+            Some(n) => put(dst, key, &n, ANY, kind, tally),
             None => tally.drop(kind, 1),
         }
     }
