@@ -30,7 +30,8 @@ pub struct KernelConfig {
     pub slice_ports: u16,
     pub slices: u16,
     pub snat6_count: u16,
-    pub _pad2: u16,
+    /// `config_flags` bits.
+    pub flags: u16,
     /// Bumped by the control plane every second: a cached next hop from
     /// an older generation is asked of the FIB again (no clock read per
     /// packet).
@@ -112,3 +113,14 @@ pub struct Tuning {
     pub _pad: u32,
 }
 shared!(Tuning, 32);
+
+/// Bits of `KernelConfig::flags`.
+pub mod config_flags {
+    /// A migration is under way (`dataplane::migrate`): a backend's packet
+    /// to the NAT port range that no NAT entry explains is dropped, not
+    /// handed to the kernel, until the flows and handshakes the old
+    /// program made in its last moments are copied in. The kernel would
+    /// answer RST and close the backend's side; dropped, the backend
+    /// sends again and finds them. Cleared once they are.
+    pub const MIGRATING: u16 = 1;
+}

@@ -222,6 +222,10 @@ counters!(
         /// toward a router whose VIP route points here, or a way around
         /// the services to any backend port.
         drop_guarded,
+        /// Dropped: to the SNAT address and NAT port range without a NAT
+        /// entry while a migration copies the old program's last flows
+        /// (`config_flags::MIGRATING`; otherwise passed, `pass_no_nat`).
+        drop_no_nat,
     }
 );
 

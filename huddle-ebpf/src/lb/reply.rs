@@ -19,11 +19,12 @@ use aya_ebpf::{
     bindings::xdp_action, helpers::generated::bpf_ktime_get_coarse_ns, programs::XdpContext,
 };
 use huddle_common::{
-    flow_flags, seqwin, verdict::RETRY, FlowValue, HalfOpen, KernelConfig, NatKey, NatValue,
+    config_flags, flow_flags, seqwin, verdict::RETRY, FlowValue, HalfOpen, KernelConfig, NatKey,
+    NatValue,
 };
 
 /// Backend to client: translate a reply back, or leave the balancer host's
-/// own traffic alone.
+/// own traffic alone (but for a migration's last moments: `MIGRATING`).
 #[inline(never)]
 pub fn reply<F: Balanced>(ctx: &XdpContext, p: &Packet<F>, cfg: &KernelConfig) -> u32 {
     let Some(sc) = scratch::get() else {
@@ -40,6 +41,10 @@ pub fn reply<F: Balanced>(ctx: &XdpContext, p: &Packet<F>, cfg: &KernelConfig) -
         F::FAMILY,
     );
     let Some((half, entry)) = nat_entry(cfg, sc) else {
+        if cfg.flags & config_flags::MIGRATING != 0 {
+            global(|s| s.drop_no_nat += 1);
+            return xdp_action::XDP_DROP;
+        }
         global(|s| s.pass_no_nat += 1);
         return xdp_action::XDP_PASS;
     };

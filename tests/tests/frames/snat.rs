@@ -179,6 +179,36 @@ fn traffic_that_is_not_ours_passes_untouched_or_is_dropped_if_to_the_vip() {
     );
 }
 
+/// While a migration copies the old program's last flows
+/// (`config_flags::MIGRATING`), a backend's packet to the SNAT address and
+/// NAT port range that no NAT entry explains is dropped and counted, not
+/// handed to the kernel, whose RST would close the backend's side of a
+/// connection copied a moment later; otherwise it is passed.
+#[test]
+fn while_migrating_a_backend_packet_no_nat_entry_explains_is_dropped() {
+    let mut env = env("pr-nonat");
+    let frames = [
+        Frame::tcp((backend(0), 8080), (BALANCER_IP, 25000))
+            .flags(SYN | ACK)
+            .build(),
+        Frame::tcp((backend(1), 8080), (BALANCER_IP, 20001))
+            .flags(ACK)
+            .payload(b"HTTP/1.1 200 OK\r\n")
+            .build(),
+        Frame::udp((backend(0), 8080), (BALANCER_IP, 25001)).build(),
+    ];
+    env.dp.set_migrating(true).unwrap();
+    for f in &frames {
+        assert_eq!(env.run(f).unwrap().0, XDP_DROP);
+    }
+    env.dp.set_migrating(false).unwrap();
+    for f in &frames {
+        assert_eq!(env.run(f).unwrap().0, XDP_PASS);
+    }
+    let g: GlobalStats = env.dp.global_stats().unwrap();
+    assert_eq!((g.drop_no_nat, g.pass_no_nat), (3, 3), "{g:?}");
+}
+
 #[test]
 fn truncated_frames_are_never_rewritten() {
     let env = env("pr-trunc");

@@ -9,7 +9,7 @@ use aya::programs::{
     xdp::XdpLink,
     Xdp,
 };
-use huddle_common::PROGRAM_NAME;
+use huddle_common::{config_flags, PROGRAM_NAME};
 use std::path::Path;
 use tracing::{info, warn};
 
@@ -23,8 +23,20 @@ impl Dataplane {
         // since, then unpins the old maps.
         if let Some(m) = self.attach.migration.take() {
             m.finish().context("ending the migration")?;
+            self.set_migrating(false)?;
         }
         Ok(attached)
+    }
+
+    /// Sets or clears `config_flags::MIGRATING` (public for the frames
+    /// tests, which have no older data plane to migrate).
+    pub fn set_migrating(&mut self, on: bool) -> Result<()> {
+        if on {
+            self.settings.kernel_config.flags |= config_flags::MIGRATING;
+        } else {
+            self.settings.kernel_config.flags &= !config_flags::MIGRATING;
+        }
+        self.write_config()
     }
 
     fn attach_program(&mut self, ifindex: u32, mode: XdpMode) -> Result<AttachedMode> {

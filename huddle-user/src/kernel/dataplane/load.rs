@@ -10,7 +10,7 @@ use aya::{
     Ebpf, EbpfLoader,
 };
 use huddle_common::{
-    addr_v4, maps, KernelConfig, FAMILY_V4, MAX_SNAT, PROGRAM6_NAME, PROGRAM_NAME,
+    addr_v4, config_flags, maps, KernelConfig, FAMILY_V4, MAX_SNAT, PROGRAM6_NAME, PROGRAM_NAME,
 };
 use limits::MapLimits;
 use migrate::{Found, Migration};
@@ -73,7 +73,11 @@ impl Dataplane {
             .as_ref()
             .and_then(|m| m.old_config)
             .or(config.get(&0, 0).ok());
-        let (snat_addrs, kernel_config) = kernel_config(cfg, snat, snat6, &geo, half_open, prior)?;
+        let (snat_addrs, mut kernel_config) =
+            kernel_config(cfg, snat, snat6, &geo, half_open, prior)?;
+        if migration.is_some() {
+            kernel_config.flags |= config_flags::MIGRATING;
+        }
         config.set(0, kernel_config, 0).context("writing CONFIG")?;
         let nat = NatState::take(&mut ebpf, snat_addrs, fresh_cursors, resume)?;
         let mut dp = Dataplane {
@@ -514,7 +518,7 @@ fn kernel_config(
         slice_ports: geo.slice_ports,
         slices: geo.slices,
         snat6_count: snat6.len() as u16,
-        _pad2: 0,
+        flags: 0,
         hop_generation,
         half_open_mask: half_open - 1,
         encap_vary: 0,

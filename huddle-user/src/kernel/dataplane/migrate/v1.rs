@@ -14,7 +14,7 @@ use crate::kernel::rawmap::{pod_bytes as bytes, read_pod as from_bytes, RawMap, 
 use anyhow::{Context, Result};
 use huddle_common::{
     flow_flags, maps, service_mode, short_tag, Backend, BackendStats, Counters, FlowKey, FlowValue,
-    GlobalStats, HalfOpenNat, HalfOpenTags, KernelConfig, NatKey, NatValue, Pulse, Ring,
+    GlobalStats, HalfOpenNat, HalfOpenTags, KernelConfig, NatCursor, NatKey, NatValue, Pulse, Ring,
     ServiceStats, HALF_OPEN_TAGS_PER_LINE, MAX_SNAT, PROTO_UDP,
 };
 use std::{
@@ -167,6 +167,31 @@ pub(super) fn config(old: &Path) -> Result<Option<KernelConfig>> {
     Ok(Some(c))
 }
 
+/// Each CPU's NAT cursors (per-CPU `NatCursor`s) half of their walk
+/// (`walk`: ports of a CPU's slice, SNAT addresses) ahead. The old
+/// program goes on handing out tuples from its cursors until the swap; a
+/// new program starting where they stood at the copy would hand the same
+/// tuples out again before the pass after the swap carried their NAT
+/// entries (a handshake's, in a half-open slot, the walk never asks
+/// about), and two connections would share one tuple. Half a walk ahead,
+/// the two stay apart unless the old program hands out half a walk of
+/// tuples in its last moments; the tuples skipped rest longer.
+fn ahead(v: &[u8], (ports, addrs): (u32, u32)) -> Vec<u8> {
+    let mut out = v.to_vec();
+    let all = ports * addrs;
+    if all == 0 {
+        return out;
+    }
+    for cpu in out.chunks_exact_mut(size_of::<NatCursor>().next_multiple_of(8)) {
+        let mut c: NatCursor = from_bytes(cpu);
+        let at = (c.addr % addrs) * ports + c.port % ports;
+        let to = (at + all / 2) % all;
+        (c.addr, c.port) = (to / ports, to % ports);
+        cpu[..size_of::<NatCursor>()].copy_from_slice(&bytes(&c));
+    }
+    out
+}
+
 /// The flow and NAT keys a pass wrote (or found written): the next pass
 /// writes only the others.
 #[derive(Default)]
@@ -203,12 +228,20 @@ pub(super) fn copy(
         (maps::LATENCY, "latency histograms"),
         (maps::CONNECT, "connect histograms"),
         (maps::SWEPT, "swept counts"),
-        (maps::NAT_CURSOR, "NAT cursors"),
         (maps::TW_HINTS, "TIME_WAIT hints"),
         (maps::TW_HINTS_UNTIL, "TIME_WAIT hint expiries"),
     ] {
         same(old, new, name, kind, tally)?;
     }
+    let walk = config(old)?.map_or((0, 0), |c| {
+        (
+            u32::from(c.slice_ports),
+            u32::from(c.snat_count.max(c.snat6_count).max(1)),
+        )
+    });
+    translate(old, new, maps::NAT_CURSOR, "NAT cursors", tally, |v| {
+        Some(ahead(v, walk))
+    })?;
     translate(old, new, maps::BACKENDS, "backends", tally, |v| {
         // addr, port, family, then service (u8) and flags (u32).
         let mut b: Backend = from_bytes(&v[..size_of::<Backend>()]);
