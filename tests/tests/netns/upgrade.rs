@@ -366,6 +366,19 @@ fn upgrade(tag: &str, flows: bool) -> (Testbed, Vec<String>, Vec<String>) {
     thread::sleep(Duration::from_secs(if flows { 3 } else { 7 }));
     let st = bed.status().expect("status");
     let active: u64 = st.services[0].backends.iter().map(|b| b.active_flows).sum();
+    let per_backend: Vec<String> = st.services[0]
+        .backends
+        .iter()
+        .map(|b| {
+            let c = |n: &str| b.counters.get(n).copied().unwrap_or(0);
+            format!(
+                "{} (new {}, closed {})",
+                b.active_flows,
+                c("flows_new"),
+                c("flows_closed")
+            )
+        })
+        .collect();
     let flows_new = total(&bed, "flows_new");
     let (failed, broken, sent, asked) = outcome(load, held);
     let log = bed.huddle_log();
@@ -385,7 +398,7 @@ fn upgrade(tag: &str, flows: bool) -> (Testbed, Vec<String>, Vec<String>) {
     println!(
         "{tag}: upgrade from the previous release (flows carried: {flows}) started in {} ms, {} s into the load: {}\n{}\n  \
          {sent} new-connection requests, {} failed; {} keep-alive connections asked {asked} times, {} broken; \
-         status after: {active} active flows, flows_new {flows_new}; xdp {}",
+         status after: {active} active flows ({}), flows_new {flows_new}; xdp {}",
         took.as_millis(),
         opened_before.as_secs(),
         migrated,
@@ -393,6 +406,7 @@ fn upgrade(tag: &str, flows: bool) -> (Testbed, Vec<String>, Vec<String>) {
         failed.len(),
         threads * per_thread,
         broken.len(),
+        per_backend.join(", "),
         st.xdp_mode
     );
     // What the start did between the copy and the swap (the window in

@@ -15,6 +15,7 @@
 //! flows the old program made meanwhile, and only then unpins the old
 //! maps. Entries it cannot translate are counted and logged by kind.
 
+mod counts;
 mod tally;
 mod v1;
 
@@ -137,6 +138,8 @@ pub struct Migration {
     pub(super) old_config: Option<KernelConfig>,
     /// What the copy wrote: the pass after the swap writes only the rest.
     copied: v1::Copied,
+    /// The old counters as the copy read them.
+    counted: counts::Counted,
 }
 
 impl Migration {
@@ -165,6 +168,7 @@ impl Migration {
             flows: carries_flows(),
             old_config,
             copied: v1::Copied::default(),
+            counted: counts::Counted::default(),
         })
     }
 
@@ -176,6 +180,7 @@ impl Migration {
             flows: carries_flows(),
             old_config: None,
             copied: v1::Copied::default(),
+            counted: counts::Counted::default(),
         }
     }
 
@@ -188,7 +193,8 @@ impl Migration {
         let began = std::time::Instant::now();
         let mut tally = Tally::default();
         let flows = self.flows.then_some(&mut self.copied);
-        v1::copy(&self.dir.join(ASIDE), &self.dir, flows, &mut tally)?;
+        let aside = self.dir.join(ASIDE);
+        v1::copy(&aside, &self.dir, flows, &mut self.counted, &mut tally)?;
         info!(
             "migrated layout {} to {LAYOUT_VERSION} in {} ms: carried {}; not carried {}",
             v1::LAYOUT,
@@ -200,7 +206,8 @@ impl Migration {
     }
 
     /// Once the new program runs: the flows and NAT entries the old one
-    /// made since the copy, then the old pins unpinned (the old maps are
+    /// made since the copy and what its counters grew by, then the old
+    /// pins unpinned (the old maps are
     /// freed with the old program).
     pub(super) fn finish(mut self) -> Result<()> {
         let aside = self.dir.join(ASIDE);
@@ -208,6 +215,10 @@ impl Migration {
         let mut tally = Tally::default();
         if self.flows {
             v1::copy_flows(&aside, &self.dir, NOEXIST, &mut tally, &mut self.copied)?;
+        }
+        if self.copy {
+            self.counted.swapped();
+            v1::counts(&aside, &self.dir, &mut self.counted, &mut tally)?;
         }
         if !tally.carried.is_empty() || !tally.dropped.is_empty() {
             info!(

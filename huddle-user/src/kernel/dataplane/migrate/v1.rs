@@ -9,11 +9,11 @@
 //! UDP flows and UDP NAT entries moved out of `FLOWS` and `NAT` into
 //! tables of their own (`DSR_FLOWS`, `UDP_FLOWS`, `UDP_NAT`).
 
-use super::tally::Tally;
+use super::{counts::Counted, tally::Tally};
 use crate::kernel::rawmap::{pod_bytes as bytes, read_pod as from_bytes, RawMap, ANY};
 use anyhow::{Context, Result};
 use huddle_common::{
-    flow_flags, maps, service_mode, short_tag, Backend, BackendStats, Counters, FlowKey, FlowValue,
+    flow_flags, maps, service_mode, short_tag, Backend, BackendStats, FlowKey, FlowValue,
     GlobalStats, HalfOpenNat, HalfOpenTags, KernelConfig, NatCursor, NatKey, NatValue, Pulse, Ring,
     ServiceStats, HALF_OPEN_TAGS_PER_LINE, MAX_SNAT, PROTO_UDP,
 };
@@ -213,11 +213,12 @@ impl Keys {
 
 /// Copies layout 1's maps in `old` into this build's in `new`; `flows`:
 /// the flow and NAT tables too, noting their keys there (`None` only for
-/// the upgrade test's control).
+/// the upgrade test's control); `at_copy` keeps the counters as read.
 pub(super) fn copy(
     old: &Path,
     new: &Path,
     flows: Option<&mut Copied>,
+    at_copy: &mut Counted,
     tally: &mut Tally,
 ) -> Result<()> {
     for (name, kind) in [
@@ -257,9 +258,7 @@ pub(super) fn copy(
         p[..PULSE_SIZE].copy_from_slice(&v[..PULSE_SIZE]);
         Some(p)
     })?;
-    counters::<BackendStats>(old, new, maps::BACKEND_STATS, &BACKEND_COUNTERS, tally)?;
-    counters::<ServiceStats>(old, new, maps::SERVICE_STATS, &SERVICE_COUNTERS, tally)?;
-    counters::<GlobalStats>(old, new, maps::GLOBAL_STATS, &GLOBAL_COUNTERS, tally)?;
+    counts(old, new, at_copy, tally)?;
     if let Some(copied) = flows {
         copy_flows(old, new, ANY, tally, copied)?;
     }
@@ -461,38 +460,24 @@ fn translate(
     each(&src, &dst, kind, tally, f)
 }
 
-/// Per-CPU counters, each CPU's carried by name into `T`.
-fn counters<T: Counters + aya::Pod>(
-    old: &Path,
-    new: &Path,
-    name: &str,
-    names: &[&str],
-    tally: &mut Tally,
-) -> Result<()> {
-    let Some((src, dst)) = pair(old, new, name)? else {
-        return Ok(());
-    };
-    let mut order = Vec::new();
-    T::default().for_each(|n, _| order.push(n));
-    let at: Vec<Option<usize>> = names
-        .iter()
-        .map(|n| order.iter().position(|o| o == n))
-        .collect();
-    let old_each = src.value_size.next_multiple_of(8);
-    each(&src, &dst, "counters", tally, |v| {
-        let mut out = Vec::with_capacity(dst.value_len);
-        for cpu in v.chunks(old_each) {
-            let mut vals = vec![0u64; order.len()];
-            for (i, slot) in at.iter().enumerate() {
-                if let (Some(j), Some(b)) = (slot, cpu.get(i * 8..i * 8 + 8)) {
-                    vals[*j] = u64::from_ne_bytes(b.try_into().ok()?);
-                }
-            }
-            let t = T::from_values(&vals)?;
-            out.extend_from_slice(&bytes(&t));
-        }
-        Some(out)
-    })
+/// The counters: copied (`at` empty, which then keeps what it read), or
+/// grown by what the old ones counted since `at` was read (after the
+/// swap: the old program counted on until then).
+pub(super) fn counts(old: &Path, new: &Path, at: &mut Counted, tally: &mut Tally) -> Result<()> {
+    let both = |name| pair(old, new, name);
+    if let Some((src, dst)) = both(maps::BACKEND_STATS)? {
+        let names = &BACKEND_COUNTERS;
+        at.carry::<BackendStats>(maps::BACKEND_STATS, (&src, &dst), names, tally)?;
+    }
+    if let Some((src, dst)) = both(maps::SERVICE_STATS)? {
+        let names = &SERVICE_COUNTERS;
+        at.carry::<ServiceStats>(maps::SERVICE_STATS, (&src, &dst), names, tally)?;
+    }
+    if let Some((src, dst)) = both(maps::GLOBAL_STATS)? {
+        let names = &GLOBAL_COUNTERS;
+        at.carry::<GlobalStats>(maps::GLOBAL_STATS, (&src, &dst), names, tally)?;
+    }
+    Ok(())
 }
 
 /// Both maps named `name`; `None` if the old build had none.
