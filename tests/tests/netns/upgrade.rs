@@ -423,15 +423,12 @@ fn upgrade(tag: &str, flows: bool) -> (Testbed, Vec<String>, Vec<String>) {
         assert!(migrated.contains("TCP flows"), "{log}");
         // The keep-alive connections and every connection the old build
         // counted carried on in the new build's counters.
-        // Known gap: with all 200 connections alive, status counted 199
-        // open flows (flows_new - flows_closed) in a CI run of 4 December
-        // and in one run here, both with held handshakes; 200-201 before.
-        // Not yet explained (docs/operations/restarts.md); bounded, not
-        // hidden.
-        assert!(
-            active + 1 >= (THREADS * PER_THREAD) as u64,
-            "active {active}"
-        );
+        // Counts the old program made between the copy and the swap are
+        // added after it: without that a connection it opened there and
+        // the new one closed counted as closed, never opened (199 of 200
+        // in a CI run of 4 December). A connection of the load may be
+        // open as status reads.
+        assert!(active >= (THREADS * PER_THREAD) as u64, "active {active}");
         assert!(
             flows_new as usize >= THREADS * PER_THREAD,
             "flows_new {flows_new}"

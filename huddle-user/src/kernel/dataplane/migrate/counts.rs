@@ -107,7 +107,14 @@ impl Counted {
                 continue;
             }
             match dst.put(key, &value, ANY) {
-                Ok(true) => tally.carry(if self.after { "counts since the copy" } else { "counters" }, 1),
+                Ok(true) => tally.carry(
+                    if self.after {
+                        "counts since the copy"
+                    } else {
+                        "counters"
+                    },
+                    1,
+                ),
                 Ok(false) => {}
                 Err(_) => tally.drop("counters", 1),
             }
