@@ -164,7 +164,11 @@ fn among_all_kinds_a_slow_or_hung_backend_still_leaves() {
     let _one = serial();
     let vip = (VIP, 80).into();
     let addr = |i: usize| format!("{}:{}", testbed::backend_ip(i), testbed::HTTP_PORT);
-    for (fault, bound) in [("5x slow", 500), ("hung", 300)] {
+    // Hung: 190-199 ms in every run here (alone or the whole binary),
+    // but 395-397 ms in both clean-clone CI runs of 5 December, where the
+    // rotation line said the first answer b2 owed began ~200 ms after
+    // SIGSTOP (TCP's 200 ms minimum RTO is a suspect, not verified).
+    for (fault, bound) in [("5x slow", 500), ("hung", 500)] {
         let bed = started("kdf");
         let others = Kinds::start(&bed.client, vip, &Kind::ALL);
         let load = OpenLoop::start(&bed.client, vip, RATE, Duration::from_secs(2));
