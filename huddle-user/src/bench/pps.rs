@@ -54,10 +54,12 @@ pub(super) fn pps(
     client: Ipv4Addr,
     base: &mut Ebpf,
 ) -> Result<()> {
-    let mut env = ProgRun::new(
+    // Two queues a veth end: the two-core run's streams each keep to one.
+    let mut env = ProgRun::with_queues(
         &format!("huddle-pps-{}", std::process::id()),
         cfg,
         neighbours,
+        2,
     )?;
     let peer = crate::sys::addresses::ifindex("hb1")?;
     // Establish the flows the frames belong to.
@@ -73,9 +75,22 @@ pub(super) fn pps(
     let sink_link = xdp_of(&mut gen.obj, "sink")?
         .attach_to_if_index(peer, Mode::Driver)
         .context("attaching the sink")?;
-    let rates = rounds(&mut env, &mut gen, base)?;
+    let one = rounds(&mut env, &mut gen, base, &[cpu])?;
+    // The second core: the other of the first two.
+    let two = [cpu, if cpu == 0 { 1 } else { 0 }];
+    // Online CPUs, not this thread's affinity (pinned to one by now).
+    // SAFETY: sysconf reads a system constant.
+    let cores = unsafe { libc::sysconf(libc::_SC_NPROCESSORS_ONLN) };
+    let both = if cores >= 2 {
+        Some(rounds(&mut env, &mut gen, base, &two)?)
+    } else {
+        None
+    };
     xdp_of(&mut gen.obj, "sink")?.detach(sink_link)?;
-    report(cpu, frames, rates);
+    report(cpu, frames, one);
+    if let Some(both) = both {
+        report_cores(two, frames, one, both);
+    }
     Ok(())
 }
 
@@ -139,18 +154,32 @@ impl Generator {
         Ok(m.get(&1, 0)?.iter().sum())
     }
 
-    /// One run: frames the sink counted per second.
-    fn rate(&mut self) -> Result<f64> {
+    /// One run: frames the sink counted per second, with `frames` sent
+    /// from each CPU of `cpus` at once (a thread pinned to each).
+    fn rate(&mut self, cpus: &[usize]) -> Result<f64> {
         let before = self.counted()?;
         let gen: &Xdp = self.obj.program("gen").context("gen")?.try_into()?;
-        let mut opts = TestRunOptions::new();
-        opts.data_in = Some(&self.template);
-        opts.ctx_in = Some(&self.ctx);
-        opts.repeat = self.frames;
-        opts.attrs = TestRunAttrs::new().xdp_live_frames(64);
+        let (template, ctx, frames) = (&self.template, &self.ctx, self.frames);
+        let send = |cpu: usize| -> Result<()> {
+            pin(cpu)?;
+            let mut opts = TestRunOptions::new();
+            opts.data_in = Some(template);
+            opts.ctx_in = Some(ctx);
+            opts.repeat = frames;
+            opts.attrs = TestRunAttrs::new().xdp_live_frames(64);
+            gen.test_run(opts)
+                .context("BPF_PROG_TEST_RUN (live frames)")?;
+            Ok(())
+        };
         let t = std::time::Instant::now();
-        gen.test_run(opts)
-            .context("BPF_PROG_TEST_RUN (live frames)")?;
+        std::thread::scope(|s| -> Result<()> {
+            let runs: Vec<_> = cpus.iter().map(|&c| s.spawn(move || send(c))).collect();
+            for r in runs {
+                r.join()
+                    .map_err(|_| anyhow::anyhow!("a generator thread panicked"))??;
+            }
+            Ok(())
+        })?;
         std::thread::sleep(Duration::from_millis(20));
         let took = t.elapsed().saturating_sub(Duration::from_millis(20));
         let after = self.counted()?;
@@ -218,13 +247,18 @@ const PROGRAMS: usize = 4;
 /// Rounds of the four programs in turn, so that a slower spell of the host
 /// (this is a virtual machine) falls on all of them; the median rate of
 /// each: huddle, minimal forwarder, forwarder + lookup, bare NAT forwarder.
-fn rounds(env: &mut ProgRun, gen: &mut Generator, base: &mut Ebpf) -> Result<[f64; PROGRAMS]> {
+fn rounds(
+    env: &mut ProgRun,
+    gen: &mut Generator,
+    base: &mut Ebpf,
+    cpus: &[usize],
+) -> Result<[f64; PROGRAMS]> {
     let mut rates: [Vec<f64>; PROGRAMS] = Default::default();
     for _ in 0..PPS_ROUNDS {
         for (which, rate) in rates.iter_mut().enumerate() {
             let r = if which == 0 {
                 env.dp.attach(env.ifindex, XdpMode::Native)?;
-                let r = gen.rate();
+                let r = gen.rate(cpus);
                 env.dp.detach()?;
                 r
             } else {
@@ -234,7 +268,7 @@ fn rounds(env: &mut ProgRun, gen: &mut Generator, base: &mut Ebpf) -> Result<[f6
                 let in_base = which == 1;
                 let obj = if in_base { &mut *base } else { &mut gen.obj };
                 let link = xdp_of(obj, name)?.attach_to_if_index(env.ifindex, Mode::Driver)?;
-                let r = gen.rate();
+                let r = gen.rate(cpus);
                 let obj = if in_base { &mut *base } else { &mut gen.obj };
                 xdp_of(obj, name)?.detach(link)?;
                 r
@@ -292,4 +326,32 @@ fn report(cpu: usize, frames: u32, [ours, theirs, lookup, bare]: [f64; PROGRAMS]
         lookup_ns - theirs_ns,
         theirs_ns / 0.85 - theirs_ns
     );
+}
+
+/// Two cores against one, each program's rate and its ratio; the
+/// balancer scales as well as the forwarder when the ratios match (a
+/// harness that cannot scale shows in the forwarder's).
+fn report_cores(cpus: [usize; 2], frames: u32, one: [f64; PROGRAMS], two: [f64; PROGRAMS]) {
+    println!(
+        "\nTwo cores (CPUs {} and {}, a generator thread pinned to each, {frames} frames each; two queues a veth end) \
+         against one, in the same run. Median of {PPS_ROUNDS} rounds.",
+        cpus[0], cpus[1]
+    );
+    println!("| program | Mpps, one core | Mpps, two cores | two / one | share of the forwarder's two / one |");
+    println!("|---|---:|---:|---:|---:|");
+    let forwarder = two[1] / one[1];
+    for (i, name) in [
+        (0, "huddle (established flows)"),
+        (3, "bare NAT forwarder"),
+        (2, "forwarder + one lookup"),
+        (1, "minimal forwarder"),
+    ] {
+        let ratio = two[i] / one[i];
+        println!(
+            "| {name} | {:.2} | {:.2} | {ratio:.2} | {:.0}% |",
+            one[i] / 1e6,
+            two[i] / 1e6,
+            ratio / forwarder * 100.0
+        );
+    }
 }

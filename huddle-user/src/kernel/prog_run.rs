@@ -93,8 +93,30 @@ impl ProgRun {
     /// moves the calling thread into it and loads the program with `cfg`
     /// (its SNAT addresses, `BALANCER_IP` first, are the interface's).
     pub fn new(ns_name: &str, cfg: &Config, neighbours: &[Ipv4Addr]) -> Result<ProgRun> {
+        ProgRun::with_queues(ns_name, cfg, neighbours, 1)
+    }
+
+    /// `new`, with `queues` receive and send queues on each end of the
+    /// veth pair: a stream sent from each of that many CPUs keeps to its
+    /// own queue (veth picks the queue by CPU), as on a multi-queue NIC.
+    pub fn with_queues(
+        ns_name: &str,
+        cfg: &Config,
+        neighbours: &[Ipv4Addr],
+        queues: u32,
+    ) -> Result<ProgRun> {
         let ns = Netns::create(ns_name)?;
-        ns.ip(&["link", "add", IFACE, "type", "veth", "peer", "name", "hb1"])?;
+        let q = queues.to_string();
+        let qs: &[&str] = if queues > 1 {
+            &["numtxqueues", &q, "numrxqueues", &q]
+        } else {
+            &[]
+        };
+        let mut add = vec!["link", "add", IFACE];
+        add.extend(qs);
+        add.extend(["type", "veth", "peer", "name", "hb1"]);
+        add.extend(qs);
+        ns.ip(&add)?;
         ns.ip(&["link", "set", IFACE, "address", &mac_str(BALANCER_MAC)])?;
         ns.ip(&["addr", "add", &format!("{BALANCER_IP}/16"), "dev", IFACE])?;
         for extra in cfg.snat_ips.iter().filter(|a| **a != BALANCER_IP) {
