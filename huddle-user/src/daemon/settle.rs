@@ -5,7 +5,7 @@
 //! every backend inside, healthy, owing nothing, with no samples in its
 //! window and a temperature at rest) is passed by until one of its
 //! backends' counters move or owe (`Tracker::wakes`), a probe or host
-//! reading comes (`Tracker::stirred`) or an operator changes it
+//! reading comes (`Balancer::stir`) or an operator changes it
 //! (`ServiceHuddle::dirty`). Its counters are read again in turn,
 //! `WAKE_SLICE` backends a tick, so new traffic to it is seen within
 //! (backends / `WAKE_SLICE`) ticks.
@@ -29,6 +29,14 @@ pub(super) struct Plan {
 }
 
 impl Balancer {
+    /// Backend `bi` of service `si` got something besides its counters (a
+    /// probe's result, a host reading): its service is judged next tick.
+    pub(super) fn stir(&mut self, si: usize, bi: usize) {
+        let h = &mut self.huddles[si];
+        h.trackers[bi].stirred = true;
+        h.dirty = true;
+    }
+
     /// This tick's reads at `now`.
     pub(super) fn plan_reads(&mut self, now: Duration) -> Plan {
         let n = self.huddles.len();
@@ -49,7 +57,7 @@ impl Balancer {
         let mut read: Vec<bool> = self
             .huddles
             .iter()
-            .map(|h| !h.settled || h.dirty || h.trackers.iter().any(|t| t.stirred))
+            .map(|h| !h.settled || h.dirty)
             .collect();
         // The next settled services in turn, up to the slice.
         let mut taken = 0;
@@ -92,7 +100,9 @@ impl Balancer {
     /// besides its counters.
     pub(super) fn wakes(&self, si: usize, read: bool) -> bool {
         let h = &self.huddles[si];
-        if h.dirty || h.trackers.iter().any(|t| t.stirred) {
+        // A probe or scrape that stirs a backend marks its service dirty
+        // (`stir`): 65,536 trackers are not looked at to find out.
+        if h.dirty {
             return true;
         }
         read && h.trackers.iter().any(|t| {

@@ -35,8 +35,10 @@ pub(super) async fn saver(shared: Arc<Mutex<Balancer>>) {
     let mut tick = tokio::time::interval(Duration::from_secs(1));
     let mut unresolved = 0;
     let mut round: u64 = 0;
-    // The NAT walk as last written: an idle balancer's does not move.
+    // The NAT walk as last written: an idle balancer's does not move; and
+    // the raw cursors it was built from, so an unmoved walk is not built.
     let mut written: Option<walk::NatWalk> = None;
+    let mut cursors = None;
     loop {
         tick.tick().await;
         round += 1;
@@ -63,7 +65,15 @@ pub(super) async fn saver(shared: Arc<Mutex<Balancer>>) {
             }
             // The NAT walk read under the lock, written (and synced) after
             // it (a write held the tick up for as long as the disk took),
-            // and only when it moved: an idle balancer's does not.
+            // and only when it moved: an idle balancer's does not. (A
+            // reload that gives an unmoved slot another address is saved
+            // with the next move; a backend missing from the file starts
+            // where the clock says, `start_cursor`.)
+            let read = b.dp.nat_cursors();
+            if read.is_some() && read == cursors && written.is_some() {
+                continue;
+            }
+            cursors = read;
             (b.dp.nat_walk(), walk::nat_walk_file(&b.cfg.state_file))
         };
         if written.as_ref() != Some(&now) {
@@ -176,6 +186,7 @@ pub(super) async fn prober(shared: Arc<Mutex<Balancer>>, p: crate::config::Probe
         for (si, bi, a, _) in targets {
             if let Some(r) = by_addr.get(&a) {
                 b.huddles[si].trackers[bi].probed(r.clone());
+                b.stir(si, bi);
             }
         }
         b.seen.probes_sent += sent;
@@ -234,8 +245,8 @@ pub(super) async fn scraper(shared: Arc<Mutex<Balancer>>, every: Duration, timeo
             let (si, bi, _, _) = &targets[i];
             let dsr = b.cfg.services[*si].mode.is_dsr();
             let min_samples = b.cfg.huddle.min_samples;
+            b.stir(*si, *bi);
             let t = &mut b.huddles[*si].trackers[*bi];
-            t.stirred = true;
             match r {
                 Ok((sample, agent)) => {
                     t.host.update(sample);

@@ -91,7 +91,8 @@ impl Balancer {
             let dsr = self.cfg.services[si].mode.is_dsr();
             let h = &mut self.huddles[si];
             h.dirty = false;
-            h.settled = !moved && !dsr && h.at_rest(now);
+            let settled = !moved && !dsr && h.at_rest(now);
+            h.settle(settled, &self.cfg.huddle);
         }
         // Kept for the next tick's partial read (`settle`).
         self.kept = self.snapshot.take().filter(|_| plan.pass);

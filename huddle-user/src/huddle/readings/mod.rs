@@ -41,7 +41,12 @@ pub struct ServiceHuddle {
     /// Its last tick left it `at_rest`: later ticks may pass it by until
     /// one of its backends `wakes` (see `Balancer::tick`).
     pub settled: bool,
-    /// Changed outside the tick (a drain, restored state): not settled.
+    /// While `settled`: each backend's `needs_probe` as its last tick left
+    /// it (the prober asks for all 65,536 every round; reading them from
+    /// their trackers was a fourteenth of an idle daemon at that size).
+    pub rest_needs: Vec<Need>,
+    /// Changed outside the tick (a drain, restored state, a probe or host
+    /// reading: `Balancer::stir`): not settled.
     pub dirty: bool,
 }
 
@@ -69,6 +74,7 @@ impl ServiceHuddle {
             answer_p99_ms: None,
             ring_p50_ms: None,
             settled: false,
+            rest_needs: Vec::new(),
             dirty: true,
         }
     }
@@ -214,6 +220,25 @@ impl ServiceHuddle {
     /// before one with none.
     #[must_use]
     pub fn needs_probe(&self, i: usize, s: &Settings) -> Need {
+        match self.rest_needs.get(i) {
+            Some(n) if self.settled && !self.dirty => *n,
+            _ => self.need_now(i, s),
+        }
+    }
+
+    /// Settles or unsettles the service after its tick, keeping what a
+    /// probe of each backend would tell while it stays settled.
+    pub fn settle(&mut self, settled: bool, s: &Settings) {
+        self.rest_needs = if settled {
+            (0..self.trackers.len()).map(|i| self.need_now(i, s)).collect()
+        } else {
+            Vec::new()
+        };
+        self.settled = settled;
+    }
+
+    /// `needs_probe` from the tracker and the ring as they are.
+    fn need_now(&self, i: usize, s: &Settings) -> Need {
         let (t, m) = (&self.trackers[i], &self.engine.members[i]);
         let samples = t.judged_window().map_or(0, |w| w.samples);
         if m.place != Place::Inner || t.unhealthy.is_some() || t.suspect() {

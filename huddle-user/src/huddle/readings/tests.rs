@@ -128,6 +128,7 @@ fn hung_after_and_pass_over_follow_the_rings_own_answer_times() {
         answer_p99_ms: None,
         ring_p50_ms: None,
         settled: false,
+        rest_needs: Vec::new(),
         dirty: true,
     };
     let ms = |d: Duration| d.as_secs_f64() * 1e3;
@@ -400,6 +401,19 @@ fn a_service_with_nothing_moving_rests_until_something_comes() {
     h.trackers[1].stirred = false;
     h.trackers[1].probe_fresh = false;
     assert!(h.at_rest(now));
+    // Settled, it answers the prober from what it kept, until it is
+    // stirred (dirty) or its tracker is judged again.
+    h.trackers[0].active_flows = 3;
+    h.settle(true, &s);
+    assert_eq!(h.needs_probe(0, &s), Need::Thin, "an idle long connection");
+    let kept = h.needs_probe(1, &s);
+    assert_ne!(kept, Need::Now);
+    h.trackers[1].unhealthy = Some("refused".into());
+    assert_eq!(h.needs_probe(1, &s), kept, "kept while settled");
+    h.dirty = true;
+    assert_eq!(h.needs_probe(1, &s), Need::Now, "stirred: asked afresh");
+    h.trackers[1].unhealthy = None;
+    h.dirty = false;
     h.engine.set_drained(0, true, now);
     assert!(!h.at_rest(now), "drained");
 }
