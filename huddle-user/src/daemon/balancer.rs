@@ -15,7 +15,7 @@ use std::{
     sync::{Arc, Mutex},
     time::{Duration, Instant},
 };
-use tracing::{info, warn};
+use tracing::{debug, info, warn};
 
 /// The running balancer's state, behind one lock: the data plane, the
 /// config and a huddle per service, then one struct per concern.
@@ -258,12 +258,17 @@ impl Balancer {
             .reloader
             .clone()
             .context("this balancer has no configuration to reload")?;
+        let mut lap = crate::daemon::balancer::Laps::new();
         let new = reloader().context("reload refused, nothing changed")?;
+        lap.mark("read");
         refuse_restart_only(&self.cfg, &new)?;
         super::preflight::backends(&new).context("reload refused, nothing changed")?;
+        lap.mark("preflight");
         warn_mode_changes(&self.cfg, &new);
         let saved = self.snapshot();
+        lap.mark("snapshot");
         self.dp.reconcile(&new)?;
+        lap.mark("reconcile");
         // Ids may now name other backends.
         self.hist_cache.clear();
         let now = self.now();
@@ -274,20 +279,26 @@ impl Balancer {
             .map(|(s, slot)| ServiceHuddle::new(s, &slot.backend_ids, &new.huddle, now))
             .collect();
         self.cfg = new;
+        lap.mark("huddles");
         // Reconciling rewrote every backend without flags.
         self.moving.clear();
         self.restore(&saved);
+        lap.mark("restore");
         for si in 0..self.huddles.len() {
             self.publish(si)?;
         }
+        lap.mark("publish");
         self.save_state();
+        lap.mark("save");
         crate::sys::addresses::warm_neighbours(&self.backend_addrs());
+        lap.mark("neighbours");
         let n: usize = self.cfg.services.iter().map(|s| s.backends.len()).sum();
         let msg = format!(
             "reloaded: {} service(s), {n} backend(s)",
             self.cfg.services.len()
         );
         info!("{msg}");
+        debug!("reload took {}", lap.said());
         Ok(msg)
     }
 
@@ -439,5 +450,36 @@ fn warn_mode_changes(old: &Config, new: &Config) {
                 );
             }
         }
+    }
+}
+
+/// Time of each step of a long operation, for a debug line.
+pub(crate) struct Laps {
+    at: Instant,
+    steps: Vec<(&'static str, Duration)>,
+}
+
+impl Laps {
+    pub(crate) fn new() -> Laps {
+        Laps {
+            at: Instant::now(),
+            steps: Vec::new(),
+        }
+    }
+
+    /// The step `name` ended now.
+    pub(crate) fn mark(&mut self, name: &'static str) {
+        self.steps.push((name, self.at.elapsed()));
+        self.at = Instant::now();
+    }
+
+    /// "name N ms, ..." of every step.
+    pub(crate) fn said(&self) -> String {
+        let parts: Vec<String> = self
+            .steps
+            .iter()
+            .map(|(n, d)| format!("{n} {} ms", d.as_millis()))
+            .collect();
+        parts.join(", ")
     }
 }

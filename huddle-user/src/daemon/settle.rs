@@ -10,8 +10,7 @@
 //! `WAKE_SLICE` backends a tick, so new traffic to it is seen within
 //! (backends / `WAKE_SLICE`) ticks.
 
-use super::balancer::{Balancer, TX_WATCH};
-use std::time::Duration;
+use super::balancer::Balancer;
 
 /// Below this many backends every service is read and judged every tick,
 /// as it always was.
@@ -38,15 +37,18 @@ impl Balancer {
     }
 
     /// This tick's reads at `now`.
-    pub(super) fn plan_reads(&mut self, now: Duration) -> Plan {
+    pub(super) fn plan_reads(&mut self) -> Plan {
         let n = self.huddles.len();
         let backends: usize = self.huddles.iter().map(|h| h.trackers.len()).sum();
         // Never with peers (their samples change a backend with no
-        // counter of ours moving) nor in the first seconds (`watch_tx`
-        // counts every backend's SYNs).
-        let pass = backends >= PASS_SETTLED_FROM
-            && self.cluster.pool.is_empty()
-            && now >= TX_WATCH + self.cfg.huddle.tick;
+        // counter of ours moving).
+        let pass = backends >= PASS_SETTLED_FROM && self.cluster.pool.is_empty();
+        // Also in the first seconds, when `watch_tx` sums every backend's
+        // SYNs and answers (from the kept read, each backend's at most
+        // backends / `WAKE_SLICE` ticks old: `tx_of_all`). Judging all
+        // 65,536 backends then made the first 50 ticks 110-480 ms each,
+        // and reading all of them (24 MiB of per-CPU counters) still
+        // 104-129 ms: the daemon's tick p99.
         if !pass {
             return Plan {
                 pass,
@@ -54,11 +56,7 @@ impl Balancer {
                 ranges: Vec::new(),
             };
         }
-        let mut read: Vec<bool> = self
-            .huddles
-            .iter()
-            .map(|h| !h.settled || h.dirty)
-            .collect();
+        let mut read: Vec<bool> = self.huddles.iter().map(|h| !h.settled || h.dirty).collect();
         // The next settled services in turn, up to the slice.
         let mut taken = 0;
         for k in 0..n {

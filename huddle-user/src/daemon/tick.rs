@@ -32,6 +32,14 @@ impl Balancer {
         let began = Instant::now();
         self.tick_inner();
         let took = began.elapsed();
+        if took > self.cfg.huddle.tick {
+            let judged = self.huddles.len() - self.seen.passed_by;
+            debug!(
+                "a tick took {} ms (longer than the tick): {judged} of {} services judged",
+                took.as_millis(),
+                self.huddles.len()
+            );
+        }
         let timed = &mut self.seen.tick_took;
         if timed.len() == TICKS_TIMED {
             timed.pop_front();
@@ -41,7 +49,7 @@ impl Balancer {
 
     fn tick_inner(&mut self) {
         let now = self.now();
-        let plan = self.plan_reads(now);
+        let plan = self.plan_reads();
         // Those of the services this tick reads into the last tick's read
         // (`settle`), or, with nothing kept, every backend's counters at
         // once (each alone if that fails).
@@ -94,15 +102,40 @@ impl Balancer {
             let settled = !moved && !dsr && h.at_rest(now);
             h.settle(settled, &self.cfg.huddle);
         }
+        if now < TX_WATCH + self.cfg.huddle.tick {
+            // Services passed by sent and answered too.
+            if plan.pass {
+                tx = self.tx_of_all().unwrap_or(tx);
+            }
+            self.watch_tx(now, tx);
+        }
         // Kept for the next tick's partial read (`settle`).
         self.kept = self.snapshot.take().filter(|_| plan.pass);
         // A restart must not undo a rotation: save it at once.
         if rotated {
             self.save_state();
         }
-        if now < TX_WATCH + self.cfg.huddle.tick {
-            self.watch_tx(now, tx);
+    }
+
+    /// SYNs sent and answers seen over every backend, from the read kept
+    /// across ticks (`settle`: each backend's counters at most a few ticks
+    /// old, each backend's pair from one read); `None` without one.
+    fn tx_of_all(&self) -> Option<TxWatch> {
+        let snap = self.snapshot.as_ref()?;
+        let mut tx = TxWatch {
+            sent: 0,
+            answered: 0,
+            done: false,
+        };
+        for (s, slot) in self.cfg.services.iter().zip(&self.dp.services) {
+            let dsr = s.mode.is_dsr();
+            for id in &slot.backend_ids {
+                let (st, _) = snap.get(*id)?;
+                tx.sent += st.syns;
+                tx.answered += if dsr { st.syn_acks } else { st.pkts_from };
+            }
         }
+        Some(tx)
     }
 
     /// Reads backend `bi` of service `si` (its counters, latency and owed

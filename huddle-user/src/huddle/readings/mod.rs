@@ -230,7 +230,9 @@ impl ServiceHuddle {
     /// probe of each backend would tell while it stays settled.
     pub fn settle(&mut self, settled: bool, s: &Settings) {
         self.rest_needs = if settled {
-            (0..self.trackers.len()).map(|i| self.need_now(i, s)).collect()
+            (0..self.trackers.len())
+                .map(|i| self.need_now(i, s))
+                .collect()
         } else {
             Vec::new()
         };
