@@ -4,7 +4,9 @@
 
 use crate::huddle::state::Saved;
 use crate::{
-    config::Config, huddle::readings::ServiceHuddle, kernel::dataplane::Dataplane,
+    config::{Config, Service},
+    huddle::readings::ServiceHuddle,
+    kernel::dataplane::Dataplane,
     status::RotationEvent,
 };
 use anyhow::{bail, Context, Result};
@@ -267,22 +269,49 @@ impl Balancer {
         warn_mode_changes(&self.cfg, &new);
         let saved = self.snapshot();
         lap.mark("snapshot");
+        // A service the reload leaves as it was (same settings, backends
+        // and slots) keeps its huddle: windows, probes, rest, settledness.
+        // Rebuilt, 65,536 backends took 42-310 ms and the next two ticks
+        // judged every one of them (424-507 ms, then 113-129).
+        let mut before: HashMap<String, (Service, Vec<u32>, ServiceHuddle)> =
+            if new.huddle == self.cfg.huddle {
+                let huddles = std::mem::take(&mut self.huddles);
+                self.cfg
+                    .services
+                    .iter()
+                    .zip(&self.dp.services)
+                    .zip(huddles)
+                    .map(|((s, slot), h)| (s.name(), (s.clone(), slot.backend_ids.clone(), h)))
+                    .collect()
+            } else {
+                HashMap::new()
+            };
         self.dp.reconcile(&new)?;
         lap.mark("reconcile");
         // Ids may now name other backends.
         self.hist_cache.clear();
         let now = self.now();
+        let mut fresh = Vec::with_capacity(new.services.len());
         self.huddles = new
             .services
             .iter()
             .zip(&self.dp.services)
-            .map(|(s, slot)| ServiceHuddle::new(s, &slot.backend_ids, &new.huddle, now))
+            .map(|(s, slot)| {
+                let kept = before
+                    .remove(&s.name())
+                    .filter(|(was, ids, _)| was == s && *ids == slot.backend_ids);
+                fresh.push(kept.is_none());
+                match kept {
+                    Some((_, _, h)) => h,
+                    None => ServiceHuddle::new(s, &slot.backend_ids, &new.huddle, now),
+                }
+            })
             .collect();
         self.cfg = new;
         lap.mark("huddles");
         // Reconciling rewrote every backend without flags.
         self.moving.clear();
-        self.restore(&saved);
+        self.restore_where(&saved, &fresh);
         lap.mark("restore");
         for si in 0..self.huddles.len() {
             self.publish(si)?;

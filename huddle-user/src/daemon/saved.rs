@@ -78,6 +78,13 @@ impl Balancer {
     /// Carries on from a saved state: temperatures, places, rests. Backends
     /// and services not in it start fresh.
     pub fn restore(&mut self, saved: &Saved) {
+        let all = vec![true; self.huddles.len()];
+        self.restore_where(saved, &all);
+    }
+
+    /// `restore` for the services `si` with `which[si]` (a reload's new
+    /// or changed ones; the others kept their huddle).
+    pub(super) fn restore_where(&mut self, saved: &Saved, which: &[bool]) {
         let now = self.now();
         let mut n = 0;
         // By name: a search of the list for each service was 4,096^2
@@ -88,6 +95,9 @@ impl Balancer {
             .map(|x| (x.name.as_str(), x))
             .collect();
         for (si, s) in self.cfg.services.iter().enumerate() {
+            if !which.get(si).copied().unwrap_or(true) {
+                continue;
+            }
             let Some(ss) = by_name.get(s.name().as_str()) else {
                 continue;
             };
