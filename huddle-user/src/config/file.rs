@@ -87,6 +87,9 @@ pub struct ProbeFile {
     pub active_interval_ms: Option<u64>,
     /// The most probes a second over all backends.
     pub max_per_second: Option<u32>,
+    /// The most of them a second for idle backends (no traffic, nothing
+    /// suspect), which a probe tells least about.
+    pub idle_per_second: Option<u32>,
 }
 
 /// The `[huddle]` table: temperatures and rotation. Every field optional.

@@ -69,6 +69,8 @@ pub struct Probe {
     pub active_interval: Duration,
     /// The most probes a second over all backends.
     pub max_per_second: u32,
+    /// The most a second for idle backends (within `max_per_second`).
+    pub idle_per_second: u32,
 }
 
 /// Validated huddle settings.

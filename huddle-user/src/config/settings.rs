@@ -183,6 +183,14 @@ fn listen(h: &HuddleFile) -> Result<Option<SocketAddr>> {
 /// probed every 250 ms, or 2,000 carrying traffic every second.
 const DEFAULT_PROBES_PER_SECOND: u32 = 2_000;
 
+/// Idle backends' probes a second unless configured: 62 idle backends
+/// are probed every 250 ms as before; 1,024 every 4 s, 65,536 every 4.4
+/// minutes. A probe costs this daemon about 90 us of CPU on a veth
+/// testbed (hc-scale at 4,096 x 16: 14% of a core idle with no probes,
+/// 25% at 500 a second, 58% at 4,000), and an idle backend that died is
+/// found by its first connections (the kernel's owed answers) anyway.
+const DEFAULT_IDLE_PROBES_PER_SECOND: u32 = 250;
+
 /// The health probe.
 fn probe(h: &HuddleFile) -> Result<Probe> {
     let pf = h.probe.clone().unwrap_or_default();
@@ -209,6 +217,12 @@ fn probe(h: &HuddleFile) -> Result<Probe> {
     if !(1..=1_000_000).contains(&max_per_second) {
         bail!("huddle.probe.max_per_second: {max_per_second} is outside 1..=1000000");
     }
+    let idle_per_second = pf
+        .idle_per_second
+        .unwrap_or(DEFAULT_IDLE_PROBES_PER_SECOND.min(max_per_second));
+    if !(1..=max_per_second).contains(&idle_per_second) {
+        bail!("huddle.probe.idle_per_second: {idle_per_second} is outside 1..={max_per_second} (max_per_second)");
+    }
     Ok(Probe {
         kind: pf.kind.unwrap_or_default(),
         path,
@@ -218,6 +232,7 @@ fn probe(h: &HuddleFile) -> Result<Probe> {
         rise: pf.rise.unwrap_or(2).max(1),
         active_interval,
         max_per_second,
+        idle_per_second,
     })
 }
 

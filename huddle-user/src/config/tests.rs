@@ -90,6 +90,7 @@ fn bad_configs_name_the_field() {
         ("[huddle]\nprobe = { active_interval_ms = 100 }\n[[service]]\nvip = \"10.0.0.1:80\"\nbackends = [\"10.0.0.2:80\"]\n", "huddle.probe.active_interval_ms: 100 ms is shorter than huddle.probe.interval_ms (250 ms)"),
         ("[huddle]\nmetrics_per_backend = \"some\"\n[[service]]\nvip = \"10.0.0.1:80\"\nbackends = [\"10.0.0.2:80\"]\n", "unknown variant `some`"),
         ("[huddle]\nprobe = { max_per_second = 0 }\n[[service]]\nvip = \"10.0.0.1:80\"\nbackends = [\"10.0.0.2:80\"]\n", "huddle.probe.max_per_second: 0 is outside"),
+        ("[huddle]\nprobe = { max_per_second = 100, idle_per_second = 200 }\n[[service]]\nvip = \"10.0.0.1:80\"\nbackends = [\"10.0.0.2:80\"]\n", "huddle.probe.idle_per_second: 200 is outside 1..=100"),
         ("[[service]]\nvip = \"10.0.0.1:80\"\nbackends = [{ addr = \"10.0.0.2:80\", weight = -1.0 }]\n", "service[0].backends[0].weight"),
         ("[[service]]\nvip = \"10.0.0.1:80\"\nbackends = [{ addr = \"10.0.0.2:80\", metrics = \"ftp://x\" }]\n", "service[0].backends[0].metrics"),
     ];

@@ -168,6 +168,7 @@ pub(super) async fn prober(shared: Arc<Mutex<Balancer>>, p: crate::config::Probe
         interval: p.interval,
         active_interval: p.active_interval,
         max_per_second: p.max_per_second,
+        idle_per_second: p.idle_per_second,
     };
     let mut planner = crate::huddle::probing::Planner::default();
     let start = tokio::time::Instant::now();

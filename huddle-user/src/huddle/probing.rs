@@ -5,7 +5,8 @@
 //! own turns fill its window is measured passively, so it is probed only
 //! every `active_interval`, for the health its traffic does not show (an
 //! HTTP 500 is invisible to the kernel). An address in several services is
-//! probed once. A round never holds more than the budget (`max_per_second`
+//! probed once. Idle ones share at most `idle_per_second`, the longest
+//! unprobed first. A round never holds more than the budget (`max_per_second`
 //! x `interval`): those that tell most first, then the longest unprobed.
 //!
 //! Idle backends came after the busy ones when, at 4,096 services x 16
@@ -28,13 +29,25 @@ pub struct Budget {
     pub active_interval: Duration,
     /// The most probes a second, over all backends.
     pub max_per_second: u32,
+    /// The most of them for idle backends (`Need::Idle`).
+    pub idle_per_second: u32,
 }
 
 impl Budget {
     /// The most probes one round sends (at least one).
     #[must_use]
     pub fn per_round(&self) -> usize {
-        let n = f64::from(self.max_per_second) * self.interval.as_secs_f64();
+        Self::of_round(self.max_per_second, self.interval)
+    }
+
+    /// The most probes of idle backends one round sends (at least one).
+    #[must_use]
+    pub fn idle_per_round(&self) -> usize {
+        Self::of_round(self.idle_per_second, self.interval)
+    }
+
+    fn of_round(per_second: u32, interval: Duration) -> usize {
+        let n = f64::from(per_second) * interval.as_secs_f64();
         (n.floor() as usize).max(1)
     }
 }
@@ -52,13 +65,47 @@ pub enum Need {
     Measured,
 }
 
-/// When each address was last probed.
+/// When each address was last probed, by slot: the wants of a round
+/// are the same list as the last round's unless the configuration
+/// changed, so an address's slot is found by its place in the list, not
+/// by a hash (65,536 SipHash lookups four times a second, and the round's
+/// vectors allocated afresh, were a quarter of an idle daemon at that size
+/// with nothing to probe).
 #[derive(Default)]
 pub struct Planner {
-    last: HashMap<SocketAddr, Duration>,
+    /// The addresses of the wants the slots were built for, in order.
+    addrs: Vec<SocketAddr>,
+    /// Each want's slot (an address in two services has one).
+    slot_of: Vec<u32>,
+    /// When each slot was last probed.
+    last: Vec<Option<Duration>>,
+    /// This round's candidates, kept for their allocation.
+    due: Vec<(Need, Option<Duration>, u32)>,
 }
 
 impl Planner {
+    /// Slots for `wants`' addresses, each keeping when it was last probed.
+    fn rebuild(&mut self, wants: &[(SocketAddr, Need)]) {
+        let before: HashMap<SocketAddr, Option<Duration>> = self
+            .addrs
+            .iter()
+            .zip(&self.slot_of)
+            .map(|(a, &s)| (*a, self.last[s as usize]))
+            .collect();
+        let mut slots: HashMap<SocketAddr, u32> = HashMap::with_capacity(wants.len());
+        self.addrs = wants.iter().map(|w| w.0).collect();
+        self.last.clear();
+        self.slot_of = wants
+            .iter()
+            .map(|(a, _)| {
+                *slots.entry(*a).or_insert_with(|| {
+                    self.last.push(before.get(a).copied().flatten());
+                    (self.last.len() - 1) as u32
+                })
+            })
+            .collect();
+    }
+
     /// The addresses to probe at `now`, from `wants`: each target's
     /// address and how much a probe tells (`Need`); an address listed
     /// twice counts as the more needed.
@@ -68,27 +115,50 @@ impl Planner {
         now: Duration,
         b: &Budget,
     ) -> Vec<SocketAddr> {
+        if wants.len() != self.addrs.len() || wants.iter().zip(&self.addrs).any(|(w, a)| w.0 != *a)
+        {
+            self.rebuild(wants);
+        }
         // A little early counts as due: rounds drift by a few ms.
         let slack = b.interval / 4;
-        // (need, when last probed: never sorts first, address)
-        let mut due: Vec<(Need, Option<Duration>, SocketAddr)> = wants
-            .iter()
-            .filter_map(|&(a, n)| {
-                let every = if n == Need::Measured {
-                    b.active_interval
-                } else {
-                    b.interval
-                };
-                let last = self.last.get(&a).copied();
-                let is_due = last.is_none_or(|t| now.saturating_sub(t) + slack >= every);
-                is_due.then_some((n, last, a))
-            })
-            .collect();
+        // (need, when last probed: never sorts first, want index)
+        let mut due = std::mem::take(&mut self.due);
+        due.clear();
+        for (i, &(_, n)) in wants.iter().enumerate() {
+            let every = if n == Need::Measured {
+                b.active_interval
+            } else {
+                b.interval
+            };
+            let last = self.last[self.slot_of[i] as usize];
+            if last.is_none_or(|t| now.saturating_sub(t) + slack >= every) {
+                due.push((n, last, i as u32));
+            }
+        }
         // Most needed first, then the longest unprobed, then by address:
         // only the round's share is sorted (at 65,536 backends sorting all
         // of them every round was a sixth of an idle daemon's time).
-        type Due = (Need, Option<Duration>, SocketAddr);
-        let order = |x: &Due, y: &Due| x.0.cmp(&y.0).then(x.1.cmp(&y.1)).then(x.2.cmp(&y.2));
+        type Due = (Need, Option<Duration>, u32);
+        let order = |x: &Due, y: &Due| {
+            x.0.cmp(&y.0)
+                .then(x.1.cmp(&y.1))
+                .then(wants[x.2 as usize].0.cmp(&wants[y.2 as usize].0))
+        };
+        // Idle ones: the longest unprobed, up to their share.
+        let idle = due.iter().filter(|d| d.0 == Need::Idle).count();
+        let q = b.idle_per_round();
+        if idle > q {
+            // The idle in front (a pass, not a sort of every backend).
+            let mut j = 0;
+            for i in 0..due.len() {
+                if due[i].0 == Need::Idle {
+                    due.swap(i, j);
+                    j += 1;
+                }
+            }
+            due[..idle].select_nth_unstable_by(q - 1, order);
+            due.drain(q..idle);
+        }
         let k = b.per_round();
         if due.len() > k {
             due.select_nth_unstable_by(k - 1, order);
@@ -96,21 +166,16 @@ impl Planner {
         }
         due.sort_by(order);
         // An address in two services is probed once, as the more urgent
-        // (sorted first); not one map of every address a round.
-        let mut once = std::collections::HashSet::with_capacity(due.len());
-        let chosen: Vec<SocketAddr> = due
-            .into_iter()
-            .filter(|d| once.insert(d.2))
-            .map(|(_, _, a)| a)
-            .collect();
-        for a in &chosen {
-            self.last.insert(*a, now);
+        // (sorted first): its slot is marked probed `now` when taken.
+        let mut chosen = Vec::with_capacity(due.len());
+        for &(_, _, i) in &due {
+            let slot = self.slot_of[i as usize] as usize;
+            if self.last[slot] != Some(now) {
+                self.last[slot] = Some(now);
+                chosen.push(wants[i as usize].0);
+            }
         }
-        // Forget addresses no longer configured.
-        if self.last.len() > 2 * wants.len().max(1) {
-            let known: std::collections::HashSet<_> = wants.iter().map(|(a, _)| *a).collect();
-            self.last.retain(|a, _| known.contains(a));
-        }
+        self.due = due;
         chosen
     }
 }
@@ -130,6 +195,7 @@ mod tests {
             interval: 250 * MS,
             active_interval: 2000 * MS,
             max_per_second,
+            idle_per_second: max_per_second,
         }
     }
 
@@ -180,6 +246,44 @@ mod tests {
             seen.extend(p.plan(&wants, 250 * k * MS, &b));
         }
         assert_eq!(seen.len(), 6);
+    }
+
+    #[test]
+    fn idle_backends_share_their_own_part_of_the_budget_in_turn() {
+        let mut p = Planner::default();
+        // 40 a second, 10 a round; idle ones 8 a second, 2 a round.
+        let b = Budget {
+            idle_per_second: 8,
+            ..budget(40)
+        };
+        let mut wants: Vec<_> = (1..=6).map(|n| (a(n), Need::Idle)).collect();
+        wants.push((a(100), Need::Now));
+        wants.push((a(101), Need::Measured));
+        let r = p.plan(&wants, Duration::ZERO, &b);
+        assert_eq!(
+            r,
+            vec![a(100), a(1), a(2), a(101)],
+            "the rest of the round is not given to the idle"
+        );
+        assert_eq!(p.plan(&wants, 250 * MS, &b), vec![a(100), a(3), a(4)]);
+        assert_eq!(p.plan(&wants, 500 * MS, &b), vec![a(100), a(5), a(6)]);
+        assert_eq!(
+            p.plan(&wants, 750 * MS, &b),
+            vec![a(100), a(1), a(2)],
+            "in turn"
+        );
+    }
+
+    #[test]
+    fn a_changed_list_keeps_when_each_address_was_probed() {
+        let mut p = Planner::default();
+        let b = budget(10_000);
+        let wants = [(a(1), Need::Idle), (a(2), Need::Idle)];
+        assert_eq!(p.plan(&wants, Duration::ZERO, &b).len(), 2);
+        // A reload adds a(3) in front and reorders: only a(3) is due.
+        let wants = [(a(3), Need::Idle), (a(2), Need::Idle), (a(1), Need::Idle)];
+        assert_eq!(p.plan(&wants, 100 * MS, &b), vec![a(3)]);
+        assert_eq!(p.plan(&wants, 250 * MS, &b), vec![a(1), a(2)]);
     }
 
     #[test]
