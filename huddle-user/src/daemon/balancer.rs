@@ -39,6 +39,8 @@ pub struct Balancer {
     /// the next settled service whose backends a tick looks at.
     pub(super) kept: Option<crate::kernel::dataplane::stats::BackendSnapshot>,
     pub(super) wake_cursor: usize,
+    /// Where `watch_quiet` goes on from.
+    pub(super) quiet_cursor: usize,
     /// Start, reload and stop.
     pub life: Lifecycle,
     /// What the balancer has seen and tells an operator.
@@ -212,6 +214,7 @@ impl Balancer {
             hist_cache: HashMap::new(),
             kept: None,
             wake_cursor: 0,
+            quiet_cursor: 0,
             snapshot: None,
             life: Lifecycle {
                 started: Instant::now(),

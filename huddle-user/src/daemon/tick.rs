@@ -53,6 +53,11 @@ impl Balancer {
         // Those of the services this tick reads into the last tick's read
         // (`settle`), or, with nothing kept, every backend's counters at
         // once (each alone if that fails).
+        let marks = if plan.pass {
+            self.marks_of(&plan.read)
+        } else {
+            Vec::new()
+        };
         let mut kept = self.kept.take();
         self.snapshot = match self.dp.refresh_snapshot(&mut kept, &plan.ranges) {
             Ok(()) => kept,
@@ -100,7 +105,7 @@ impl Balancer {
             let h = &mut self.huddles[si];
             h.dirty = false;
             let settled = !moved && !dsr && h.at_rest(now);
-            h.settle(settled, &self.cfg.huddle);
+            h.settle(settled, &self.cfg.huddle, marks.get(si).copied().flatten());
         }
         if now < TX_WATCH + self.cfg.huddle.tick {
             // Services passed by sent and answered too.

@@ -45,6 +45,11 @@ pub struct ServiceHuddle {
     /// it (the prober asks for all 65,536 every round; reading them from
     /// their trackers was a fourteenth of an idle daemon at that size).
     pub rest_needs: Vec<Need>,
+    /// Settled with no backend holding a flow: its service counters' sum
+    /// (`Dataplane::service_marks`) read just before the backend counters
+    /// it settled on. Any traffic to it now starts with a new flow, which
+    /// moves that sum; until then its backends' counters are not read.
+    pub quiet_mark: Option<u64>,
     /// Changed outside the tick (a drain, restored state, a probe or host
     /// reading: `Balancer::stir`): not settled.
     pub dirty: bool,
@@ -75,6 +80,7 @@ impl ServiceHuddle {
             ring_p50_ms: None,
             settled: false,
             rest_needs: Vec::new(),
+            quiet_mark: None,
             dirty: true,
         }
     }
@@ -227,8 +233,10 @@ impl ServiceHuddle {
     }
 
     /// Settles or unsettles the service after its tick, keeping what a
-    /// probe of each backend would tell while it stays settled.
-    pub fn settle(&mut self, settled: bool, s: &Settings) {
+    /// probe of each backend would tell while it stays settled, and
+    /// `mark` (its service counters' sum read this tick) if no backend
+    /// holds a flow.
+    pub fn settle(&mut self, settled: bool, s: &Settings, mark: Option<u64>) {
         self.rest_needs = if settled {
             (0..self.trackers.len())
                 .map(|i| self.need_now(i, s))
@@ -236,6 +244,8 @@ impl ServiceHuddle {
         } else {
             Vec::new()
         };
+        let idle = self.rest_needs.iter().all(|n| *n == Need::Idle);
+        self.quiet_mark = mark.filter(|_| settled && idle);
         self.settled = settled;
     }
 

@@ -129,6 +129,7 @@ fn hung_after_and_pass_over_follow_the_rings_own_answer_times() {
         ring_p50_ms: None,
         settled: false,
         rest_needs: Vec::new(),
+        quiet_mark: None,
         dirty: true,
     };
     let ms = |d: Duration| d.as_secs_f64() * 1e3;
@@ -404,7 +405,8 @@ fn a_service_with_nothing_moving_rests_until_something_comes() {
     // Settled, it answers the prober from what it kept, until it is
     // stirred (dirty) or its tracker is judged again.
     h.trackers[0].active_flows = 3;
-    h.settle(true, &s);
+    h.settle(true, &s, Some(7));
+    assert_eq!(h.quiet_mark, None, "a backend holds a flow: not quiet");
     assert_eq!(h.needs_probe(0, &s), Need::Thin, "an idle long connection");
     let kept = h.needs_probe(1, &s);
     assert_ne!(kept, Need::Now);

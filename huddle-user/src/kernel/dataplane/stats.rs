@@ -107,6 +107,46 @@ impl Dataplane {
         Ok(())
     }
 
+    /// For each of the service ids `ids`, all its counters summed over
+    /// CPUs and fields: a number that moves with any new flow, drop or
+    /// promotion of the service, which is how a quiet settled service is
+    /// watched (`daemon::settle`: one element a service, not its backends'
+    /// sixteen). Read in batches over runs of near ids.
+    pub fn service_marks(&self, ids: &[u32]) -> Result<Vec<u64>> {
+        use crate::kernel::batch;
+        let mut sorted = ids.to_vec();
+        sorted.sort_unstable();
+        sorted.dedup();
+        let mut got: std::collections::HashMap<u32, u64> =
+            std::collections::HashMap::with_capacity(sorted.len());
+        let mut i = 0;
+        while i < sorted.len() {
+            let (a, mut b) = (sorted[i], sorted[i]);
+            while i + 1 < sorted.len() && sorted[i + 1] <= b.saturating_add(16) {
+                i += 1;
+                b = sorted[i];
+            }
+            i += 1;
+            batch::per_cpu_fold(
+                &self.stats.service_stats,
+                a,
+                b - a + 1,
+                self.cpus,
+                |k, v| {
+                    let v: &ServiceStats = v;
+                    let mut sum = 0u64;
+                    v.for_each(|_, x| sum = sum.wrapping_add(x));
+                    let e = got.entry(a + k as u32).or_insert(0);
+                    *e = e.wrapping_add(sum);
+                },
+            )?;
+        }
+        Ok(ids
+            .iter()
+            .map(|id| got.get(id).copied().unwrap_or(0))
+            .collect())
+    }
+
     /// Sum over CPUs of one backend's counters; `flows_closed` includes
     /// the idle UDP flows `sweep_idle_udp` removed.
     pub fn backend_stats(&self, id: u32) -> Result<BackendStats> {
