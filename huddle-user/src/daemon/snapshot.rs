@@ -30,6 +30,8 @@ pub struct Snapshots {
     tx: watch::Sender<Taken>,
     /// How long a reader waits for the tick before giving up.
     patience: Duration,
+    /// When the last snapshot was sent, while it is still held.
+    sent: std::sync::Mutex<Option<std::time::Instant>>,
 }
 
 impl Snapshots {
@@ -42,6 +44,7 @@ impl Snapshots {
             // Two ticks and a second: a tick delayed by a slow reload is
             // waited for; a stopped one is reported.
             patience: tick * 2 + Duration::from_secs(1),
+            sent: std::sync::Mutex::new(None),
         }
     }
 
@@ -49,11 +52,31 @@ impl Snapshots {
     /// asked since the last one.
     pub fn take_if_wanted(&self, b: &Balancer) {
         let wanted = self.wanted.swap(0, Ordering::AcqRel);
+        let mut sent = self
+            .sent
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
         if wanted != 0 {
             let taken = take(b, wanted & HISTOGRAMS != 0)
                 .map(Arc::new)
                 .map_err(|e| format!("{e:#}"));
             self.tx.send_replace(Some(taken));
+            *sent = Some(std::time::Instant::now());
+        } else if sent.is_some_and(|t| t.elapsed() > KEEP) {
+            // Let go of it once its readers have long had it (without
+            // waking anyone), and give the heap back: at 65,536 backends
+            // a whole status is a few hundred MiB that otherwise stayed
+            // in the daemon's RSS until the next call.
+            *sent = None;
+            self.tx.send_if_modified(|v| {
+                *v = None;
+                false
+            });
+            // SAFETY: malloc_trim only returns free heap pages to the
+            // system; glibc allows it at any time.
+            unsafe {
+                libc::malloc_trim(0);
+            }
         }
     }
 
@@ -94,6 +117,10 @@ impl Snapshots {
         Err(anyhow!("no snapshot with histograms taken in two ticks"))
     }
 }
+
+/// How long a sent snapshot is held for late readers: they are woken when
+/// it is sent and read it at once.
+const KEEP: Duration = Duration::from_secs(5);
 
 /// `Snapshots::wanted`: someone waits for a snapshot.
 const STATUS: u8 = 1;
