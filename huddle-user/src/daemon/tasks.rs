@@ -39,6 +39,9 @@ pub(super) async fn saver(shared: Arc<Mutex<Balancer>>) {
     // the raw cursors it was built from, so an unmoved walk is not built.
     let mut written: Option<walk::NatWalk> = None;
     let mut cursors = None;
+    // Packets the program sent on, as of the last cursor read: a walk
+    // moves only with a new flow, which sends its first packet on.
+    let mut forwarded_at_read = None;
     loop {
         tick.tick().await;
         round += 1;
@@ -57,11 +60,23 @@ pub(super) async fn saver(shared: Arc<Mutex<Balancer>>) {
             }
             // L2 DSR cannot hand a packet to the kernel to resolve its next
             // hop (the kernel would route it by its VIP): resolve it here.
-            if let Ok(g) = b.dp.global_stats() {
+            let global = b.dp.global_stats().ok();
+            if let Some(g) = &global {
                 if g.drop_no_neigh != unresolved {
                     unresolved = g.drop_no_neigh;
                     crate::sys::addresses::warm_neighbours(&b.backend_addrs());
                 }
+            }
+            // Nothing sent on since the last read (an idle balancer): the
+            // cursors of 65,536 backends (a per-CPU read each second, a
+            // tenth of such a daemon's time) are not read.
+            let forwarded = global.map(|g| {
+                [g.tx, g.redirect, g.pass_no_neigh, g.pass_no_route, g.encap]
+                    .iter()
+                    .fold(0u64, |s, x| s.wrapping_add(*x))
+            });
+            if forwarded.is_some() && forwarded == forwarded_at_read && written.is_some() {
+                continue;
             }
             // The NAT walk read under the lock, written (and synced) after
             // it (a write held the tick up for as long as the disk took),
@@ -70,6 +85,7 @@ pub(super) async fn saver(shared: Arc<Mutex<Balancer>>) {
             // with the next move; a backend missing from the file starts
             // where the clock says, `start_cursor`.)
             let read = b.dp.nat_cursors();
+            forwarded_at_read = forwarded;
             if read.is_some() && read == cursors && written.is_some() {
                 continue;
             }
@@ -177,20 +193,24 @@ pub(super) async fn prober(shared: Arc<Mutex<Balancer>>, p: crate::config::Probe
         let targets = lock(&shared).probe_targets();
         let wants: Vec<(SocketAddr, crate::huddle::probing::Need)> =
             targets.iter().map(|t| (t.2, t.3)).collect();
-        let addrs = planner.plan(&wants, start.elapsed(), &budget);
+        let chosen = planner.plan_indices(&wants, start.elapsed(), &budget);
+        let addrs: Vec<SocketAddr> = chosen.iter().map(|&i| wants[i].0).collect();
         // Spread over most of the round, so the next finds it done.
         let results = crate::net::probe::probe_all(&addrs, &p, p.interval * 3 / 4).await;
-        let sent = addrs.len() as u64;
-        let by_addr: std::collections::HashMap<SocketAddr, crate::net::probe::ProbeResult> =
-            addrs.into_iter().zip(results).collect();
         let mut b = lock(&shared);
-        for (si, bi, a, _) in targets {
-            if let Some(r) = by_addr.get(&a) {
-                b.huddles[si].trackers[bi].probed(r.clone());
-                b.stir(si, bi);
+        // Each result to every target of its address (not a look-up for
+        // each of 65,536 targets), if a reload has not moved it meanwhile.
+        for (&i, r) in chosen.iter().zip(&results) {
+            for &j in planner.sharing(i) {
+                let (si, bi, a, _) = targets[j as usize];
+                let same = b.cfg.services.get(si).and_then(|s| s.backends.get(bi)) == Some(&a);
+                if same && b.huddles.get(si).is_some_and(|h| bi < h.trackers.len()) {
+                    b.huddles[si].trackers[bi].probed(r.clone());
+                    b.stir(si, bi);
+                }
             }
         }
-        b.seen.probes_sent += sent;
+        b.seen.probes_sent += chosen.len() as u64;
     }
 }
 

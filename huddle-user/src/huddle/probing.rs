@@ -79,6 +79,8 @@ pub struct Planner {
     slot_of: Vec<u32>,
     /// When each slot was last probed.
     last: Vec<Option<Duration>>,
+    /// Each slot's wants (indices), for handing a result to all of them.
+    wants_of: Vec<Vec<u32>>,
     /// This round's candidates, kept for their allocation.
     due: Vec<(Need, Option<Duration>, u32)>,
 }
@@ -104,17 +106,31 @@ impl Planner {
                 })
             })
             .collect();
+        self.wants_of = vec![Vec::new(); self.last.len()];
+        for (i, &s) in self.slot_of.iter().enumerate() {
+            self.wants_of[s as usize].push(i as u32);
+        }
     }
 
-    /// The addresses to probe at `now`, from `wants`: each target's
-    /// address and how much a probe tells (`Need`); an address listed
-    /// twice counts as the more needed.
-    pub fn plan(
+    /// The wants (indices into the last `plan_indices`' list) with the
+    /// same address as want `i`, `i` among them.
+    #[must_use]
+    pub fn sharing(&self, i: usize) -> &[u32] {
+        self.slot_of
+            .get(i)
+            .and_then(|&s| self.wants_of.get(s as usize))
+            .map_or(&[], Vec::as_slice)
+    }
+
+    /// The wants to probe at `now` (indices, one an address), from
+    /// `wants`: each target's address and how much a probe tells (`Need`);
+    /// an address listed twice counts as the more needed.
+    pub fn plan_indices(
         &mut self,
         wants: &[(SocketAddr, Need)],
         now: Duration,
         b: &Budget,
-    ) -> Vec<SocketAddr> {
+    ) -> Vec<usize> {
         if wants.len() != self.addrs.len() || wants.iter().zip(&self.addrs).any(|(w, a)| w.0 != *a)
         {
             self.rebuild(wants);
@@ -172,7 +188,7 @@ impl Planner {
             let slot = self.slot_of[i as usize] as usize;
             if self.last[slot] != Some(now) {
                 self.last[slot] = Some(now);
-                chosen.push(wants[i as usize].0);
+                chosen.push(i as usize);
             }
         }
         self.due = due;
@@ -189,6 +205,17 @@ mod tests {
     }
 
     const MS: Duration = Duration::from_millis(1);
+
+    /// `plan_indices`, as addresses.
+    fn plan(
+        p: &mut Planner,
+        w: &[(SocketAddr, Need)],
+        now: Duration,
+        b: &Budget,
+    ) -> Vec<SocketAddr> {
+        let chosen = p.plan_indices(w, now, b);
+        chosen.into_iter().map(|i| w[i].0).collect()
+    }
 
     fn budget(max_per_second: u32) -> Budget {
         Budget {
@@ -208,11 +235,19 @@ mod tests {
             (a(2), Need::Measured),
             (a(3), Need::Measured),
         ];
-        assert_eq!(p.plan(&wants, Duration::ZERO, &b).len(), 3, "all at first");
+        assert_eq!(
+            plan(&mut p, &wants, Duration::ZERO, &b).len(),
+            3,
+            "all at first"
+        );
         for k in 1..8u32 {
-            assert_eq!(p.plan(&wants, 250 * k * MS, &b), vec![a(1)], "round {k}");
+            assert_eq!(
+                plan(&mut p, &wants, 250 * k * MS, &b),
+                vec![a(1)],
+                "round {k}"
+            );
         }
-        let mut r = p.plan(&wants, 2000 * MS, &b);
+        let mut r = plan(&mut p, &wants, 2000 * MS, &b);
         r.sort();
         assert_eq!(r, vec![a(1), a(2), a(3)]);
     }
@@ -222,8 +257,13 @@ mod tests {
         let mut p = Planner::default();
         let b = budget(10_000);
         let wants = [(a(1), Need::Measured), (a(1), Need::Now)];
-        assert_eq!(p.plan(&wants, Duration::ZERO, &b), vec![a(1)]);
-        assert_eq!(p.plan(&wants, 250 * MS, &b), vec![a(1)]);
+        assert_eq!(plan(&mut p, &wants, Duration::ZERO, &b), vec![a(1)]);
+        assert_eq!(
+            p.plan_indices(&wants, 250 * MS, &b),
+            vec![1],
+            "as the urgent one"
+        );
+        assert_eq!(p.sharing(1), &[0, 1], "its result goes to both");
     }
 
     #[test]
@@ -234,16 +274,16 @@ mod tests {
         let wants: Vec<_> = (1..=6)
             .map(|n| (a(n), if n == 5 { Need::Now } else { Need::Idle }))
             .collect();
-        let r1 = p.plan(&wants, Duration::ZERO, &b);
+        let r1 = plan(&mut p, &wants, Duration::ZERO, &b);
         assert_eq!(r1, vec![a(5), a(1)]);
-        let r2 = p.plan(&wants, 250 * MS, &b);
+        let r2 = plan(&mut p, &wants, 250 * MS, &b);
         assert_eq!(r2, vec![a(5), a(2)], "then the never probed, in order");
-        let r3 = p.plan(&wants, 500 * MS, &b);
+        let r3 = plan(&mut p, &wants, 500 * MS, &b);
         assert_eq!(r3, vec![a(5), a(3)]);
         // Every address gets its turn within the budget's reach.
         let mut seen = std::collections::HashSet::new();
         for k in 3..12u32 {
-            seen.extend(p.plan(&wants, 250 * k * MS, &b));
+            seen.extend(plan(&mut p, &wants, 250 * k * MS, &b));
         }
         assert_eq!(seen.len(), 6);
     }
@@ -259,16 +299,16 @@ mod tests {
         let mut wants: Vec<_> = (1..=6).map(|n| (a(n), Need::Idle)).collect();
         wants.push((a(100), Need::Now));
         wants.push((a(101), Need::Measured));
-        let r = p.plan(&wants, Duration::ZERO, &b);
+        let r = plan(&mut p, &wants, Duration::ZERO, &b);
         assert_eq!(
             r,
             vec![a(100), a(1), a(2), a(101)],
             "the rest of the round is not given to the idle"
         );
-        assert_eq!(p.plan(&wants, 250 * MS, &b), vec![a(100), a(3), a(4)]);
-        assert_eq!(p.plan(&wants, 500 * MS, &b), vec![a(100), a(5), a(6)]);
+        assert_eq!(plan(&mut p, &wants, 250 * MS, &b), vec![a(100), a(3), a(4)]);
+        assert_eq!(plan(&mut p, &wants, 500 * MS, &b), vec![a(100), a(5), a(6)]);
         assert_eq!(
-            p.plan(&wants, 750 * MS, &b),
+            plan(&mut p, &wants, 750 * MS, &b),
             vec![a(100), a(1), a(2)],
             "in turn"
         );
@@ -279,11 +319,11 @@ mod tests {
         let mut p = Planner::default();
         let b = budget(10_000);
         let wants = [(a(1), Need::Idle), (a(2), Need::Idle)];
-        assert_eq!(p.plan(&wants, Duration::ZERO, &b).len(), 2);
+        assert_eq!(plan(&mut p, &wants, Duration::ZERO, &b).len(), 2);
         // A reload adds a(3) in front and reorders: only a(3) is due.
         let wants = [(a(3), Need::Idle), (a(2), Need::Idle), (a(1), Need::Idle)];
-        assert_eq!(p.plan(&wants, 100 * MS, &b), vec![a(3)]);
-        assert_eq!(p.plan(&wants, 250 * MS, &b), vec![a(1), a(2)]);
+        assert_eq!(plan(&mut p, &wants, 100 * MS, &b), vec![a(3)]);
+        assert_eq!(plan(&mut p, &wants, 250 * MS, &b), vec![a(1), a(2)]);
     }
 
     #[test]
@@ -295,12 +335,12 @@ mod tests {
         wants.push((a(200), Need::Thin));
         wants.push((a(201), Need::Now));
         for k in 0..20u32 {
-            let r = p.plan(&wants, 250 * k * MS, &b);
+            let r = plan(&mut p, &wants, 250 * k * MS, &b);
             assert_eq!(r, vec![a(201), a(200)], "round {k}");
         }
         // With room, the idle get the rest of each round.
         let mut p = Planner::default();
-        let r = p.plan(&wants, Duration::ZERO, &budget(1_000));
+        let r = plan(&mut p, &wants, Duration::ZERO, &budget(1_000));
         assert_eq!(r.len(), 102);
     }
 }
