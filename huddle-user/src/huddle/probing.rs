@@ -81,6 +81,8 @@ pub struct Planner {
     last: Vec<Option<Duration>>,
     /// Each slot's wants (indices), for handing a result to all of them.
     wants_of: Vec<Vec<u32>>,
+    /// Where the next round's idle ones are looked for from.
+    idle_cursor: usize,
     /// This round's candidates, kept for their allocation.
     due: Vec<(Need, Option<Duration>, u32)>,
 }
@@ -140,17 +142,43 @@ impl Planner {
         // (need, when last probed: never sorts first, want index)
         let mut due = std::mem::take(&mut self.due);
         due.clear();
+        let is_due = |last: Option<Duration>, every: Duration| {
+            last.is_none_or(|t| now.saturating_sub(t) + slack >= every)
+        };
         for (i, &(_, n)) in wants.iter().enumerate() {
+            // Idle ones are taken below, in turn.
+            if n == Need::Idle {
+                continue;
+            }
             let every = if n == Need::Measured {
                 b.active_interval
             } else {
                 b.interval
             };
             let last = self.last[self.slot_of[i] as usize];
-            if last.is_none_or(|t| now.saturating_sub(t) + slack >= every) {
+            if is_due(last, every) {
                 due.push((n, last, i as u32));
             }
         }
+        // Idle ones up to their share, in turn through the list from
+        // where the last round stopped: the longest unprobed first without
+        // ordering 65,536 of them a round.
+        // Only as many as the round has room for after the more needed,
+        // so the turn passes no idle one it did not take.
+        let ahead = due.iter().filter(|d| d.0 < Need::Idle).count();
+        let q = b.idle_per_round().min(b.per_round().saturating_sub(ahead));
+        let mut k = 0;
+        let mut taken = 0;
+        while taken < q && k < wants.len() {
+            let i = (self.idle_cursor + k) % wants.len();
+            k += 1;
+            let last = self.last[self.slot_of[i] as usize];
+            if wants[i].1 == Need::Idle && is_due(last, b.interval) {
+                due.push((Need::Idle, last, i as u32));
+                taken += 1;
+            }
+        }
+        self.idle_cursor = (self.idle_cursor + k) % wants.len().max(1);
         // Most needed first, then the longest unprobed, then by address:
         // only the round's share is sorted (at 65,536 backends sorting all
         // of them every round was a sixth of an idle daemon's time).
@@ -160,21 +188,6 @@ impl Planner {
                 .then(x.1.cmp(&y.1))
                 .then(wants[x.2 as usize].0.cmp(&wants[y.2 as usize].0))
         };
-        // Idle ones: the longest unprobed, up to their share.
-        let idle = due.iter().filter(|d| d.0 == Need::Idle).count();
-        let q = b.idle_per_round();
-        if idle > q {
-            // The idle in front (a pass, not a sort of every backend).
-            let mut j = 0;
-            for i in 0..due.len() {
-                if due[i].0 == Need::Idle {
-                    due.swap(i, j);
-                    j += 1;
-                }
-            }
-            due[..idle].select_nth_unstable_by(q - 1, order);
-            due.drain(q..idle);
-        }
         let k = b.per_round();
         if due.len() > k {
             due.select_nth_unstable_by(k - 1, order);
