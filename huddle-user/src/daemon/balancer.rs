@@ -394,12 +394,14 @@ impl Balancer {
             .enumerate()
             .filter(|(_, s)| s.proto == crate::config::Proto::Tcp)
             .flat_map(|(si, s)| {
+                let needs = huddles
+                    .get(si)
+                    .map_or_else(Default::default, |h| h.needs_probes(settings));
                 s.backends.iter().enumerate().map(move |(bi, a)| {
-                    let need = huddles
-                        .get(si)
-                        .map_or(crate::huddle::probing::Need::Now, |h| {
-                            h.needs_probe(bi, settings)
-                        });
+                    let need = needs
+                        .get(bi)
+                        .copied()
+                        .unwrap_or(crate::huddle::probing::Need::Now);
                     (si, bi, *a, need)
                 })
             })
