@@ -79,9 +79,7 @@ pub(super) fn pps(
     // The second core: the other of the first two.
     let two = [cpu, if cpu == 0 { 1 } else { 0 }];
     // Online CPUs, not this thread's affinity (pinned to one by now).
-    // SAFETY: sysconf reads a system constant.
-    let cores = unsafe { libc::sysconf(libc::_SC_NPROCESSORS_ONLN) };
-    let both = if cores >= 2 {
+    let both = if crate::sys::host::online_cpus() >= 2 {
         Some(rounds(&mut env, &mut gen, base, &two)?)
     } else {
         None

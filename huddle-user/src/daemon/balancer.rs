@@ -126,6 +126,15 @@ pub(super) struct TxWatch {
     pub(super) done: bool,
 }
 
+impl TxWatch {
+    /// Adds one backend's SYNs sent and answers seen. DSR replies bypass
+    /// the balancer: a completed handshake is the proof that SYNs arrived.
+    pub(super) fn add(&mut self, st: &huddle_common::BackendStats, dsr: bool) {
+        self.sent += st.syns;
+        self.answered += if dsr { st.syn_acks } else { st.pkts_from };
+    }
+}
+
 /// How long after start the daemon checks that sent frames are answered.
 pub(super) const TX_WATCH: Duration = Duration::from_secs(5);
 
@@ -263,7 +272,7 @@ impl Balancer {
             .reloader
             .clone()
             .context("this balancer has no configuration to reload")?;
-        let mut lap = crate::daemon::balancer::Laps::new();
+        let mut lap = Laps::new();
         let new = reloader().context("reload refused, nothing changed")?;
         lap.mark("read");
         refuse_restart_only(&self.cfg, &new)?;

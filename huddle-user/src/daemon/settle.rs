@@ -79,26 +79,17 @@ impl Balancer {
             }
             self.wake_cursor = (si + 1) % n;
         }
-        let mut ranges: Vec<(u32, u32)> = (0..n)
+        let ranges: Vec<(u32, u32)> = (0..n)
             .filter(|&si| read[si])
             .filter_map(|si| {
                 let ids = self.dp.services.get(si)?.backend_ids.iter();
                 Some((*ids.clone().min()?, *ids.max()?))
             })
             .collect();
-        ranges.sort_unstable();
-        let mut merged: Vec<(u32, u32)> = Vec::with_capacity(ranges.len());
-        for (a, b) in ranges {
-            match merged.last_mut() {
-                // Ids a few apart: one read rather than two.
-                Some(last) if a <= last.1.saturating_add(64) => last.1 = last.1.max(b),
-                _ => merged.push((a, b)),
-            }
-        }
         Plan {
             pass,
             read,
-            ranges: merged,
+            ranges: crate::kernel::batch::merged(ranges, 64),
         }
     }
 
@@ -121,8 +112,7 @@ impl Balancer {
         if picked.is_empty() {
             return;
         }
-        let ids: Vec<u32> = picked.iter().map(|&si| self.dp.services[si].id).collect();
-        match self.dp.service_marks(&ids) {
+        match self.marks_for(&picked) {
             Ok(marks) => {
                 for (&si, m) in picked.iter().zip(marks) {
                     if self.huddles[si].quiet_mark != Some(m) {
@@ -146,9 +136,8 @@ impl Balancer {
     /// (the service is not at rest) or moves the sum after it.
     pub(super) fn marks_of(&self, read: &[bool]) -> Vec<Option<u64>> {
         let picked: Vec<usize> = (0..read.len()).filter(|&si| read[si]).collect();
-        let ids: Vec<u32> = picked.iter().map(|&si| self.dp.services[si].id).collect();
         let mut out = vec![None; read.len()];
-        match self.dp.service_marks(&ids) {
+        match self.marks_for(&picked) {
             Ok(marks) => {
                 for (si, m) in picked.into_iter().zip(marks) {
                     out[si] = Some(m);
@@ -157,6 +146,12 @@ impl Balancer {
             Err(e) => debug!("service counters: {e:#}"),
         }
         out
+    }
+
+    /// `Dataplane::service_marks` of services `sis` (indices), in order.
+    fn marks_for(&self, sis: &[usize]) -> anyhow::Result<Vec<u64>> {
+        let ids: Vec<u32> = sis.iter().map(|&si| self.dp.services[si].id).collect();
+        self.dp.service_marks(&ids)
     }
 
     /// Whether settled service `si` must be judged this tick: read

@@ -136,8 +136,7 @@ impl Balancer {
             let dsr = s.mode.is_dsr();
             for id in &slot.backend_ids {
                 let (st, _) = snap.get(*id)?;
-                tx.sent += st.syns;
-                tx.answered += if dsr { st.syn_acks } else { st.pkts_from };
+                tx.add(&st, dsr);
             }
         }
         Some(tx)
@@ -181,10 +180,7 @@ impl Balancer {
                 self.huddles[si].trackers[bi].observe_connect_time(&all.stats, &all.connect, min);
             }
         }
-        tx.sent += st.syns;
-        // DSR replies bypass the balancer: a completed handshake is the
-        // proof that SYNs arrived.
-        tx.answered += if dsr { st.syn_acks } else { st.pkts_from };
+        tx.add(&st, dsr);
         self.watch_nat_reuse(si, bi, id, st.nat_reuse_early);
         let tracker = &mut self.huddles[si].trackers[bi];
         let (stats, ttfb) = match &all {

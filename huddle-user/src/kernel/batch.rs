@@ -59,6 +59,21 @@ pub fn per_cpu_size(size: usize, cpus: usize) -> usize {
     size.next_multiple_of(8) * cpus
 }
 
+/// `ranges` of ids (inclusive) sorted and merged where at most `gap` ids
+/// apart: one batch read rather than two for ids a few apart.
+#[must_use]
+pub fn merged(mut ranges: Vec<(u32, u32)>, gap: u32) -> Vec<(u32, u32)> {
+    ranges.sort_unstable();
+    let mut out: Vec<(u32, u32)> = Vec::with_capacity(ranges.len());
+    for (a, b) in ranges {
+        match out.last_mut() {
+            Some(last) if a <= last.1.saturating_add(gap) => last.1 = last.1.max(b),
+            _ => out.push((a, b)),
+        }
+    }
+    out
+}
+
 /// The descriptor of `map` (an aya map), borrowed: no copy of it a read.
 fn fd_of<K: aya::Pod, V>(map: &impl IterableMap<K, V>) -> BorrowedFd<'_> {
     let data: &MapData = map.map();
@@ -117,4 +132,13 @@ pub fn plain<T: aya::Pod>(map: &impl IterableMap<u32, T>, first: u32, n: u32) ->
         // SAFETY: one plain-old-data value a chunk.
         .map(|c| unsafe { std::ptr::read_unaligned(c.as_ptr().cast()) })
         .collect())
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn ranges_a_few_ids_apart_are_read_as_one() {
+        let r = super::merged(vec![(70, 80), (1, 3), (5, 5), (200, 210), (75, 90)], 16);
+        assert_eq!(r, vec![(1, 5), (70, 90), (200, 210)]);
+    }
 }

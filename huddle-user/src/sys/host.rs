@@ -34,6 +34,15 @@ pub fn possible_cpus() -> Result<usize> {
         .context("counting the possible CPUs")
 }
 
+/// CPUs online now (a thread can be pinned to), whatever this thread's
+/// own affinity.
+#[must_use]
+pub fn online_cpus() -> usize {
+    // SAFETY: sysconf reads a system constant.
+    let n = unsafe { libc::sysconf(libc::_SC_NPROCESSORS_ONLN) };
+    usize::try_from(n).unwrap_or(1).max(1)
+}
+
 /// CLOCK_MONOTONIC in nanoseconds: the clock of `bpf_ktime_get_ns`.
 #[must_use]
 pub fn monotonic_ns() -> u64 {

@@ -41,7 +41,7 @@ pub struct ServiceHuddle {
     /// Its last tick left it `at_rest`: later ticks may pass it by until
     /// one of its backends `wakes` (see `Balancer::tick`).
     pub settled: bool,
-    /// While `settled`: each backend's `needs_probe` as its last tick left
+    /// While `settled`: each backend's `needs_probes` as its last tick left
     /// it (the prober asks for all 65,536 every round; reading them from
     /// their trackers was a fourteenth of an idle daemon at that size).
     pub rest_needs: Vec<Need>,
@@ -234,12 +234,6 @@ impl ServiceHuddle {
             return std::borrow::Cow::Borrowed(&self.rest_needs);
         }
         std::borrow::Cow::Owned(self.needs_now(s))
-    }
-
-    /// `needs_probes` of backend `i` alone.
-    #[must_use]
-    pub fn needs_probe(&self, i: usize, s: &Settings) -> Need {
-        self.needs_probes(s).get(i).copied().unwrap_or(Need::Now)
     }
 
     /// Settles or unsettles the service after its tick, keeping what a

@@ -407,13 +407,13 @@ fn a_service_with_nothing_moving_rests_until_something_comes() {
     h.trackers[0].active_flows = 3;
     h.settle(true, &s, Some(7));
     assert_eq!(h.quiet_mark, None, "a backend holds a flow: not quiet");
-    assert_eq!(h.needs_probe(0, &s), Need::Thin, "an idle long connection");
-    let kept = h.needs_probe(1, &s);
+    assert_eq!(h.needs_probes(&s)[0], Need::Thin, "an idle long connection");
+    let kept = h.needs_probes(&s)[1];
     assert_ne!(kept, Need::Now);
     h.trackers[1].unhealthy = Some("refused".into());
-    assert_eq!(h.needs_probe(1, &s), kept, "kept while settled");
+    assert_eq!(h.needs_probes(&s)[1], kept, "kept while settled");
     h.dirty = true;
-    assert_eq!(h.needs_probe(1, &s), Need::Now, "stirred: asked afresh");
+    assert_eq!(h.needs_probes(&s)[1], Need::Now, "stirred: asked afresh");
     h.trackers[1].unhealthy = None;
     h.dirty = false;
     h.engine.set_drained(0, true, now);

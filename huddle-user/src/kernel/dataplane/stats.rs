@@ -114,19 +114,9 @@ impl Dataplane {
     /// sixteen). Read in batches over runs of near ids.
     pub fn service_marks(&self, ids: &[u32]) -> Result<Vec<u64>> {
         use crate::kernel::batch;
-        let mut sorted = ids.to_vec();
-        sorted.sort_unstable();
-        sorted.dedup();
         let mut got: std::collections::HashMap<u32, u64> =
-            std::collections::HashMap::with_capacity(sorted.len());
-        let mut i = 0;
-        while i < sorted.len() {
-            let (a, mut b) = (sorted[i], sorted[i]);
-            while i + 1 < sorted.len() && sorted[i + 1] <= b.saturating_add(16) {
-                i += 1;
-                b = sorted[i];
-            }
-            i += 1;
+            std::collections::HashMap::with_capacity(ids.len());
+        for (a, b) in batch::merged(ids.iter().map(|&id| (id, id)).collect(), 16) {
             batch::per_cpu_fold(
                 &self.stats.service_stats,
                 a,
