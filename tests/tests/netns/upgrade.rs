@@ -503,7 +503,7 @@ fn an_unknown_layout_is_refused_and_left_forwarding() {
     let _shared = ALONE
         .read()
         .unwrap_or_else(std::sync::PoisonError::into_inner);
-    let mut bed = Testbed::new("uplayout", 2).expect("testbed");
+    let mut bed = Testbed::new("uplayout", N).expect("testbed");
     bed.start_backends(Path::new(BACKEND)).expect("backends");
     let args = args(&bed);
     let a: Vec<&str> = args.iter().map(String::as_str).collect();
