@@ -118,6 +118,46 @@ fn a_backend_owing_answers_too_long_is_hung() {
     assert_eq!(t.kernel_fault, None);
 }
 
+/// A backend no SYN-ACK ever comes from (its address is nobody's): it
+/// completes no handshake, so only the SYNs sent to it can show that
+/// more than one went unanswered.
+#[test]
+fn a_backend_whose_syns_go_unanswered_is_unreachable_after_syn_timeout() {
+    let s = settings();
+    let mut t = tracker();
+    let ms = 1_000_000u64;
+    let owes = Pulse {
+        syn_wait_ns: 1000 * ms,
+        ..Pulse::default()
+    };
+    let tick = |t: &mut Tracker, syns: u64, at_ms: u64| {
+        let st = BackendStats {
+            syns,
+            ..BackendStats::default()
+        };
+        t.observe(
+            &st,
+            &Latency::default(),
+            &owes,
+            at_ms * ms,
+            &s,
+            s.hung_after,
+        );
+        t.kernel_fault.clone()
+    };
+    assert_eq!(tick(&mut t, 1, 1100), None);
+    // One SYN unanswered past `syn_timeout` (300 ms): may be one lost.
+    assert_eq!(tick(&mut t, 1, 1400), None);
+    // Another attempt sent to it since, still nothing answered.
+    let fault = tick(&mut t, 2, 1410).expect("unreachable");
+    assert!(fault.starts_with("unreachable"), "{fault}");
+    // A lone SYN waits five times as long.
+    let mut lone = tracker();
+    assert_eq!(tick(&mut lone, 1, 1100), None);
+    assert_eq!(tick(&mut lone, 1, 2400), None);
+    assert!(tick(&mut lone, 1, 2600).is_some());
+}
+
 #[test]
 fn hung_after_and_pass_over_follow_the_rings_own_answer_times() {
     let s = settings();

@@ -418,15 +418,15 @@ impl Tracker {
                 ));
             }
         }
+        // Unreachable: the oldest SYN unanswered `syn_timeout`, and another
+        // connection attempt sent to it since (one lost SYN is no fault);
+        // or five times that alone. Attempts are `syns`, not `flows_new`:
+        // that counts completed handshakes, which a dead backend never has,
+        // so one dead from the start took 5 x 300 ms to leave, not 300.
         let syn_ns = s.syn_timeout.as_nanos() as u64;
-        if let Some(age) = owed(
-            pulse.syn_wait_ns,
-            now_ns,
-            stats.flows_new,
-            &mut self.syn_seen,
-        ) {
-            let (_, conns_then) = self.syn_seen.unwrap_or_default();
-            let piled = stats.flows_new.wrapping_sub(conns_then) >= 1;
+        if let Some(age) = owed(pulse.syn_wait_ns, now_ns, stats.syns, &mut self.syn_seen) {
+            let (_, syns_then) = self.syn_seen.unwrap_or_default();
+            let piled = stats.syns.wrapping_sub(syns_then) >= 1;
             if (age > syn_ns && piled) || age > syn_ns.saturating_mul(5) {
                 self.kernel_fault = Some(format!(
                     "unreachable: SYNs unanswered for {} ms",
