@@ -136,7 +136,7 @@ impl Balancer {
             ring_generation: slot.generation,
             ring,
             counters: counters(&self.dp.service_stats_from(slot.id, &read)?),
-            hung_after_ms: h.hung_after(&self.cfg.huddle).as_secs_f64() * 1e3,
+            hung_after_ms: h.hung_after_at(&self.cfg.huddle, now).as_secs_f64() * 1e3,
             pass_over_ms: tuning.turn_skip_ns as f64 / 1e6,
             pass_over_syn_ms: tuning.syn_skip_ns as f64 / 1e6,
             backends,

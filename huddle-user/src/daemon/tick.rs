@@ -81,7 +81,7 @@ impl Balancer {
                 continue;
             }
             let service = self.cfg.services[si].name();
-            let hung_after = self.huddles[si].hung_after(&self.cfg.huddle);
+            let hung_after = self.huddles[si].hung_after_at(&self.cfg.huddle, now);
             for bi in 0..self.huddles[si].trackers.len() {
                 let at = Reading {
                     service: &service,

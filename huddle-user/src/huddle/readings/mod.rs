@@ -100,6 +100,23 @@ impl ServiceHuddle {
         }
     }
 
+    /// `hung_after` as judged at `now`: the configured bound while the
+    /// rings hold (`Engine::hold_until`). A hung backend leaves even then,
+    /// and connections moving between balancers break if it leaves; a
+    /// backend turned 5x slow (50 ms on a ring answering in 10) owes its
+    /// answers for 50 ms at the turn, which the 55 ms of a fast ring can
+    /// call hung: in CI it left 64 ms after slowing, 0.4 s into a hold,
+    /// and 59 of 385 moved connections were reset. Held, it waits 200 ms,
+    /// is answered, and leaves hot once the hold is over.
+    #[must_use]
+    pub fn hung_after_at(&self, s: &Settings, now: Duration) -> Duration {
+        if now < self.engine.hold_until {
+            s.hung_after
+        } else {
+            self.hung_after(s)
+        }
+    }
+
     /// What the kernel needs to prefer, of two ring entries, the backend
     /// owing an answer for less time, and to pass over one that owes too
     /// long (see `huddle_common::Tuning`): an answer owed for twice the ring's p99

@@ -179,6 +179,12 @@ fn hung_after_and_pass_over_follow_the_rings_own_answer_times() {
     // a backend over after 22 ms owed, or a SYN-ACK owed as long.
     h.answer_p99_ms = Some(11.0);
     assert!((ms(h.hung_after(&s)) - 55.0).abs() < 1e-6);
+    // While the rings hold, the configured bound: a slow backend is not
+    // called hung (it would leave during the hold).
+    h.engine.hold_until = Duration::from_secs(5);
+    assert_eq!(h.hung_after_at(&s, Duration::from_secs(4)), s.hung_after);
+    assert!((ms(h.hung_after_at(&s, Duration::from_secs(5))) - 55.0).abs() < 1e-6);
+    h.engine.hold_until = Duration::ZERO;
     let t = h.tuning(&s, false);
     assert_eq!((t.turn_skip_ns, t.syn_skip_ns), (22_000_000, 22_000_000));
     // A fast ring: the floors hold.
