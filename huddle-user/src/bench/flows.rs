@@ -3,8 +3,8 @@
 //! run for the SYN cases.
 
 use super::setup::{
-    client_for, handshake, CLIENT6, FULL_BASE, HALF_OPEN_SLOTS, IPIP_PORT, L2_PORT, MAGLEV_PORT,
-    REUSE_BASE, REUSE_TUPLES, SNAT6, VIP, VIP6,
+    client_for, dsr_open, handshake, CLIENT6, FULL_BASE, HALF_OPEN_SLOTS, IPIP_PORT, L2_PORT,
+    MAGLEV_PORT, REUSE_BASE, REUSE_TUPLES, SNAT6, VIP, VIP6,
 };
 use crate::kernel::{
     packet::{tcp6, Frame, ACK, SYN},
@@ -107,15 +107,9 @@ fn syn6(n: u32, port: u16) -> Vec<u8> {
     )
 }
 
-/// An established DSR flow on `port`: the SYN, then the client's ACK
-/// promotes it. Returns its data packet.
+/// An established DSR flow on `port`; returns its data packet.
 fn dsr_flow(env: &ProgRun, client: Ipv4Addr, port: u16) -> Result<Vec<u8>> {
-    let (v, _) = env.run(&Frame::tcp((client, 40000), (VIP, port)).syn().build())?;
-    let ack = Frame::tcp((client, 40000), (VIP, port)).seq_ack(1001, 5001);
-    let (v2, _) = env.run(&ack.build())?;
-    if (v, v2) != (3, 3) {
-        bail!("setting up the established flow on port {port} returned verdicts {v}, {v2}, expected XDP_TX (3)");
-    }
+    dsr_open(env, (client, 40000), port)?;
     Ok(Frame::tcp((client, 40000), (VIP, port))
         .flags(ACK)
         .payload(&PAYLOAD)

@@ -69,6 +69,10 @@ pub(super) fn pps(
     if env.dp.service_stats(0)?.promoted != u64::from(PPS_FLOWS) {
         bail!("could not establish the {PPS_FLOWS} flows of the packets-per-second run");
     }
+    // The same clients' flows to the IP-in-IP DSR service: Katran's path.
+    for k in 0..PPS_FLOWS {
+        dsr_open(&env, (client, PPS_BASE_PORT + k), IPIP_PORT)?;
+    }
     let mut gen = Generator::load(peer, env.ifindex, client, frames)?;
     gen.fill_lookup_table(client)?;
     gen.fill_nat_table(client)?;
@@ -96,7 +100,10 @@ pub(super) fn pps(
 /// (`lookup_tx`, `nat_tx`) in the same object.
 struct Generator {
     obj: Ebpf,
+    /// The frame sent: one of `templates`.
     template: [u8; GEN_FRAME],
+    /// To the source-NAT service, to the IP-in-IP DSR one.
+    templates: [[u8; GEN_FRAME]; 2],
     /// struct xdp_md for the runs.
     ctx: [u8; 24],
     frames: u32,
@@ -106,19 +113,28 @@ impl Generator {
     /// Loads the generator to send `frames` copies of `client`'s
     /// established-flow frame from `peer` into `ifindex`.
     fn load(peer: u32, ifindex: u32, client: Ipv4Addr, frames: u32) -> Result<Self> {
-        let mut tpl = Frame::tcp((client, PPS_BASE_PORT), (VIP, 80))
-            .seq_ack(1001, 5001)
-            .payload(&[0x61; GEN_FRAME - 54])
-            .macs(crate::kernel::prog_run::mac_of(client), BALANCER_MAC)
-            .build();
-        tpl.resize(GEN_FRAME, 0);
-        let mut template = [0u8; GEN_FRAME];
-        template.copy_from_slice(&tpl);
-        let mut obj = Ebpf::load(object::TRAFFICGEN).context("loading the packet generator")?;
-        Array::<_, [u8; GEN_FRAME]>::try_from(
-            obj.map_mut("GEN_TEMPLATE").context("GEN_TEMPLATE")?,
-        )?
-        .set(0, template, 0)?;
+        let frame = |port: u16| {
+            let mut tpl = Frame::tcp((client, PPS_BASE_PORT), (VIP, port))
+                .seq_ack(1001, 5001)
+                .payload(&[0x61; GEN_FRAME - 54])
+                .macs(crate::kernel::prog_run::mac_of(client), BALANCER_MAC)
+                .build();
+            tpl.resize(GEN_FRAME, 0);
+            let mut template = [0u8; GEN_FRAME];
+            template.copy_from_slice(&tpl);
+            template
+        };
+        let templates = [frame(80), frame(IPIP_PORT)];
+        let obj = Ebpf::load(object::TRAFFICGEN).context("loading the packet generator")?;
+        let mut gen = Self {
+            obj,
+            template: templates[0],
+            templates,
+            ctx: [0; 24],
+            frames,
+        };
+        gen.send(0)?;
+        let obj = &mut gen.obj;
         Array::<_, GenConfig>::try_from(obj.map_mut("GEN_CONFIG").context("GEN_CONFIG")?)?.set(
             0,
             GenConfig {
@@ -130,19 +146,23 @@ impl Generator {
             0,
         )?;
         for name in ["gen", "sink", "lookup_tx", "nat_tx"] {
-            xdp_of(&mut obj, name)?.load()?;
+            xdp_of(obj, name)?.load()?;
         }
         // struct xdp_md: data_end must be the frame's length, as in
         // `test_run`.
-        let mut ctx = [0u8; 24];
-        ctx[4..8].copy_from_slice(&(GEN_FRAME as u32).to_ne_bytes());
-        ctx[12..16].copy_from_slice(&ifindex.to_ne_bytes());
-        Ok(Self {
-            obj,
-            template,
-            ctx,
-            frames,
-        })
+        gen.ctx[4..8].copy_from_slice(&(GEN_FRAME as u32).to_ne_bytes());
+        gen.ctx[12..16].copy_from_slice(&ifindex.to_ne_bytes());
+        Ok(gen)
+    }
+
+    /// Sends `templates[which]` from now on.
+    fn send(&mut self, which: usize) -> Result<()> {
+        self.template = self.templates[which];
+        Array::<_, [u8; GEN_FRAME]>::try_from(
+            self.obj.map_mut("GEN_TEMPLATE").context("GEN_TEMPLATE")?,
+        )?
+        .set(0, self.template, 0)?;
+        Ok(())
     }
 
     /// Frames the sink counted so far.
@@ -239,12 +259,14 @@ impl Generator {
     }
 }
 
-/// The programs timed: the balancer, then the baselines.
-const PROGRAMS: usize = 4;
+/// The programs timed: the balancer, the baselines, the balancer's
+/// IP-in-IP DSR path.
+const PROGRAMS: usize = 5;
 
-/// Rounds of the four programs in turn, so that a slower spell of the host
+/// Rounds of the five programs in turn, so that a slower spell of the host
 /// (this is a virtual machine) falls on all of them; the median rate of
-/// each: huddle, minimal forwarder, forwarder + lookup, bare NAT forwarder.
+/// each: huddle, minimal forwarder, forwarder + lookup, bare NAT forwarder,
+/// huddle on IP-in-IP DSR flows.
 fn rounds(
     env: &mut ProgRun,
     gen: &mut Generator,
@@ -254,10 +276,12 @@ fn rounds(
     let mut rates: [Vec<f64>; PROGRAMS] = Default::default();
     for _ in 0..PPS_ROUNDS {
         for (which, rate) in rates.iter_mut().enumerate() {
-            let r = if which == 0 {
+            let r = if which == 0 || which == 4 {
+                gen.send(usize::from(which == 4))?;
                 env.dp.attach(env.ifindex, XdpMode::Native)?;
                 let r = gen.rate(cpus);
                 env.dp.detach()?;
+                gen.send(0)?;
                 r
             } else {
                 // The forwarder is in the baseline object, the others in
@@ -281,11 +305,11 @@ fn rounds(
 }
 
 /// The table, and the whole cycle per packet.
-fn report(cpu: usize, frames: u32, [ours, theirs, lookup, bare]: [f64; PROGRAMS]) {
+fn report(cpu: usize, frames: u32, [ours, theirs, lookup, bare, ipip]: [f64; PROGRAMS]) {
     println!(
         "\nPackets per second forwarded on a veth pair, one core (CPU {}), {} frames of {GEN_FRAME} bytes each from a \
          BPF_PROG_TEST_RUN live-frames generator, spread over {PPS_FLOWS} established flows; counted by an XDP sink on the peer. \
-         Median of {PPS_ROUNDS} rounds of the four in turn.",
+         Median of {PPS_ROUNDS} rounds of the five in turn.",
         cpu, frames
     );
     println!("| program on the receiving veth | Mpps forwarded | vs minimal forwarder |");
@@ -294,6 +318,10 @@ fn report(cpu: usize, frames: u32, [ours, theirs, lookup, bare]: [f64; PROGRAMS]
         (
             "huddle (established flows: lookup, NAT rewrite, FIB, XDP_TX)",
             ours,
+        ),
+        (
+            "huddle dsr-ipip (established flows: lookup, IP-in-IP encapsulation, FIB, XDP_TX)",
+            ipip,
         ),
         (
             "bare NAT forwarder (one 16-byte-key lookup, rewrite and MACs from the entry, XDP_TX)",
@@ -340,6 +368,7 @@ fn report_cores(cpus: [usize; 2], frames: u32, one: [f64; PROGRAMS], two: [f64; 
     let forwarder = two[1] / one[1];
     for (i, name) in [
         (0, "huddle (established flows)"),
+        (4, "huddle dsr-ipip (established flows)"),
         (3, "bare NAT forwarder"),
         (2, "forwarder + one lookup"),
         (1, "minimal forwarder"),

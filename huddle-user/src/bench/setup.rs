@@ -152,6 +152,19 @@ pub(super) fn handshake(
     Ok(([v, v2, v3], backend, nat_port))
 }
 
+/// Opens an established DSR flow of `client` on the service at `port`:
+/// the SYN, then the client's ACK promotes it (the backend answers the
+/// client directly, so nothing comes back through the balancer).
+pub(super) fn dsr_open(env: &ProgRun, client: (Ipv4Addr, u16), port: u16) -> Result<()> {
+    let (v, _) = env.run(&Frame::tcp(client, (VIP, port)).syn().build())?;
+    let ack = Frame::tcp(client, (VIP, port)).seq_ack(1001, 5001);
+    let (v2, _) = env.run(&ack.build())?;
+    if (v, v2) != (3, 3) {
+        bail!("opening a DSR flow on port {port}: verdicts {v}, {v2}, expected XDP_TX (3)");
+    }
+    Ok(())
+}
+
 /// The first flow number of the full balancer's SYNs.
 pub(super) const FULL_BASE: u32 = 10_000_000;
 
