@@ -126,6 +126,13 @@ fn swaps_and_churn_under_2000_connections_break_nothing() {
         failed_new.len(),
         errors.len()
     );
+    if !errors.is_empty() {
+        // What the data plane counted, for whoever finds why.
+        let st = bed.status().unwrap();
+        println!("service counters: {:?}", st.services[0].counters);
+        println!("global counters: {:?}", st.global);
+        println!("events: {:?}", st.services[0].recent);
+    }
     assert!(
         errors.is_empty(),
         "connections reset or stalled: {:?}",
