@@ -176,7 +176,10 @@ pub(super) async fn ticker(
     }
 }
 
-/// Probes every backend concurrently, every `p.interval`.
+/// Probes the backends the planner picks, every `p.interval`, handing
+/// each result over as it comes. A slow answer from a backend judged on
+/// its probes gets a second probe `CONFIRM_AFTER` later, from what the
+/// round leaves of the budget (`ServiceHuddle::wants_confirming`).
 pub(super) async fn prober(shared: Arc<Mutex<Balancer>>, p: crate::config::Probe) {
     let mut tick = tokio::time::interval(p.interval);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -195,24 +198,59 @@ pub(super) async fn prober(shared: Arc<Mutex<Balancer>>, p: crate::config::Probe
             targets.iter().map(|t| (t.2, t.3)).collect();
         let chosen = planner.plan_indices(&wants, start.elapsed(), &budget);
         let addrs: Vec<SocketAddr> = chosen.iter().map(|&i| wants[i].0).collect();
+        let mut set = crate::net::probe::Probes::new();
         // Spread over most of the round, so the next finds it done.
-        let results = crate::net::probe::probe_all(&addrs, &p, p.interval * 3 / 4).await;
-        let mut b = lock(&shared);
-        // Each result to every target of its address (not a look-up for
-        // each of 65,536 targets), if a reload has not moved it meanwhile.
-        for (&i, r) in chosen.iter().zip(&results) {
-            for &j in planner.sharing(i) {
-                let (si, bi, a, _) = targets[j as usize];
-                let same = b.cfg.services.get(si).and_then(|s| s.backends.get(bi)) == Some(&a);
-                if same && b.huddles.get(si).is_some_and(|h| bi < h.trackers.len()) {
+        crate::net::probe::start_spread(&mut set, &addrs, &p, p.interval * 3 / 4);
+        lock(&shared).seen.probes_sent += chosen.len() as u64;
+        let mut confirms = budget.per_round().saturating_sub(chosen.len());
+        // Tags from `chosen.len()` on are confirmations of `tag - len`.
+        let mut ready = Vec::new();
+        while let Some(first) = set.join_next().await {
+            ready.push(first);
+            while let Some(more) = set.try_join_next() {
+                ready.push(more);
+            }
+            let mut b = lock(&shared);
+            for (tag, r) in ready.drain(..).flatten() {
+                let (k, confirming) = match tag.checked_sub(chosen.len()) {
+                    Some(k) => (k, true),
+                    None => (tag, false),
+                };
+                let mut again = false;
+                // Each result to every target of its address (not a look-up
+                // for each of 65,536 targets), if a reload has not moved it.
+                for &j in planner.sharing(chosen[k]) {
+                    let (si, bi, a, _) = targets[j as usize];
+                    let same = b.cfg.services.get(si).and_then(|s| s.backends.get(bi)) == Some(&a);
+                    if !same || b.huddles.get(si).is_none_or(|h| bi >= h.trackers.len()) {
+                        continue;
+                    }
+                    again |= r.error.is_none()
+                        && !confirming
+                        && b.huddles[si].wants_confirming(bi, r.latency_ms, &b.cfg.huddle);
                     b.huddles[si].trackers[bi].probed(r.clone());
                     b.stir(si, bi);
                 }
+                if again && confirms > 0 {
+                    confirms -= 1;
+                    b.seen.probes_sent += 1;
+                    crate::net::probe::start_one(
+                        &mut set,
+                        chosen.len() + k,
+                        addrs[k],
+                        &p,
+                        CONFIRM_AFTER,
+                    );
+                }
             }
         }
-        b.seen.probes_sent += chosen.len() as u64;
     }
 }
+
+/// How long after a slow probe answer its confirmation is sent: past a
+/// moment's stall (a busy scheduler, a first connect's ARP), well inside
+/// the round.
+const CONFIRM_AFTER: Duration = Duration::from_millis(30);
 
 /// Largest metrics page read from a backend.
 const MAX_METRICS_BYTES: usize = 4 << 20;

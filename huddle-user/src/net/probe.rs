@@ -1,4 +1,4 @@
-//! Synthetic requests to backends, all at once, so a resting or unhealthy
+//! Synthetic requests to backends, spread over a round, so a resting or unhealthy
 //! backend's temperature reflects how it is now. Every backend is probed
 //! the same way, so a probe's latency is only ever compared with other
 //! probes' latencies (never with request latency).
@@ -80,36 +80,28 @@ fn is_local(e: &anyhow::Error) -> bool {
     })
 }
 
-/// Probes every address, their starts spread evenly over `over`;
-/// results in the same order. All at once, a round of 500 probes queued
-/// at the backends and in this daemon: measured (`hc-scale`, 64 x 16, a
-/// debug build), 2 ms backends answered them in 13-60 ms, and that noise
-/// rotated idle backends in and out.
-pub async fn probe_all(addrs: &[SocketAddr], p: &Probe, over: Duration) -> Vec<ProbeResult> {
-    let mut set = JoinSet::new();
+/// Probes in flight, each answering with the tag it was started with.
+pub type Probes = JoinSet<(usize, ProbeResult)>;
+
+/// Starts a probe of every address into `set`, tagged with its index,
+/// their starts spread evenly over `over`. All at once, a round of 500
+/// probes queued at the backends and in this daemon: measured (`hc-scale`,
+/// 64 x 16, a debug build), 2 ms backends answered them in 13-60 ms, and
+/// that noise rotated idle backends in and out.
+pub fn start_spread(set: &mut Probes, addrs: &[SocketAddr], p: &Probe, over: Duration) {
     let step = over / u32::try_from(addrs.len().max(1)).unwrap_or(u32::MAX);
     for (i, a) in addrs.iter().enumerate() {
-        let (a, p) = (*a, p.clone());
-        let wait = step * u32::try_from(i).unwrap_or(u32::MAX);
-        set.spawn(async move {
-            tokio::time::sleep(wait).await;
-            (i, probe(a, &p).await)
-        });
+        start_one(set, i, *a, p, step * u32::try_from(i).unwrap_or(u32::MAX));
     }
-    let mut out = vec![
-        ProbeResult {
-            latency_ms: 0.0,
-            error: Some("probe task failed".into()),
-            local: true,
-        };
-        addrs.len()
-    ];
-    while let Some(r) = set.join_next().await {
-        if let Ok((i, r)) = r {
-            out[i] = r;
-        }
-    }
-    out
+}
+
+/// Starts one probe of `addr` into `set` after `wait`, tagged `tag`.
+pub fn start_one(set: &mut Probes, tag: usize, addr: SocketAddr, p: &Probe, wait: Duration) {
+    let p = p.clone();
+    set.spawn(async move {
+        tokio::time::sleep(wait).await;
+        (tag, probe(addr, &p).await)
+    });
 }
 
 #[cfg(test)]

@@ -38,6 +38,9 @@ pub struct ServiceHuddle {
     /// Median over the inner ring of each backend's median time to first
     /// byte (the request latencies' reference), as of the last tick.
     pub ring_p50_ms: Option<f64>,
+    /// Median over the inner ring of each backend's judged probe latency
+    /// (`Tracker::probe_ms`), as of the last tick.
+    pub probe_p50_ms: Option<f64>,
     /// Its last tick left it `at_rest`: later ticks may pass it by until
     /// one of its backends `wakes` (see `Balancer::tick`).
     pub settled: bool,
@@ -78,11 +81,34 @@ impl ServiceHuddle {
             rotation: s.rotation,
             answer_p99_ms: None,
             ring_p50_ms: None,
+            probe_p50_ms: None,
             settled: false,
             rest_needs: Vec::new(),
             quiet_mark: None,
             dirty: true,
         }
+    }
+
+    /// Whether backend `bi`'s probe answer of `latency_ms` deserves a
+    /// second probe at once: it is in the inner ring, judged on its probes
+    /// (too little traffic for its requests), and the answer is slow
+    /// enough against the ring's probe median to make it hot if the next
+    /// agrees. The median of its last three probes is what counts, so one
+    /// slow answer never rests it; without this the second came a probe
+    /// round later, with the round's results handed over at its end.
+    #[must_use]
+    pub fn wants_confirming(&self, bi: usize, latency_ms: f64, s: &Settings) -> bool {
+        let (Some(t), Some(m), Some(median)) = (
+            self.trackers.get(bi),
+            self.engine.members.get(bi),
+            self.probe_p50_ms,
+        ) else {
+            return false;
+        };
+        m.place == Place::Inner
+            && t.latency_source == "probe"
+            && s.thermal.weights.latency * thermal::anomaly(latency_ms, median, &s.thermal)
+                >= s.rotation_params.heat
     }
 
     /// How long a backend may owe answers before it is hung: a multiple
@@ -181,6 +207,7 @@ impl ServiceHuddle {
                 .iter()
                 .filter_map(|i| self.trackers[*i].probe_ms(true)),
         );
+        self.probe_p50_ms = probe_median;
         self.answer_p99_ms = thermal::median(
             inner
                 .iter()

@@ -167,6 +167,7 @@ fn hung_after_and_pass_over_follow_the_rings_own_answer_times() {
         rotation: true,
         answer_p99_ms: None,
         ring_p50_ms: None,
+        probe_p50_ms: None,
         settled: false,
         rest_needs: Vec::new(),
         quiet_mark: None,
@@ -339,6 +340,42 @@ fn one_slow_probe_moves_nothing_two_in_three_do() {
     });
     assert_eq!(t.probe_ms(true), None, "the last probe failed");
     assert_eq!(t.probe_ms(false), None);
+}
+
+/// A slow probe answer of an inner backend judged on its probes asks for
+/// a second at once: one that would make it hot if the next agrees, not
+/// one a little above the ring, nor one of a resting backend.
+#[test]
+fn a_probe_slow_enough_to_rest_a_backend_asks_for_a_second() {
+    use crate::net::probe::ProbeResult;
+    let s = settings();
+    let svc = Service::plain(
+        "1.1.1.1:1".parse().unwrap(),
+        Proto::Tcp,
+        (0..4)
+            .map(|i| format!("2.2.2.{i}:2").parse().unwrap())
+            .collect(),
+    );
+    let mut h = ServiceHuddle::new(&svc, &[0, 1, 2, 3], &s, Duration::ZERO);
+    assert!(!h.wants_confirming(1, 50.0, &s), "no ring median yet");
+    for t in &mut h.trackers {
+        for _ in 0..3 {
+            t.probed(ProbeResult {
+                latency_ms: 10.0,
+                error: None,
+                local: false,
+            });
+        }
+    }
+    let _ = h.step(&s, Duration::from_millis(100));
+    assert_eq!(h.probe_p50_ms, Some(10.0));
+    assert!(h.wants_confirming(1, 50.0, &s), "5x the ring");
+    assert!(!h.wants_confirming(1, 12.0, &s), "a little above the ring");
+    assert!(!h.wants_confirming(9, 50.0, &s), "no such backend");
+    h.engine.members[1].temperature = 0.9;
+    h.trackers[1].temperature = 0.9;
+    assert_eq!(h.engine.tick(Duration::from_secs(10)).len(), 1);
+    assert!(!h.wants_confirming(1, 50.0, &s), "resting");
 }
 
 /// A backend rested for its requests keeps its temperature until a probe
