@@ -342,13 +342,9 @@ fn one_slow_probe_moves_nothing_two_in_three_do() {
     assert_eq!(t.probe_ms(false), None);
 }
 
-/// A slow probe answer of an inner backend judged on its probes asks for
-/// a second at once: one that would make it hot if the next agrees, not
-/// one a little above the ring, nor one of a resting backend.
-#[test]
-fn a_probe_slow_enough_to_rest_a_backend_asks_for_a_second() {
+/// A service of four backends, each probed three times at 10 ms.
+fn four_probed_at_10ms(s: &Settings) -> ServiceHuddle {
     use crate::net::probe::ProbeResult;
-    let s = settings();
     let svc = Service::plain(
         "1.1.1.1:1".parse().unwrap(),
         Proto::Tcp,
@@ -356,8 +352,7 @@ fn a_probe_slow_enough_to_rest_a_backend_asks_for_a_second() {
             .map(|i| format!("2.2.2.{i}:2").parse().unwrap())
             .collect(),
     );
-    let mut h = ServiceHuddle::new(&svc, &[0, 1, 2, 3], &s, Duration::ZERO);
-    assert!(!h.wants_confirming(1, 50.0, &s), "no ring median yet");
+    let mut h = ServiceHuddle::new(&svc, &[0, 1, 2, 3], s, Duration::ZERO);
     for t in &mut h.trackers {
         for _ in 0..3 {
             t.probed(ProbeResult {
@@ -367,6 +362,17 @@ fn a_probe_slow_enough_to_rest_a_backend_asks_for_a_second() {
             });
         }
     }
+    h
+}
+
+/// A slow probe answer of an inner backend judged on its probes asks for
+/// a second at once: one that would make it hot if the next agrees, not
+/// one a little above the ring, nor one of a resting backend.
+#[test]
+fn a_probe_slow_enough_to_rest_a_backend_asks_for_a_second() {
+    let s = settings();
+    let mut h = four_probed_at_10ms(&s);
+    assert!(!h.wants_confirming(1, 50.0, &s), "no ring median yet");
     let _ = h.step(&s, Duration::from_millis(100));
     assert_eq!(h.probe_p50_ms, Some(10.0));
     assert!(h.wants_confirming(1, 50.0, &s), "5x the ring");
@@ -390,19 +396,7 @@ fn a_rested_backend_keeps_its_temperature_until_a_probe_after_the_move() {
         local: false,
     };
     let s = settings();
-    let svc = Service::plain(
-        "1.1.1.1:1".parse().unwrap(),
-        Proto::Tcp,
-        (0..4)
-            .map(|i| format!("2.2.2.{i}:2").parse().unwrap())
-            .collect(),
-    );
-    let mut h = ServiceHuddle::new(&svc, &[0, 1, 2, 3], &s, Duration::ZERO);
-    for t in &mut h.trackers {
-        for _ in 0..3 {
-            t.probed(ok(10.0));
-        }
-    }
+    let mut h = four_probed_at_10ms(&s);
     // Rested hot (as the request window would have found it).
     h.engine.members[2].temperature = 0.7;
     h.trackers[2].temperature = 0.7;
