@@ -163,6 +163,24 @@ pub fn lock<T>(shared: &Mutex<T>) -> Held<'_, T> {
     }
 }
 
+/// `lock` if nobody holds it now. For a task with clocks running (the
+/// prober's probes in flight): blocked on the lock, a runtime worker polls
+/// none of them, and their latencies grow by the wait.
+#[track_caller]
+pub fn try_lock<T>(shared: &Mutex<T>) -> Option<Held<'_, T>> {
+    let at = std::panic::Location::caller();
+    let guard = match shared.try_lock() {
+        Ok(g) => g,
+        Err(std::sync::TryLockError::Poisoned(p)) => p.into_inner(),
+        Err(std::sync::TryLockError::WouldBlock) => return None,
+    };
+    Some(Held {
+        guard,
+        since: std::time::Instant::now(),
+        at,
+    })
+}
+
 /// Holds of the balancer's lock logged as long (a tick is 100 ms).
 const LONG_HOLD: Duration = Duration::from_millis(500);
 
