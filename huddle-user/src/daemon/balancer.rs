@@ -152,15 +152,11 @@ pub(super) const EVENTS_KEPT: usize = 50;
 /// taken: every other task (ticks, probes, the control socket) waits on it.
 #[track_caller]
 pub fn lock<T>(shared: &Mutex<T>) -> Held<'_, T> {
-    let at = std::panic::Location::caller();
-    let guard = shared
-        .lock()
-        .unwrap_or_else(std::sync::PoisonError::into_inner);
-    Held {
-        guard,
-        since: std::time::Instant::now(),
-        at,
-    }
+    Held::new(
+        shared
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner),
+    )
 }
 
 /// `lock` if nobody holds it now. For a task with clocks running (the
@@ -168,17 +164,11 @@ pub fn lock<T>(shared: &Mutex<T>) -> Held<'_, T> {
 /// none of them, and their latencies grow by the wait.
 #[track_caller]
 pub fn try_lock<T>(shared: &Mutex<T>) -> Option<Held<'_, T>> {
-    let at = std::panic::Location::caller();
-    let guard = match shared.try_lock() {
-        Ok(g) => g,
-        Err(std::sync::TryLockError::Poisoned(p)) => p.into_inner(),
-        Err(std::sync::TryLockError::WouldBlock) => return None,
-    };
-    Some(Held {
-        guard,
-        since: std::time::Instant::now(),
-        at,
-    })
+    match shared.try_lock() {
+        Ok(g) => Some(Held::new(g)),
+        Err(std::sync::TryLockError::Poisoned(p)) => Some(Held::new(p.into_inner())),
+        Err(std::sync::TryLockError::WouldBlock) => None,
+    }
 }
 
 /// Holds of the balancer's lock logged as long (a tick is 100 ms).
@@ -189,6 +179,19 @@ pub struct Held<'a, T> {
     guard: std::sync::MutexGuard<'a, T>,
     since: std::time::Instant,
     at: &'static std::panic::Location<'static>,
+}
+
+impl<'a, T> Held<'a, T> {
+    /// A hold starting now, logged (if long) with where `lock` or
+    /// `try_lock` was called.
+    #[track_caller]
+    fn new(guard: std::sync::MutexGuard<'a, T>) -> Self {
+        Held {
+            guard,
+            since: std::time::Instant::now(),
+            at: std::panic::Location::caller(),
+        }
+    }
 }
 
 impl<T> std::ops::Deref for Held<'_, T> {

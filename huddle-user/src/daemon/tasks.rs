@@ -203,7 +203,6 @@ pub(super) async fn prober(shared: Arc<Mutex<Balancer>>, p: crate::config::Probe
         crate::net::probe::start_spread(&mut set, &addrs, &p, p.interval * 3 / 4);
         let mut sent = chosen.len() as u64;
         let mut confirms = budget.per_round().saturating_sub(chosen.len());
-        // Tags from `chosen.len()` on are confirmations of `tag - len`.
         let mut ready = Vec::new();
         loop {
             if ready.is_empty() {
@@ -211,9 +210,8 @@ pub(super) async fn prober(shared: Arc<Mutex<Balancer>>, p: crate::config::Probe
                     Some(r) => ready.push(r),
                     None => break,
                 }
-            } else if set.is_empty() {
-                tokio::time::sleep(LOCK_RETRY).await;
-            } else {
+            } else if !set.is_empty() {
+                // The lock was busy: another result, or a try again soon.
                 tokio::select! {
                     r = set.join_next() => ready.extend(r),
                     () = tokio::time::sleep(LOCK_RETRY) => {}
@@ -236,26 +234,13 @@ pub(super) async fn prober(shared: Arc<Mutex<Balancer>>, p: crate::config::Probe
             let Some(mut b) = held else { continue };
             b.seen.probes_sent += std::mem::take(&mut sent);
             for (tag, r) in ready.drain(..).flatten() {
+                // Tags from `chosen.len()` on confirm `tag - chosen.len()`.
                 let (k, confirming) = match tag.checked_sub(chosen.len()) {
                     Some(k) => (k, true),
                     None => (tag, false),
                 };
-                let mut again = false;
-                // Each result to every target of its address (not a look-up
-                // for each of 65,536 targets), if a reload has not moved it.
-                for &j in planner.sharing(chosen[k]) {
-                    let (si, bi, a, _) = targets[j as usize];
-                    let same = b.cfg.services.get(si).and_then(|s| s.backends.get(bi)) == Some(&a);
-                    if !same || b.huddles.get(si).is_none_or(|h| bi >= h.trackers.len()) {
-                        continue;
-                    }
-                    again |= r.error.is_none()
-                        && !confirming
-                        && b.huddles[si].wants_confirming(bi, r.latency_ms, &b.cfg.huddle);
-                    b.huddles[si].trackers[bi].probed(r.clone());
-                    b.stir(si, bi);
-                }
-                if again && confirms > 0 {
+                let again = hand_over(&mut b, planner.sharing(chosen[k]), &targets, &r);
+                if again && !confirming && confirms > 0 {
                     confirms -= 1;
                     sent += 1;
                     crate::net::probe::start_one(
@@ -269,6 +254,31 @@ pub(super) async fn prober(shared: Arc<Mutex<Balancer>>, p: crate::config::Probe
             }
         }
     }
+}
+
+/// Hands probe result `r` to the targets `sharing` its address (indices
+/// into `targets`: not a look-up for each of 65,536 targets), each if a
+/// reload has not moved it. Whether one of them wants it confirmed
+/// (`ServiceHuddle::wants_confirming`), asked before it is handed over.
+fn hand_over(
+    b: &mut Balancer,
+    sharing: &[u32],
+    targets: &[(usize, usize, SocketAddr, crate::huddle::probing::Need)],
+    r: &crate::net::probe::ProbeResult,
+) -> bool {
+    let mut again = false;
+    for &j in sharing {
+        let (si, bi, a, _) = targets[j as usize];
+        let same = b.cfg.services.get(si).and_then(|s| s.backends.get(bi)) == Some(&a);
+        if !same || b.huddles.get(si).is_none_or(|h| bi >= h.trackers.len()) {
+            continue;
+        }
+        again |=
+            r.error.is_none() && b.huddles[si].wants_confirming(bi, r.latency_ms, &b.cfg.huddle);
+        b.huddles[si].trackers[bi].probed(r.clone());
+        b.stir(si, bi);
+    }
+    again
 }
 
 /// How long after a slow probe answer its confirmation is sent: past a

@@ -1,7 +1,7 @@
-//! Synthetic requests to backends, spread over a round, so a resting or unhealthy
-//! backend's temperature reflects how it is now. Every backend is probed
-//! the same way, so a probe's latency is only ever compared with other
-//! probes' latencies (never with request latency).
+//! Synthetic requests to backends, spread over a round, so a resting or
+//! unhealthy backend's temperature reflects how it is now. Every backend
+//! is probed the same way, so a probe's latency is only ever compared with
+//! other probes' latencies (never with request latency).
 
 use crate::{
     config::{Probe, ProbeKind},

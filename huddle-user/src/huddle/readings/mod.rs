@@ -106,7 +106,7 @@ impl ServiceHuddle {
             return false;
         };
         m.place == Place::Inner
-            && t.latency_source == "probe"
+            && t.latency_source == tracker::FROM_PROBES
             && s.thermal.weights.latency * thermal::anomaly(latency_ms, median, &s.thermal)
                 >= s.rotation_params.heat
     }

@@ -490,7 +490,7 @@ impl Tracker {
             .probe_ms(inner)
             .filter(|_| self.latency != LatencyMode::Off)
         {
-            self.latency_source = "probe";
+            self.latency_source = FROM_PROBES;
             r.latency_ms = Some(p);
             median
         } else {
@@ -540,6 +540,9 @@ impl Tracker {
         }
     }
 }
+
+/// `Tracker::latency_source` of a backend judged on its probes.
+pub(super) const FROM_PROBES: &str = "probe";
 
 /// How many of the last successful probes the probe latency is judged on.
 const PROBES_JUDGED: usize = 3;
