@@ -35,6 +35,13 @@ pub mod flow_flags {
     /// flow may be a spoofer's, which needs no answer to send a pair, and
     /// its tuple is free again after `UDP_UNCONFIRMED_IDLE_NS` of silence.
     pub const UDP_CONFIRMED: u8 = 64;
+    /// Source-NAT TCP: both sides finished with no TIME_WAIT on the
+    /// backend (the client's FIN, then the backend's; or a RST either
+    /// way), so nothing of the connection is left there. `stamp_ns` is
+    /// then its last packet, and its tuple's `NAT_USED` byte says so
+    /// (`nat_used`): once silent past `NAT_LINGER_NS` the flow is over,
+    /// whatever the flow table still holds of it.
+    pub const DONE: u8 = 128;
 }
 
 /// Key of `FLOWS`: the client's side of a flow.

@@ -53,9 +53,90 @@ pub const NAT_USED_LINE: usize = 64;
 /// The most memory `NAT_USED` may take; past it the filter is off.
 pub const MAX_NAT_USED_BYTES: u64 = 64 << 20;
 
-/// Backend ids `NAT_USED` covers: the top ones, `MAX_BACKENDS -
-/// NAT_USED_BACKENDS..`, which the control plane hands out first; new
-/// flows toward the others look their tuple up in `NAT`.
+/// What a `NAT_USED` byte says of its tuple. 0: `NAT` holds nothing for
+/// it. 1: `NAT` may hold a live flow's entry (a walk asks `NAT`). From
+/// `DONE_FIRST` on: `NAT` holds the entry of a TCP flow that both
+/// sides finished (each sent its FIN, or one a RST) with no TIME_WAIT on
+/// the backend, last heard of at the tick the byte keeps. Once that
+/// is `QUIET_TICKS` old, a SYN takes the tuple with no lookup at all:
+/// the old flow's entries stay until the new flow's promotion overwrites
+/// the `NAT` one and the LRU evicts the flow-table one, and by then no
+/// packet of the old flow is translated (it is past `NAT_LINGER_NS`).
+pub mod nat_used {
+    /// Nothing in `NAT`.
+    pub const FREE: u8 = 0;
+    /// Maybe a live flow's.
+    pub const MAYBE: u8 = 1;
+    /// The first "finished at tick t" value: `DONE_FIRST + t`.
+    pub const DONE_FIRST: u8 = 2;
+    /// Ticks the byte tells apart (it wraps: a tuple idle longer reads as
+    /// any age, and a young one is looked up as before).
+    pub const TICKS: u64 = 256 - DONE_FIRST as u64;
+    /// A tick: 2^30 ns (1.07 s).
+    pub const TICK_SHIFT: u32 = 30;
+    /// Age in ticks a finished tuple must reach to be taken without a
+    /// lookup: over two whole ticks, so its flow has been silent longer
+    /// than `NAT_LINGER_NS` on any CPU's clock.
+    pub const QUIET_TICKS: u64 = 3;
+    /// How long after its flow's last packet a finished tuple is surely
+    /// taken without a lookup.
+    pub const QUIET_NS: u64 = QUIET_TICKS << TICK_SHIFT;
+
+    const _: () = assert!((QUIET_TICKS - 1) << TICK_SHIFT > crate::NAT_LINGER_NS);
+
+    /// The byte of a tuple whose flow finished, heard of last at `now_ns`.
+    #[inline(always)]
+    #[must_use]
+    pub fn done(now_ns: u64) -> u8 {
+        DONE_FIRST + ((now_ns >> TICK_SHIFT) % TICKS) as u8
+    }
+
+    /// Whether byte `b` says its tuple's flow finished and has been
+    /// silent long enough at `now_ns` to take the tuple without a lookup.
+    #[inline(always)]
+    #[must_use]
+    pub fn quiet(b: u8, now_ns: u64) -> bool {
+        if b < DONE_FIRST {
+            return false;
+        }
+        let then = u64::from(b - DONE_FIRST);
+        let age = ((now_ns >> TICK_SHIFT) % TICKS + TICKS - then) % TICKS;
+        age >= QUIET_TICKS
+    }
+
+    #[cfg(test)]
+    mod tests {
+        use super::*;
+
+        const T: u64 = 1 << TICK_SHIFT;
+
+        #[test]
+        fn a_finished_tuple_is_quiet_only_after_the_linger_on_every_clock() {
+            for start in [0, 5 * T + 17, (TICKS - 1) * T + T / 2, 1 << 50] {
+                let b = done(start);
+                assert!(b >= DONE_FIRST);
+                // Just before two whole ticks plus what the linger asks.
+                for dt in [0, 1, crate::NAT_LINGER_NS, 2 * T - 1] {
+                    assert!(!quiet(b, start + dt), "start {start}, dt {dt}");
+                }
+                assert!(quiet(b, start + QUIET_NS), "start {start}");
+                assert!(quiet(b, start + (TICKS - 1) * T), "start {start}");
+            }
+        }
+
+        #[test]
+        fn free_and_maybe_are_never_quiet() {
+            for now in [0, T, 1 << 50] {
+                assert!(!quiet(FREE, now));
+                assert!(!quiet(MAYBE, now));
+            }
+        }
+    }
+}
+
+/// Backend ids `NAT_USED` covers: `0..NAT_USED_BACKENDS`, which the
+/// control plane hands out first; new flows toward the others look their
+/// tuple up in `NAT`.
 pub const NAT_USED_BACKENDS: u32 = 256;
 
 /// Tuples per backend id that `NAT_USED` covers: every (SNAT address,

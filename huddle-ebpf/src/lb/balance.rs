@@ -130,6 +130,12 @@ fn request<F: Balanced, const DSR: bool>(
         // SAFETY: map value pointer, valid for this run.
         Some(f) => match unsafe { *f } {
             v if v.flags & flow_flags::ADOPTED != 0 => (adopt(f, v, service), Some(f)),
+            // Finished and silent past its linger: its tuple may be another
+            // flow's now, so it is as good as gone (`nat::over`).
+            v if !dsr && nat::over(&v) => {
+                bump(&SERVICE_STATS, service, |s| s.pass_no_flow += 1);
+                return guard::pass::<F>(p.dst());
+            }
             v => (v, Some(f)),
         },
         None => match handshake(ctx, cfg, service, sc, p, dsr) {
@@ -161,10 +167,16 @@ fn request<F: Balanced, const DSR: bool>(
                     timing::abandon(f, flow.backend);
                 }
                 nat::close(f, flow.backend);
+                if !dsr && p.has_flag(TCP_RST) {
+                    nat::finish(f);
+                }
             } else {
                 bump(&BACKEND_STATS, flow.backend, |s| s.closes_unproven += 1);
             }
         }
+    }
+    if let (false, Some(f)) = (dsr, entry) {
+        nat::heard(cfg, f, flow.backend);
     }
     let bytes = u64::from(p.tot_len);
     bump(&BACKEND_STATS, flow.backend, |s| {
@@ -199,9 +211,9 @@ fn existing<F: Balanced>(
     flows(dsr, p.proto).get_ptr_mut(&sc.nval.flow).filter(|f| {
         // SAFETY: map value pointer, valid for this run.
         let flags = unsafe { (**f).flags };
-        flags & (flow_flags::CLOSING | flow_flags::ADOPTED) == 0
+        (flags & (flow_flags::CLOSING | flow_flags::ADOPTED) == 0
             || !p.is_tcp()
-            || halfopen::find(cfg, &sc.nval.flow).is_none()
+            || halfopen::find(cfg, &sc.nval.flow).is_none())
     })
 }
 
@@ -446,7 +458,9 @@ fn promote(
         Some(old) => {
             // SAFETY: map value pointer, valid for this run.
             let o = unsafe { *old };
+            // (Not a flow that is over: its tuple may be another's now.)
             if !dsr
+                && !nat::over(&o)
                 && (o.nat_port_be != flow.nat_port_be
                     || o.snat != flow.snat
                     || o.backend != flow.backend)

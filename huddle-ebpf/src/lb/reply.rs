@@ -40,7 +40,9 @@ pub fn reply<F: Balanced>(ctx: &XdpContext, p: &Packet<F>, cfg: &KernelConfig) -
         p.proto,
         F::FAMILY,
     );
-    let Some((half, entry)) = nat_entry(cfg, sc) else {
+    // A SYN-ACK or a RST may answer a handshake on a tuple whose finished
+    // flow's NAT entry is still there (`nat::allocate`).
+    let Some((half, entry)) = nat_entry(cfg, sc, p.has_flag(TCP_SYN | TCP_RST)) else {
         if cfg.flags & config_flags::MIGRATING != 0 {
             global(|s| s.drop_no_nat += 1);
             return xdp_action::XDP_DROP;
@@ -83,25 +85,37 @@ pub fn reply<F: Balanced>(ctx: &XdpContext, p: &Packet<F>, cfg: &KernelConfig) -
 
 /// Copies the NAT entry of `sc.nkey` into `sc.nval`: from the NAT table
 /// (`Some((false, its entry))`) or a half-open slot (`Some((true,
-/// null))`); `None` if neither holds it (not a reply of ours). A nullable
-/// pointer for the reason `on_flow` gives.
+/// null))`), the half-open slot first if `half_first`; `None` if neither
+/// holds it (not a reply of ours). A nullable pointer for the reason
+/// `on_flow` gives.
 #[inline(always)]
-fn nat_entry(cfg: &KernelConfig, sc: &mut Scratch) -> Option<(bool, *mut NatValue)> {
-    match nat_table(sc.nkey.proto).get_ptr_mut(&sc.nkey) {
-        Some(n) => {
-            // `put`, not an assignment: that compiled to a call of the
-            // object's memmove, a byte loop (two maps never overlap).
+fn nat_entry(
+    cfg: &KernelConfig,
+    sc: &mut Scratch,
+    half_first: bool,
+) -> Option<(bool, *mut NatValue)> {
+    let table = nat_table(sc.nkey.proto);
+    if half_first {
+        if let Some(h) = halfopen::find_nat(cfg, &sc.nkey) {
             // SAFETY: map value pointer, valid for this run.
-            put(&mut sc.nval, unsafe { &*n });
-            Some((false, n))
-        }
-        None => {
-            let n = halfopen::find_nat(cfg, &sc.nkey)?;
-            // SAFETY: map value pointer, valid for this run.
-            put(&mut sc.nval, unsafe { &(*n).nat });
-            Some((true, core::ptr::null_mut()))
+            put(&mut sc.nval, unsafe { &(*h).nat });
+            return Some((true, core::ptr::null_mut()));
         }
     }
+    let Some(n) = table.get_ptr_mut(&sc.nkey) else {
+        if half_first {
+            return None;
+        }
+        let h = halfopen::find_nat(cfg, &sc.nkey)?;
+        // SAFETY: map value pointer, valid for this run.
+        put(&mut sc.nval, unsafe { &(*h).nat });
+        return Some((true, core::ptr::null_mut()));
+    };
+    // `put`, not an assignment: that compiled to a call of the object's
+    // memmove, a byte loop (two maps never overlap).
+    // SAFETY: map value pointer, valid for this run.
+    put(&mut sc.nval, unsafe { &*n });
+    Some((false, n))
 }
 
 /// A reply that tells something of its flow (a SYN-ACK, data, a FIN or a
@@ -139,9 +153,14 @@ fn on_flow<F: Balanced>(
             .get_ptr_mut(&sc.nval.flow)
             .unwrap_or(core::ptr::null_mut())
     };
-    // SAFETY: a non-null map value pointer, valid for this run.
+    // SAFETY: a non-null map value pointer, valid for this run. (Not a
+    // flow that is over: its tuple may be another's now.)
     let ours = !entry.is_null()
-        && unsafe { (*entry).backend == backend && (*entry).nat_port_be == sc.nkey.nat_port_be };
+        && unsafe {
+            (*entry).backend == backend
+                && (*entry).nat_port_be == sc.nkey.nat_port_be
+                && (half || !nat::over(&*entry))
+        };
     let flow = if ours { entry } else { core::ptr::null_mut() };
     if ours && half && p.has_flag(TCP_SYN) && p.has_flag(TCP_ACK) {
         // The client's ACK must acknowledge exactly this to promote it.
@@ -193,9 +212,13 @@ fn on_flow<F: Balanced>(
         // known range) could end any flow of this backend.
         if seqwin::within(sc.nval.backend_seq, p.seq) {
             nat::close_by_backend(flow, backend, p.has_flag(TCP_FIN));
+            nat::finish(flow);
         } else {
             bump(&BACKEND_STATS, backend, |s| s.closes_unproven += 1);
         }
+    }
+    if ours && !half {
+        nat::heard(cfg, flow, backend);
     }
     false
 }

@@ -339,5 +339,12 @@ fn the_batch_read_of_every_backend_matches_reading_each() {
         turns += st.turns;
     }
     assert_eq!(turns, 6, "six requests counted");
-    assert!(snap.get(ids.iter().max().unwrap() + 1).is_none());
+    let top = env
+        .dp
+        .services
+        .iter()
+        .flat_map(|s| s.backend_ids.iter().copied())
+        .max()
+        .unwrap();
+    assert!(snap.get(top + 1).is_none());
 }

@@ -219,3 +219,72 @@ fn a_second_snat_address_doubles_the_tuples_and_its_replies_come_back() {
     assert_eq!(v, XDP_TX);
     assert_eq!(endpoints(&out), ((addr, 20000), (backend(0), 8080)));
 }
+
+/// Both sides finished (the client's FIN, the backend's, the last ACK):
+/// once the flow has been quiet a while, the walk hands its tuple to a SYN
+/// without asking the NAT table, and the old flow's entries, left in
+/// place, stay out of the new flow's way: a late segment of the old
+/// connection still goes to its own client, the SYN-ACK to the new one,
+/// the old client's late ACK is not translated, and the old client's next
+/// connection does not take the new flow's NAT entry with it.
+#[test]
+fn a_tuple_both_sides_finished_with_is_taken_at_once_and_the_old_flow_stays_clear() {
+    let n = cpus() as u16;
+    let env = nat_env("pr-done", 2 * n, &[BALANCER_IP]);
+    pin_to(0);
+    let b = backend(0);
+    let from_backend = |port: u16, flags: u8, seq: u32, ack: u32| {
+        Frame::tcp((b, 8080), (BALANCER_IP, port))
+            .flags(flags)
+            .seq_ack(seq, ack)
+            .macs(mac_of(b), BALANCER_MAC)
+    };
+    let (_, old) = establish(&env, 49000, &[b]);
+    forward(
+        &env,
+        client_frame(49000).flags(FIN | ACK).seq_ack(1001, 7001),
+    );
+    forward(&env, from_backend(old, FIN | ACK, 7001, 1002));
+    forward(&env, client_frame(49000).flags(ACK).seq_ack(1002, 7002));
+    // The slice's other tuple, then round to the finished one once quiet.
+    let other = syn_tuple(&env, 49001).1;
+    assert_ne!(other, old);
+    std::thread::sleep(std::time::Duration::from_nanos(
+        huddle_common::nat_used::QUIET_NS + 100_000_000,
+    ));
+    assert_eq!(syn_tuple(&env, 49002).1, old);
+    // A late segment of the old connection: its own client (a lookup on
+    // the SYN would have removed its NAT entry, and sent it to 49002).
+    let late = from_backend(old, ACK | PSH, 7001, 1002).payload(b"late");
+    let (v, out) = env.run(&late.build()).unwrap();
+    assert_eq!(v, XDP_TX);
+    assert_eq!(endpoints(&out).1, (CLIENT, 49000));
+    // The new connection's SYN-ACK reaches the new client, whose ACK
+    // promotes it onto the tuple.
+    let (v, out) = env
+        .run(&from_backend(old, SYN | ACK, 9000, 1001).build())
+        .unwrap();
+    assert_eq!(v, XDP_TX);
+    assert_eq!(endpoints(&out).1, (CLIENT, 49002));
+    let (v, out) = env
+        .run(&client_frame(49002).flags(ACK).seq_ack(1001, 9001).build())
+        .unwrap();
+    assert_eq!(v, XDP_TX);
+    assert_eq!(endpoints(&out).0, (BALANCER_IP, old));
+    // The old client's late ACK is not put on the tuple.
+    let (v, _) = env
+        .run(&client_frame(49000).flags(ACK).seq_ack(1002, 7002).build())
+        .unwrap();
+    assert_ne!(
+        v, XDP_TX,
+        "a finished flow's segment went out on a tuple another flow holds"
+    );
+    // The old client's next connection (its port again) takes the other
+    // tuple and leaves the new flow's NAT entry alone.
+    let (_, again) = establish(&env, 49000, &[b]);
+    assert_eq!(again, other);
+    let reply = from_backend(old, ACK | PSH, 9001, 1001).payload(b"ok");
+    let (v, out) = env.run(&reply.build()).unwrap();
+    assert_eq!(v, XDP_TX);
+    assert_eq!(endpoints(&out).1, (CLIENT, 49002));
+}

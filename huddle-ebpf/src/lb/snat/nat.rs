@@ -25,9 +25,9 @@ use aya_ebpf::{
     helpers::{bpf_get_smp_processor_id, bpf_ktime_get_ns},
 };
 use huddle_common::{
-    flow_flags, Addr, Backend, FlowValue, KernelConfig, NatCursor, NatKey, MAX_BACKENDS, MAX_SNAT,
-    NAT_LINGER_NS, NAT_PORT_TRIES, NAT_USED_BACKENDS, NAT_USED_LINE, PROTO_UDP, TIME_WAIT_NS,
-    UDP_UNCONFIRMED_IDLE_NS,
+    flow_flags, nat_used, Addr, Backend, FlowValue, KernelConfig, NatCursor, NatKey, MAX_SNAT,
+    NAT_LINGER_NS, NAT_PORT_TRIES, NAT_USED_BACKENDS, NAT_USED_LINE, PROTO_TCP, PROTO_UDP,
+    TIME_WAIT_NS, UDP_UNCONFIRMED_IDLE_NS,
 };
 
 /// The tuple a new flow got: SNAT address index and port (network order).
@@ -44,45 +44,42 @@ pub fn snat_addr(cfg: &KernelConfig, i: u8) -> &Addr {
     &cfg.snat_addrs[usize::from(i) & (MAX_SNAT - 1)]
 }
 
-/// What `used` does with a tuple's `NAT_USED` byte.
-const ASK: u32 = 0;
-const MARK: u32 = 1;
-const CLEAR: u32 = 2;
+/// `used`'s `op` that reads the byte; any other `op` is a `nat_used`
+/// value to write.
+const ASK: u32 = 0x100;
 
-/// Reads (`ASK`), sets (`MARK`) or clears (`CLEAR`) the `NAT_USED` byte of
-/// backend `id`'s tuple of SNAT address index `snat` and port
-/// `nat_port_min + port_off`: nonzero while `NAT` may hold an entry for
-/// the tuple. Returns 0 only for an `ASK` of a clear byte (with the filter
-/// off, every tuple may be in use). A BPF function of its own: its
-/// branches stay out of its callers' verifier states (inlined in the
-/// request path, it took the program past the 1M-instruction limit).
+/// Reads (`ASK`) or writes (`op`, a `nat_used` value) the `NAT_USED` byte
+/// of backend `id`'s tuple of SNAT address index `snat` and port
+/// `nat_port_min + port_off`. Returns the byte read (with the filter off,
+/// or for a write, `MAYBE`: every tuple may be in use). A BPF function of
+/// its own: its branches stay out of its callers' verifier states
+/// (inlined in the request path, it took the program past the
+/// 1M-instruction limit).
 #[inline(never)]
 fn used(cfg: &KernelConfig, id: u32, snat: u32, port_off: u32, op: u32) -> u32 {
     let per = cfg.nat_used_per_backend;
-    // The top ids, handed out first, from the start of the map.
-    let top = (MAX_BACKENDS - 1).wrapping_sub(id);
-    if per == 0 || top >= NAT_USED_BACKENDS {
-        return 1;
+    // The lowest ids, which the control plane hands out first.
+    if per == 0 || id >= NAT_USED_BACKENDS {
+        return u32::from(nat_used::MAYBE);
     }
     let stride = u32::from(cfg.slices) * u32::from(cfg.slice_ports);
-    let i = top
+    let i = id
         .wrapping_mul(per)
         .wrapping_add(snat.wrapping_mul(stride))
         .wrapping_add(port_off);
     let Some(line) = NAT_USED.get_ptr_mut(i / NAT_USED_LINE as u32) else {
-        return 1;
+        return u32::from(nat_used::MAYBE);
     };
     // SAFETY: a byte inside the element (the mask keeps it there), valid
     // for this run.
     unsafe {
         let b = line.cast::<u8>().add((i as usize) & (NAT_USED_LINE - 1));
-        match op {
-            MARK => *b = 1,
-            CLEAR => *b = 0,
-            _ => return u32::from(*b),
+        if op == ASK {
+            return u32::from(*b);
         }
+        *b = op as u8;
     }
-    1
+    u32::from(nat_used::MAYBE)
 }
 
 /// `used` for backend `id`'s tuple of SNAT address index `snat` and port
@@ -98,7 +95,7 @@ fn used_port(cfg: &KernelConfig, id: u32, snat: u8, port_be: u16, op: u32) -> u3
 /// walk that reads the byte as clear must find no entry).
 #[inline(always)]
 pub fn mark_used(cfg: &KernelConfig, id: u32, snat: u8, port_be: u16) {
-    used_port(cfg, id, snat, port_be, MARK);
+    used_port(cfg, id, snat, port_be, u32::from(nat_used::MAYBE));
 }
 
 /// Hands out the next free tuple of this CPU's slice toward backend `id`,
@@ -152,16 +149,22 @@ pub fn allocate<F: Lookup>(
         F::FAMILY,
     );
     // The walk's next tuple, if the filter says `NAT` holds nothing for
-    // it: no lookup there (its bucket is a cold cache line, the dearest
-    // part of a new flow; the filter's line is the one the last SYN toward
-    // this backend read).
+    // it, or (for a handshake) only a finished flow's entry, silent long
+    // enough: no lookup there (its bucket is a cold cache line, the
+    // dearest part of a new flow; the filter's line is the one the last
+    // SYN toward this backend read). The finished flow's entries stay:
+    // the promotion overwrites its `NAT` one, the LRU evicts its flow; its
+    // packets are no longer translated (`over`), and a reply the new
+    // handshake gets is looked for in the half-open table first.
     let (a, off) = peek(c, ports, addrs);
-    if used(cfg, id, first + a, slice * ports + off, ASK) == 0 {
+    let byte = used(cfg, id, first + a, slice * ports + off, ASK) as u8;
+    if byte == nat_used::FREE || (half && proto == PROTO_TCP && nat_used::quiet(byte, now)) {
         let (a, off, early) = step(c, ports, addrs, now);
         nkey.local = *snat_addr(cfg, (first + a) as u8);
         nkey.nat_port_be = ((base + off) as u16).to_be();
         if let Reclaim::Free = unused(nkey, syn_ts, now) {
-            // Its byte is clear already.
+            // Its byte stays: clear, or the finished flow's until the
+            // promotion marks it.
             return taken(cfg, id, half, nkey, nval, (first + a) as u8, early, false);
         }
         bump(&BACKEND_STATS, id, |s| s.nat_tw_skipped += 1);
@@ -220,7 +223,7 @@ fn taken(
     };
     if half {
         if reclaimed {
-            used_port(cfg, id, got.snat, got.port_be, CLEAR);
+            used_port(cfg, id, got.snat, got.port_be, u32::from(nat_used::FREE));
         }
     } else {
         mark_used(cfg, id, got.snat, got.port_be);
@@ -412,6 +415,51 @@ pub fn close_by_backend(f: *mut FlowValue, backend: u32, fin: bool) {
         }
     }
     close(f, backend);
+}
+
+/// Marks the source-NAT TCP flow `f` finished on both sides (the
+/// backend's FIN after the client's, or a RST in window), unless the
+/// backend holds it in TIME_WAIT (it closed first).
+#[inline(always)]
+pub fn finish(f: *mut FlowValue) {
+    // SAFETY: a map value pointer from a lookup in this run.
+    unsafe {
+        if (*f).flags & (flow_flags::CLOSING | flow_flags::BACKEND_TIME_WAIT) == flow_flags::CLOSING
+        {
+            (*f).flags |= flow_flags::DONE;
+        }
+    }
+}
+
+/// A packet of the source-NAT flow `f` toward backend `id`: if the flow
+/// is finished, its stamp and its tuple's `NAT_USED` byte say it was
+/// heard of now, so its tuple is not taken while it still talks.
+#[inline(always)]
+pub fn heard(cfg: &KernelConfig, f: *mut FlowValue, id: u32) {
+    // SAFETY: a map value pointer from a lookup in this run.
+    unsafe {
+        if (*f).flags & flow_flags::DONE != 0 {
+            let now = bpf_ktime_get_ns();
+            (*f).stamp_ns = now;
+            used_port(
+                cfg,
+                id,
+                (*f).snat,
+                (*f).nat_port_be,
+                u32::from(nat_used::done(now)),
+            );
+        }
+    }
+}
+
+/// Whether `flow` is a finished flow silent past `NAT_LINGER_NS`: its
+/// tuple may be another flow's now, so none of its packets is translated
+/// and its entries are nobody's to remove.
+#[inline(always)]
+pub fn over(flow: &FlowValue) -> bool {
+    // SAFETY: plain helper call.
+    flow.flags & flow_flags::DONE != 0
+        && unsafe { bpf_ktime_get_ns() }.saturating_sub(flow.stamp_ns) >= NAT_LINGER_NS
 }
 
 /// Removes NAT entry `key` (of a flow that could not be recorded, or that

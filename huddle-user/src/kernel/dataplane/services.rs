@@ -281,6 +281,8 @@ impl Dataplane {
                 slots.old.insert((b.service, backend_addr(b)), id);
             }
         }
+        // `take` pops the lowest first: the ids `NAT_USED` covers.
+        slots.free.reverse();
         slots.values = values;
         Ok(slots)
     }
@@ -415,7 +417,7 @@ struct Slots {
     old: StdHashMap<(u32, SocketAddr), u32>,
     /// Every slot's value as read, by id.
     values: Vec<Backend>,
-    /// Never used.
+    /// Never used, highest first (`take` pops the lowest).
     free: Vec<u32>,
     /// In use before and not kept, taken only when no slot is free.
     retired: Vec<u32>,

@@ -46,7 +46,7 @@ impl Dataplane {
     }
 
     /// `BackendSnapshot` of the ids the services hold (from the lowest to
-    /// the highest; ids are given from the top down, so they sit together).
+    /// the highest; ids are given from the lowest up, so they sit together).
     pub fn backend_snapshot(&self) -> Result<BackendSnapshot> {
         let Some((lo, hi)) = self.backend_id_range() else {
             return Ok(BackendSnapshot {
