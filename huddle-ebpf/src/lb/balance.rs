@@ -132,7 +132,7 @@ fn request<F: Balanced, const DSR: bool>(
             v if v.flags & flow_flags::ADOPTED != 0 => (adopt(f, v, service), Some(f)),
             // Finished and silent past its linger: its tuple may be another
             // flow's now, so it is as good as gone (`nat::over`).
-            v if !dsr && nat::over(&v) => {
+            v if !dsr && v.flags & flow_flags::DONE != 0 && nat::over(&v) => {
                 bump(&SERVICE_STATS, service, |s| s.pass_no_flow += 1);
                 return guard::pass::<F>(p.dst());
             }
@@ -169,14 +169,19 @@ fn request<F: Balanced, const DSR: bool>(
                 nat::close(f, flow.backend);
                 if !dsr && p.has_flag(TCP_RST) {
                     nat::finish(f);
+                    nat::heard(cfg, f, flow.backend);
                 }
             } else {
                 bump(&BACKEND_STATS, flow.backend, |s| s.closes_unproven += 1);
             }
         }
     }
+    // A later segment of a finished flow (the RST that finished one is
+    // heard above).
     if let (false, Some(f)) = (dsr, entry) {
-        nat::heard(cfg, f, flow.backend);
+        if flow.flags & flow_flags::DONE != 0 {
+            nat::heard(cfg, f, flow.backend);
+        }
     }
     let bytes = u64::from(p.tot_len);
     bump(&BACKEND_STATS, flow.backend, |s| {
