@@ -216,9 +216,9 @@ fn existing<F: Balanced>(
     flows(dsr, p.proto).get_ptr_mut(&sc.nval.flow).filter(|f| {
         // SAFETY: map value pointer, valid for this run.
         let flags = unsafe { (**f).flags };
-        (flags & (flow_flags::CLOSING | flow_flags::ADOPTED) == 0
+        flags & (flow_flags::CLOSING | flow_flags::ADOPTED) == 0
             || !p.is_tcp()
-            || halfopen::find(cfg, &sc.nval.flow).is_none())
+            || halfopen::find(cfg, &sc.nval.flow).is_none()
     })
 }
 
