@@ -94,20 +94,22 @@ fn nat_entry(
     sc: &mut Scratch,
     half_first: bool,
 ) -> Option<(bool, *mut NatValue)> {
-    // The half-open slot's entry, copied.
-    let half_open = |sc: &mut Scratch| {
+    let table = nat_table(sc.nkey.proto);
+    if half_first {
+        if let Some(h) = halfopen::find_nat(cfg, &sc.nkey) {
+            // SAFETY: map value pointer, valid for this run.
+            put(&mut sc.nval, unsafe { &(*h).nat });
+            return Some((true, core::ptr::null_mut()));
+        }
+    }
+    let Some(n) = table.get_ptr_mut(&sc.nkey) else {
+        if half_first {
+            return None;
+        }
         let h = halfopen::find_nat(cfg, &sc.nkey)?;
         // SAFETY: map value pointer, valid for this run.
         put(&mut sc.nval, unsafe { &(*h).nat });
-        Some((true, core::ptr::null_mut()))
-    };
-    if half_first {
-        if let Some(found) = half_open(sc) {
-            return Some(found);
-        }
-    }
-    let Some(n) = nat_table(sc.nkey.proto).get_ptr_mut(&sc.nkey) else {
-        return if half_first { None } else { half_open(sc) };
+        return Some((true, core::ptr::null_mut()));
     };
     // `put`, not an assignment: that compiled to a call of the object's
     // memmove, a byte loop (two maps never overlap).
