@@ -11,7 +11,7 @@ use huddle_common::{
     NatValue, NextHop, Pulse, Ring, ServiceBucket, ServiceKey, ServiceKey6, ServiceStats,
     ServiceValue, Tuning, TwHint, CLIENT_HOP_SLOTS, DEFAULT_FLOW_TABLE_SIZE,
     DEFAULT_HALF_OPEN_SIZE, DEFAULT_MAGLEV_SIZE, HALF_OPEN_TAGS_PER_LINE, MAGLEV_MAP_FLAGS,
-    MAX_BACKENDS, MAX_GUARDED, MAX_SERVICES, MAX_SNAT, MAX_TW_HINTS, NAT_USED_LINE, PROTO_UDP,
+    MAX_BACKENDS, MAX_GUARDED, MAX_SERVICES, MAX_SNAT, MAX_TW_HINTS, NAT_USED_LINE,
     SERVICE_INDEX_SLOTS,
 };
 
@@ -84,20 +84,6 @@ pub static DSR_FLOWS: LruHashMap<FlowKey, FlowValue> =
 pub static UDP_FLOWS: LruHashMap<FlowKey, FlowValue> =
     LruHashMap::with_max_entries(DEFAULT_FLOW_TABLE_SIZE, 0);
 
-/// The flow table of a mode and protocol: `DSR_FLOWS` for direct server
-/// return, `UDP_FLOWS` for source-NAT UDP, else `FLOWS`. `dsr` is a
-/// constant where the paths are built; `proto` is the packet's.
-#[inline(always)]
-pub fn flows(dsr: bool, proto: u8) -> &'static LruHashMap<FlowKey, FlowValue> {
-    if dsr {
-        &DSR_FLOWS
-    } else if proto == PROTO_UDP {
-        &UDP_FLOWS
-    } else {
-        &FLOWS
-    }
-}
-
 /// Backend reply tuple -> client flow, for TCP. Same size as `FLOWS`.
 #[map]
 pub static NAT: LruHashMap<NatKey, NatValue> =
@@ -107,16 +93,6 @@ pub static NAT: LruHashMap<NatKey, NatValue> =
 #[map]
 pub static UDP_NAT: LruHashMap<NatKey, NatValue> =
     LruHashMap::with_max_entries(DEFAULT_FLOW_TABLE_SIZE, 0);
-
-/// The NAT table of protocol `proto`: `UDP_NAT` or `NAT`.
-#[inline(always)]
-pub fn nat_table(proto: u8) -> &'static LruHashMap<NatKey, NatValue> {
-    if proto == PROTO_UDP {
-        &UDP_NAT
-    } else {
-        &NAT
-    }
-}
 
 /// TCP flows between SYN and the client's ACK of the SYN-ACK, one slot per
 /// hash of the client tuple. A flood of SYNs only ever takes slots here.

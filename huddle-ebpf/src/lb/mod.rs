@@ -19,4 +19,5 @@ pub mod scratch;
 pub mod select;
 pub mod service;
 pub mod snat;
+pub mod tables;
 pub mod window;

@@ -9,9 +9,10 @@ use crate::{
     lb::forward::send,
     lb::halfopen,
     lb::latency::timing,
-    lb::maps::{bump, flows, global, nat_table, BACKEND_STATS},
+    lb::maps::{bump, global, BACKEND_STATS},
     lb::snat::nat,
     lb::snat::rewrite::Tuple,
+    lb::tables::{flows, nat_table},
     mem::put,
     net::parse::{Packet, TCP_ACK, TCP_FIN, TCP_RST, TCP_SYN},
 };

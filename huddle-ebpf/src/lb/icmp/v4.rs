@@ -10,7 +10,8 @@ use crate::{
     csum::{apply, diff16, diff32, words},
     lb::forward::{out_or_pass, route},
     lb::halfopen,
-    lb::maps::{global, nat_table, CONFIG, SERVICES},
+    lb::maps::{global, CONFIG, SERVICES},
+    lb::tables::nat_table,
     mem::put,
     net::family::V4,
 };

@@ -10,8 +10,9 @@ use crate::{
     lb::forward::{out_or_pass, route},
     lb::halfopen,
     lb::icmp::v4::{bounce, quoted_transport},
-    lb::maps::{global, nat_table, CONFIG},
+    lb::maps::{global, CONFIG},
     lb::snat::rewrite::diff128,
+    lb::tables::nat_table,
     mem::put,
     net::family::V6,
 };

@@ -14,11 +14,10 @@
 
 use crate::lb::scratch::Scratch;
 use crate::{
-    lb::maps::{
-        bump, flows, nat_table, BACKEND_STATS, NAT_CURSOR, NAT_USED, TW_HINTS, TW_HINTS_UNTIL,
-    },
+    lb::maps::{bump, BACKEND_STATS, NAT_CURSOR, NAT_USED, TW_HINTS, TW_HINTS_UNTIL},
     lb::service::Lookup,
     lb::snat::timewait,
+    lb::tables::{flows, nat_table},
 };
 use aya_ebpf::{
     bindings::BPF_NOEXIST,
