@@ -27,8 +27,20 @@ pub const ROUTED: u32 = u32::MAX - 4;
 /// No backend: none to avoid, or none chosen.
 pub const NO_BACKEND: u32 = u32::MAX - 5;
 
+/// The established path's answer for a packet it does not take: the full
+/// request path does (`lb::established` in the XDP program).
+pub const FULL_PATH: u32 = u32::MAX - 6;
+
 /// Every value above, for the test.
-pub const ALL: [u32; 6] = [RETRY, FORWARD, FORWARD_NEW, TOO_BIG, ROUTED, NO_BACKEND];
+pub const ALL: [u32; 7] = [
+    RETRY,
+    FORWARD,
+    FORWARD_NEW,
+    TOO_BIG,
+    ROUTED,
+    NO_BACKEND,
+    FULL_PATH,
+];
 
 /// The path MTU `route` gives when none is known: no packet is too big
 /// for it.

@@ -11,6 +11,7 @@ use crate::lb::scratch::{self, Scratch};
 use crate::{
     lb::balanced::Balanced,
     lb::dsr,
+    lb::established::{carry_on, established},
     lb::forward::send,
     lb::guard,
     lb::halfopen,
@@ -22,20 +23,15 @@ use crate::{
     lb::snat::nat,
     lb::snat::retry,
     lb::snat::rewrite::Tuple,
-    lb::snat::timewait,
     lb::tables::{flows, nat_table},
     lb::window,
     mem::put,
     net::parse::{Packet, TCP_ACK, TCP_FIN, TCP_RST, TCP_SYN},
 };
-use aya_ebpf::{
-    bindings::xdp_action,
-    helpers::{bpf_ktime_get_ns, generated::bpf_ktime_get_coarse_ns},
-    programs::XdpContext,
-};
+use aya_ebpf::{bindings::xdp_action, helpers::bpf_ktime_get_ns, programs::XdpContext};
 use huddle_common::{
     backend_flags, flow_flags, service_mode,
-    verdict::{FORWARD, FORWARD_NEW, RETRY, TOO_BIG},
+    verdict::{FORWARD, FORWARD_NEW, FULL_PATH, RETRY, TOO_BIG},
     Backend, FlowKey, FlowValue, HalfOpen, KernelConfig, PROTO_TCP,
 };
 
@@ -61,13 +57,16 @@ pub fn balance<F: Balanced>(ctx: &XdpContext, p: &Packet<F>) -> u32 {
     match F::vip(p, cfg) {
         // Translated and sent from here: the rewrite and the FIB request
         // then take no room under `request`'s frame.
-        Some(s) if s.mode == service_mode::SNAT => match request::<F, false>(ctx, p, cfg, s.id) {
-            FORWARD => to_backend(ctx, p, cfg),
-            FORWARD_NEW => {
-                let verdict = to_backend(ctx, p, cfg);
-                halfopen::commit(cfg);
-                verdict
-            }
+        Some(s) if s.mode == service_mode::SNAT => match established(ctx, p, cfg) {
+            FULL_PATH => match request::<F, false>(ctx, p, cfg, s.id) {
+                FORWARD => to_backend(ctx, p, cfg),
+                FORWARD_NEW => {
+                    let verdict = to_backend(ctx, p, cfg);
+                    halfopen::commit(cfg);
+                    verdict
+                }
+                verdict => verdict,
+            },
             verdict => verdict,
         },
         // Sent from here for the same reason (IPv6 encapsulation's
@@ -244,43 +243,6 @@ fn move_off_dead<F: Balanced>(
     nat::close(f, flow.backend);
     bump(&BACKEND_STATS, flow.backend, |s| s.flows_moved += 1);
     new_flow(ctx, cfg, service, sc, p, Start::carried_on(dsr))
-}
-
-/// A packet of an established flow (entry `f`): its last activity (UDP)
-/// and its timing.
-#[inline(always)]
-fn carry_on<F: Balanced>(
-    ctx: &XdpContext,
-    p: &Packet<F>,
-    f: *mut FlowValue,
-    flow: &FlowValue,
-    dsr: bool,
-) {
-    if !p.is_tcp() {
-        // A UDP flow's last activity, for its idle timeout; a datagram
-        // after an answer to the promoting one confirms it (source NAT).
-        // SAFETY: map value pointer, valid for this run.
-        unsafe {
-            (*f).stamp_ns = bpf_ktime_get_coarse_ns();
-            if !dsr
-                && flow.flags & (flow_flags::SYNACK_SEEN | flow_flags::UDP_CONFIRMED)
-                    == flow_flags::SYNACK_SEEN
-            {
-                (*f).flags |= flow_flags::UDP_CONFIRMED;
-            }
-        }
-    }
-    if p.is_tcp() && flow.flags & flow_flags::CLOSING == 0 {
-        window::note_client_seq(f, flow, p.seq, dsr);
-    }
-    if dsr {
-        ackclock::request(f, p, flow.backend);
-    } else {
-        timing::request(f, p, flow.backend);
-        if flow.flags & flow_flags::BACKEND_TIME_WAIT != 0 && p.is_tcp() {
-            timewait::note_client(ctx, p, f);
-        }
-    }
 }
 
 /// Sends a client packet of the DSR flow `request` left in the scratch

@@ -6,6 +6,7 @@
 pub mod balance;
 pub mod balanced;
 pub mod dsr;
+pub mod established;
 pub mod forward;
 pub mod guard;
 pub mod halfopen;
