@@ -11,8 +11,7 @@ use crate::lb::scratch::{self, Scratch};
 use crate::{
     lb::balanced::Balanced,
     lb::dsr,
-    lb::established::{carry_on, established},
-    lb::forward::send,
+    lb::established::{carry_on, client_key, established, translate},
     lb::guard,
     lb::halfopen,
     lb::latency::ackclock,
@@ -22,7 +21,6 @@ use crate::{
     lb::reply::{back, reply},
     lb::snat::nat,
     lb::snat::retry,
-    lb::snat::rewrite::Tuple,
     lb::tables::{flows, nat_table},
     lb::window,
     mem::put,
@@ -32,7 +30,7 @@ use aya_ebpf::{bindings::xdp_action, helpers::bpf_ktime_get_ns, programs::XdpCon
 use huddle_common::{
     backend_flags, flow_flags, service_mode,
     verdict::{FORWARD, FORWARD_NEW, FULL_PATH, RETRY, TOO_BIG},
-    Backend, FlowKey, FlowValue, HalfOpen, KernelConfig, PROTO_TCP,
+    Backend, FlowValue, HalfOpen, KernelConfig, PROTO_TCP,
 };
 
 #[inline(always)]
@@ -113,14 +111,7 @@ fn request<F: Balanced, const DSR: bool>(
     };
     // SAFETY: this CPU's element, used by this run only.
     let sc = unsafe { &mut *sc };
-    sc.nval.flow = FlowKey::new(
-        &F::wide(p.src()),
-        &F::wide(p.dst()),
-        u16::from_ne_bytes(p.sport),
-        u16::from_ne_bytes(p.dport),
-        p.proto,
-        F::FAMILY,
-    );
+    sc.nval.flow = client_key(p);
     let existing = existing(cfg, sc, p, dsr);
     // The flow's table entry, kept so a FIN or RST can mark it without a
     // second lookup; `None` for a flow not (yet) in the flow table.
@@ -280,18 +271,7 @@ fn to_backend<F: Balanced>(ctx: &XdpContext, p: &Packet<F>, cfg: &KernelConfig) 
     let Some(backend) = BACKENDS.get(flow.backend) else {
         return xdp_action::XDP_DROP;
     };
-    F::rewrite(
-        p,
-        &Tuple {
-            src: F::narrow(nat::snat_addr(cfg, flow.snat)),
-            dst: F::narrow(&backend.addr),
-            was_src: &sc.nval.flow.client,
-            was_dst: &sc.nval.flow.vip,
-            sport: flow.nat_port_be.to_ne_bytes(),
-            dport: backend.port_be.to_ne_bytes(),
-        },
-    );
-    send(ctx, p, Some(flow.backend), cfg.hop_generation)
+    translate(ctx, p, cfg, flow, backend, &sc.nval.flow)
 }
 
 /// A packet of no established flow (its key in `sc.nval.flow`). A TCP SYN,

@@ -22,7 +22,7 @@ use crate::{
 };
 use aya_ebpf::{helpers::generated::bpf_ktime_get_coarse_ns, programs::XdpContext};
 use huddle_common::{
-    backend_flags, flow_flags, verdict::FULL_PATH, FlowKey, FlowValue, KernelConfig,
+    backend_flags, flow_flags, verdict::FULL_PATH, Backend, FlowKey, FlowValue, KernelConfig,
 };
 
 /// Flow states the full path handles.
@@ -42,14 +42,7 @@ pub fn established<F: Balanced>(ctx: &XdpContext, p: &Packet<F>, cfg: &KernelCon
     };
     // SAFETY: this CPU's element, used by this run only.
     let sc = unsafe { &mut *sc };
-    sc.nval.flow = FlowKey::new(
-        &F::wide(p.src()),
-        &F::wide(p.dst()),
-        u16::from_ne_bytes(p.sport),
-        u16::from_ne_bytes(p.dport),
-        p.proto,
-        F::FAMILY,
-    );
+    sc.nval.flow = client_key(p);
     let Some(f) = FLOWS.get_ptr_mut(&sc.nval.flow) else {
         return FULL_PATH;
     };
@@ -70,18 +63,7 @@ pub fn established<F: Balanced>(ctx: &XdpContext, p: &Packet<F>, cfg: &KernelCon
         s.pkts_to += 1;
         s.bytes_to += bytes;
     });
-    F::rewrite(
-        p,
-        &Tuple {
-            src: F::narrow(nat::snat_addr(cfg, flow.snat)),
-            dst: F::narrow(&backend.addr),
-            was_src: &sc.nval.flow.client,
-            was_dst: &sc.nval.flow.vip,
-            sport: flow.nat_port_be.to_ne_bytes(),
-            dport: backend.port_be.to_ne_bytes(),
-        },
-    );
-    send(ctx, p, Some(flow.backend), cfg.hop_generation)
+    translate(ctx, p, cfg, &flow, backend, &sc.nval.flow)
 }
 
 /// A packet of an established flow (entry `f`): its last activity (UDP)
@@ -119,4 +101,42 @@ pub fn carry_on<F: Balanced>(
             timewait::note_client(ctx, p, f);
         }
     }
+}
+
+/// The flow-table key of client packet `p`.
+#[inline(always)]
+pub fn client_key<F: Balanced>(p: &Packet<F>) -> FlowKey {
+    FlowKey::new(
+        &F::wide(p.src()),
+        &F::wide(p.dst()),
+        u16::from_ne_bytes(p.sport),
+        u16::from_ne_bytes(p.dport),
+        p.proto,
+        F::FAMILY,
+    )
+}
+
+/// Translates client packet `p` of source-NAT flow `flow` (key `key`, in a
+/// map value) toward `backend`, its NAT tuple, and sends it.
+#[inline(always)]
+pub fn translate<F: Balanced>(
+    ctx: &XdpContext,
+    p: &Packet<F>,
+    cfg: &KernelConfig,
+    flow: &FlowValue,
+    backend: &Backend,
+    key: &FlowKey,
+) -> u32 {
+    F::rewrite(
+        p,
+        &Tuple {
+            src: F::narrow(nat::snat_addr(cfg, flow.snat)),
+            dst: F::narrow(&backend.addr),
+            was_src: &key.client,
+            was_dst: &key.vip,
+            sport: flow.nat_port_be.to_ne_bytes(),
+            dport: backend.port_be.to_ne_bytes(),
+        },
+    );
+    send(ctx, p, Some(flow.backend), cfg.hop_generation)
 }
