@@ -6,6 +6,8 @@
 //! Every packet costs one small lookup first (`SERVICE_INDEX`, an array
 //! slot; `SERVICES6` for IPv6): its destination is a VIP:port/proto, a SNAT
 //! address, or not ours, and traffic that is not ours leaves right there.
+//! A source-NAT service's packets try `established` first (an open flow's
+//! plain segments), then `request`.
 
 use crate::lb::scratch::{self, Scratch};
 use crate::{
