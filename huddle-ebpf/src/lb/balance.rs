@@ -13,7 +13,7 @@ use crate::lb::scratch::{self, Scratch};
 use crate::{
     lb::balanced::Balanced,
     lb::dsr,
-    lb::established::{carry_on, client_key, established, translate},
+    lb::established::{carry_on, client_key, count_to, established, translate},
     lb::guard,
     lb::halfopen,
     lb::latency::ackclock,
@@ -174,11 +174,7 @@ fn request<F: Balanced, const DSR: bool>(
             nat::heard(cfg, f, flow.backend);
         }
     }
-    let bytes = u64::from(p.tot_len);
-    bump(&BACKEND_STATS, flow.backend, |s| {
-        s.pkts_to += 1;
-        s.bytes_to += bytes;
-    });
+    count_to(flow.backend, p.tot_len);
     sc.fwd = flow;
     if sc.pending != 0 {
         FORWARD_NEW

@@ -58,11 +58,7 @@ pub fn established<F: Balanced>(ctx: &XdpContext, p: &Packet<F>, cfg: &KernelCon
         return FULL_PATH;
     }
     carry_on(ctx, p, f, &flow, false);
-    let bytes = u64::from(p.tot_len);
-    bump(&BACKEND_STATS, flow.backend, |s| {
-        s.pkts_to += 1;
-        s.bytes_to += bytes;
-    });
+    count_to(flow.backend, p.tot_len);
     translate(ctx, p, cfg, &flow, backend, &sc.nval.flow)
 }
 
@@ -101,6 +97,16 @@ pub fn carry_on<F: Balanced>(
             timewait::note_client(ctx, p, f);
         }
     }
+}
+
+/// A client packet of `tot_len` bytes toward `backend`, counted.
+#[inline(always)]
+pub fn count_to(backend: u32, tot_len: u16) {
+    let bytes = u64::from(tot_len);
+    bump(&BACKEND_STATS, backend, |s| {
+        s.pkts_to += 1;
+        s.bytes_to += bytes;
+    });
 }
 
 /// The flow-table key of client packet `p`.
