@@ -173,12 +173,17 @@ pub(super) const FULL_BASE: u32 = 10_000_000;
 /// times SYNs from the next `REUSE_TUPLES`.
 pub(super) const REUSE_BASE: u32 = 20_000_000;
 
+/// How long after `finish_connections` its tuples are surely quiet
+/// (`nat_used::QUIET_NS`), as they are when a busy balancer's walk comes
+/// round to them.
+pub(super) const REUSE_QUIET: Duration =
+    Duration::from_nanos(huddle_common::nat_used::QUIET_NS + 100_000_000);
+
 /// Opens and finishes one connection on each of `env`'s `tuples` NAT
 /// tuples of this CPU (the client's FIN, the backend's, the client's last
 /// ACK: the close of a keep-alive connection the client ends), so its
-/// walk starts over on finished connections' tuples, and waits until they
-/// are quiet (`nat_used::QUIET_NS`), as they are when a busy balancer's
-/// walk comes round to them.
+/// walk starts over on finished connections' tuples once `REUSE_QUIET`
+/// has passed.
 pub(super) fn finish_connections(env: &ProgRun, round: u32, tuples: u32) -> Result<()> {
     env.dp.clear_half_open()?;
     let before = env.dp.service_stats(0)?.promoted;
@@ -210,9 +215,6 @@ pub(super) fn finish_connections(env: &ProgRun, round: u32, tuples: u32) -> Resu
     if promoted != u64::from(tuples) {
         bail!("finishing connections for the reuse case: {promoted} of {tuples} established");
     }
-    std::thread::sleep(Duration::from_nanos(
-        huddle_common::nat_used::QUIET_NS + 100_000_000,
-    ));
     Ok(())
 }
 
