@@ -5,7 +5,7 @@
 
 use aya_ebpf::{
     bindings::xdp_action,
-    helpers::bpf_redirect,
+    helpers::{bpf_redirect, generated::bpf_xdp_adjust_head},
     macros::{map, xdp},
     maps::{Array, LruHashMap, PerCpuArray},
     programs::XdpContext,
@@ -106,6 +106,30 @@ pub fn lookup_tx(ctx: XdpContext) -> u32 {
 static GEN_NAT: LruHashMap<[u64; 2], GenNat> =
     LruHashMap::with_max_entries(DEFAULT_FLOW_TABLE_SIZE, 0);
 
+/// The bare forwarders' entry for the frame at `start`, whose Ethernet,
+/// IPv4 and TCP headers the caller checked lie in the packet; `None` for
+/// anything but IPv4 (no options) and TCP, or a flow the table lacks.
+///
+/// # Safety
+/// As said: the 54 bytes from `start` are the packet's.
+#[inline(always)]
+unsafe fn nat_entry(start: usize) -> Option<&'static GenNat> {
+    // SAFETY: as the caller promises.
+    unsafe {
+        let eth = start as *const u8;
+        let ip = eth.add(EthHdr::LEN);
+        let l4 = ip.add(Ipv4Hdr::LEN);
+        if *eth.add(12).cast::<[u8; 2]>() != [8, 0] || *ip != 0x45 || *ip.add(9) != 6 {
+            return None;
+        }
+        let key = [
+            ip.add(12).cast::<u64>().read_unaligned(),
+            u64::from(l4.cast::<u32>().read_unaligned()),
+        ];
+        GEN_NAT.get(key)
+    }
+}
+
 /// A bare NAT forwarder: no more than any balancer that rewrites a flow
 /// must do. One lookup with the narrowest key (addresses and ports, 16
 /// bytes), then the new addresses, ports, checksums and MACs from the
@@ -120,19 +144,12 @@ pub fn nat_tx(ctx: XdpContext) -> u32 {
     // SAFETY: bounds checked above; the object allows misaligned access,
     // which the verifier allows in packets.
     unsafe {
+        let Some(n) = nat_entry(start) else {
+            return xdp_action::XDP_PASS;
+        };
         let eth = start as *mut u8;
         let ip = eth.add(EthHdr::LEN);
         let l4 = ip.add(Ipv4Hdr::LEN);
-        if *eth.add(12).cast::<[u8; 2]>() != [8, 0] || *ip != 0x45 || *ip.add(9) != 6 {
-            return xdp_action::XDP_PASS;
-        }
-        let key = [
-            ip.add(12).cast::<u64>().read_unaligned(),
-            u64::from(l4.cast::<u32>().read_unaligned()),
-        ];
-        let Some(n) = GEN_NAT.get(key) else {
-            return xdp_action::XDP_PASS;
-        };
         ip.add(12).cast::<[u8; 8]>().write_unaligned(n.addrs);
         l4.cast::<[u8; 4]>().write_unaligned(n.ports);
         let check = ip.add(10).cast::<u16>();
@@ -140,6 +157,58 @@ pub fn nat_tx(ctx: XdpContext) -> u32 {
         let check = l4.add(16).cast::<u16>();
         check.write_unaligned(apply(check.read_unaligned(), u64::from(n.l4_diff)));
         eth.cast::<[u8; 12]>().write_unaligned(n.macs);
+    }
+    xdp_action::XDP_TX
+}
+
+/// A bare IP-in-IP forwarder: no more than any balancer that
+/// encapsulates a flow must do (Katran's path). The bare NAT forwarder's
+/// lookup (its entry's addresses give the outer source and destination),
+/// 20 bytes more at the front, the Ethernet header moved there with the
+/// entry's MACs, an outer IPv4 header and its checksum, and XDP_TX. Timed
+/// next to the balancer's IP-in-IP path, it is that path's ceiling on
+/// this veth pair.
+#[xdp]
+pub fn ipip_tx(ctx: XdpContext) -> u32 {
+    let start = ctx.data();
+    if start + EthHdr::LEN + Ipv4Hdr::LEN + TcpHdr::LEN > ctx.data_end() {
+        return xdp_action::XDP_PASS;
+    }
+    // SAFETY: bounds checked above.
+    let Some((n, tot_len)) = (unsafe {
+        nat_entry(start).map(|n| {
+            let len = (start + EthHdr::LEN + 2) as *const [u8; 2];
+            (*n, u16::from_be_bytes(*len))
+        })
+    }) else {
+        return xdp_action::XDP_PASS;
+    };
+    // SAFETY: plain helper call; the pointers are derived afresh below.
+    if unsafe { bpf_xdp_adjust_head(ctx.ctx.cast(), -(Ipv4Hdr::LEN as i32)) } != 0 {
+        return xdp_action::XDP_DROP;
+    }
+    let start = ctx.data();
+    if start + EthHdr::LEN + Ipv4Hdr::LEN > ctx.data_end() {
+        return xdp_action::XDP_DROP;
+    }
+    let len = (tot_len + Ipv4Hdr::LEN as u16).to_be_bytes();
+    let a = n.addrs;
+    let mut iph: [u8; 20] = [
+        0x45, 0, len[0], len[1], 0, 0, 0x40, 0, 64, 4, 0, 0, a[0], a[1], a[2], a[3], a[4], a[5],
+        a[6], a[7],
+    ];
+    let sum: u64 = iph
+        .chunks_exact(2)
+        .map(|w| u64::from(u16::from_ne_bytes([w[0], w[1]])))
+        .sum();
+    iph[10..12].copy_from_slice(&apply(0xffff, sum).to_ne_bytes());
+    // SAFETY: the new Ethernet and IP headers lie inside the packet
+    // (checked just above).
+    unsafe {
+        let eth = start as *mut u8;
+        eth.cast::<[u8; 12]>().write_unaligned(n.macs);
+        eth.add(12).cast::<[u8; 2]>().write_unaligned([8, 0]);
+        eth.add(EthHdr::LEN).cast::<[u8; 20]>().write_unaligned(iph);
     }
     xdp_action::XDP_TX
 }

@@ -38,6 +38,10 @@ pub struct BenchArgs {
     /// veth pair (0 skips it).
     #[arg(long, default_value_t = 5_000_000)]
     pub pps_frames: u32,
+    /// Rounds of the packets-per-second programs in turn; the median
+    /// round is reported (more on a noisy host).
+    #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..=99))]
+    pub pps_rounds: u32,
     /// Only the cases whose name contains this (any case; repeat for
     /// more), with the floor and the minimal forwarder: for timing or
     /// profiling one path without the other cases' runs in between.
@@ -128,7 +132,7 @@ fn measure(args: &BenchArgs) -> Result<()> {
     if args.pps_frames > 0 {
         pps::pps(
             args.cpu,
-            args.pps_frames,
+            (args.pps_frames, args.pps_rounds),
             &cfg,
             &neighbours,
             CLIENT,

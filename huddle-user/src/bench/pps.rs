@@ -33,9 +33,6 @@ fn csum_diff(was: &[u8], now: &[u8]) -> u32 {
         .sum()
 }
 
-/// Rounds of the packets-per-second run.
-const PPS_ROUNDS: usize = 3;
-
 /// Client ports the packets-per-second run spreads its frames over.
 const PPS_FLOWS: u16 = 256;
 
@@ -48,7 +45,7 @@ const PPS_BASE_PORT: u16 = 30000;
 /// place.
 pub(super) fn pps(
     cpu: usize,
-    frames: u32,
+    (frames, pps_rounds): (u32, u32),
     cfg: &Config,
     neighbours: &[Ipv4Addr],
     client: Ipv4Addr,
@@ -79,19 +76,19 @@ pub(super) fn pps(
     let sink_link = xdp_of(&mut gen.obj, "sink")?
         .attach_to_if_index(peer, Mode::Driver)
         .context("attaching the sink")?;
-    let one = rounds(&mut env, &mut gen, base, &[cpu])?;
+    let one = rounds(&mut env, &mut gen, base, &[cpu], pps_rounds)?;
     // The second core: the other of the first two.
     let two = [cpu, if cpu == 0 { 1 } else { 0 }];
     // Online CPUs, not this thread's affinity (pinned to one by now).
     let both = if crate::sys::host::online_cpus() >= 2 {
-        Some(rounds(&mut env, &mut gen, base, &two)?)
+        Some(rounds(&mut env, &mut gen, base, &two, pps_rounds)?)
     } else {
         None
     };
     xdp_of(&mut gen.obj, "sink")?.detach(sink_link)?;
-    report(cpu, frames, one);
+    report(cpu, (frames, pps_rounds), one);
     if let Some(both) = both {
-        report_cores(two, frames, one, both);
+        report_cores(two, (frames, pps_rounds), one, both);
     }
     Ok(())
 }
@@ -145,7 +142,7 @@ impl Generator {
             },
             0,
         )?;
-        for name in ["gen", "sink", "lookup_tx", "nat_tx"] {
+        for name in ["gen", "sink", "lookup_tx", "nat_tx", "ipip_tx"] {
             xdp_of(obj, name)?.load()?;
         }
         // struct xdp_md: data_end must be the frame's length, as in
@@ -260,21 +257,22 @@ impl Generator {
 }
 
 /// The programs timed: the balancer, the baselines, the balancer's
-/// IP-in-IP DSR path.
-const PROGRAMS: usize = 5;
+/// IP-in-IP DSR path, the bare IP-in-IP forwarder.
+const PROGRAMS: usize = 6;
 
-/// Rounds of the five programs in turn, so that a slower spell of the host
+/// Rounds of the six programs in turn, so that a slower spell of the host
 /// (this is a virtual machine) falls on all of them; the median rate of
 /// each: huddle, minimal forwarder, forwarder + lookup, bare NAT forwarder,
-/// huddle on IP-in-IP DSR flows.
+/// huddle on IP-in-IP DSR flows, bare IP-in-IP forwarder.
 fn rounds(
     env: &mut ProgRun,
     gen: &mut Generator,
     base: &mut Ebpf,
     cpus: &[usize],
+    n: u32,
 ) -> Result<[f64; PROGRAMS]> {
     let mut rates: [Vec<f64>; PROGRAMS] = Default::default();
-    for _ in 0..PPS_ROUNDS {
+    for _ in 0..n {
         for (which, rate) in rates.iter_mut().enumerate() {
             // The DSR frames for the fifth, the source-NAT ones for the rest.
             gen.send(usize::from(which == 4))?;
@@ -286,7 +284,7 @@ fn rounds(
             } else {
                 // The forwarder is in the baseline object, the others in
                 // the generator's.
-                let name = ["swap_tx", "lookup_tx", "nat_tx"][which - 1];
+                let name = ["swap_tx", "lookup_tx", "nat_tx", "", "ipip_tx"][which - 1];
                 let in_base = which == 1;
                 let obj = if in_base { &mut *base } else { &mut gen.obj };
                 let link = xdp_of(obj, name)?.attach_to_if_index(env.ifindex, Mode::Driver)?;
@@ -305,11 +303,15 @@ fn rounds(
 }
 
 /// The table, and the whole cycle per packet.
-fn report(cpu: usize, frames: u32, [ours, theirs, lookup, bare, ipip]: [f64; PROGRAMS]) {
+fn report(
+    cpu: usize,
+    (frames, n): (u32, u32),
+    [ours, theirs, lookup, bare, ipip, bare_ipip]: [f64; PROGRAMS],
+) {
     println!(
         "\nPackets per second forwarded on a veth pair, one core (CPU {}), {} frames of {GEN_FRAME} bytes each from a \
          BPF_PROG_TEST_RUN live-frames generator, spread over {PPS_FLOWS} established flows; counted by an XDP sink on the peer. \
-         Median of {PPS_ROUNDS} rounds of the five in turn.",
+         Median of {n} rounds of the six in turn.",
         cpu, frames
     );
     println!("| program on the receiving veth | Mpps forwarded | vs minimal forwarder |");
@@ -326,6 +328,10 @@ fn report(cpu: usize, frames: u32, [ours, theirs, lookup, bare, ipip]: [f64; PRO
         (
             "bare NAT forwarder (one 16-byte-key lookup, rewrite and MACs from the entry, XDP_TX)",
             bare,
+        ),
+        (
+            "bare IP-in-IP forwarder (the same lookup, outer header and MACs from the entry, XDP_TX)",
+            bare_ipip,
         ),
         (
             "forwarder + one lookup in a table like our flow table (40-byte key)",
@@ -352,15 +358,26 @@ fn report(cpu: usize, frames: u32, [ours, theirs, lookup, bare, ipip]: [f64; PRO
         lookup_ns - theirs_ns,
         theirs_ns / 0.85 - theirs_ns
     );
+    println!(
+        "Each path against its bare forwarder: source NAT {:.0}% of the bare NAT forwarder's rate, \
+         dsr-ipip {:.0}% of the bare IP-in-IP forwarder's.",
+        ours / bare * 100.0,
+        ipip / bare_ipip * 100.0
+    );
 }
 
 /// Two cores against one, each program's rate and its ratio; the
 /// balancer scales as well as the forwarder when the ratios match (a
 /// harness that cannot scale shows in the forwarder's).
-fn report_cores(cpus: [usize; 2], frames: u32, one: [f64; PROGRAMS], two: [f64; PROGRAMS]) {
+fn report_cores(
+    cpus: [usize; 2],
+    (frames, n): (u32, u32),
+    one: [f64; PROGRAMS],
+    two: [f64; PROGRAMS],
+) {
     println!(
         "\nTwo cores (CPUs {} and {}, a generator thread pinned to each, {frames} frames each; two queues a veth end) \
-         against one, in the same run. Median of {PPS_ROUNDS} rounds.",
+         against one, in the same run. Median of {n} rounds.",
         cpus[0], cpus[1]
     );
     println!("| program | Mpps, one core | Mpps, two cores | two / one | share of the forwarder's two / one |");
@@ -370,6 +387,7 @@ fn report_cores(cpus: [usize; 2], frames: u32, one: [f64; PROGRAMS], two: [f64; 
         (0, "huddle (established flows)"),
         (4, "huddle dsr-ipip (established flows)"),
         (3, "bare NAT forwarder"),
+        (5, "bare IP-in-IP forwarder"),
         (2, "forwarder + one lookup"),
         (1, "minimal forwarder"),
     ] {
