@@ -165,7 +165,8 @@ pub fn nat_tx(ctx: XdpContext) -> u32 {
 /// encapsulates a flow must do (Katran's path). The bare NAT forwarder's
 /// lookup (its entry's addresses give the outer source and destination),
 /// 20 bytes more at the front, the Ethernet header moved there with the
-/// entry's MACs, an outer IPv4 header and its checksum, and XDP_TX. Timed
+/// entry's MACs, an outer IPv4 header as the balancer's (the inner TOS,
+/// IP id and DF, TTL 64) and its checksum, and XDP_TX. Timed
 /// next to the balancer's IP-in-IP path, it is that path's ceiling on
 /// this veth pair.
 #[xdp]
@@ -175,12 +176,11 @@ pub fn ipip_tx(ctx: XdpContext) -> u32 {
         return xdp_action::XDP_PASS;
     }
     // SAFETY: bounds checked above.
-    let Some((n, tot_len)) = (unsafe {
-        nat_entry(start).map(|n| {
-            let len = (start + EthHdr::LEN + 2) as *const [u8; 2];
-            (*n, u16::from_be_bytes(*len))
-        })
-    }) else {
+    // The entry, and the inner header's first eight bytes: its length,
+    // and the TOS, IP id and DF the outer one copies (as the balancer's).
+    let Some((n, inner)) =
+        (unsafe { nat_entry(start).map(|n| (*n, *((start + EthHdr::LEN) as *const [u8; 8]))) })
+    else {
         return xdp_action::XDP_PASS;
     };
     // SAFETY: plain helper call; the pointers are derived afresh below.
@@ -191,11 +191,29 @@ pub fn ipip_tx(ctx: XdpContext) -> u32 {
     if start + EthHdr::LEN + Ipv4Hdr::LEN > ctx.data_end() {
         return xdp_action::XDP_DROP;
     }
-    let len = (tot_len + Ipv4Hdr::LEN as u16).to_be_bytes();
+    let len = (u16::from_be_bytes([inner[2], inner[3]]) + Ipv4Hdr::LEN as u16).to_be_bytes();
     let a = n.addrs;
     let mut iph: [u8; 20] = [
-        0x45, 0, len[0], len[1], 0, 0, 0x40, 0, 64, 4, 0, 0, a[0], a[1], a[2], a[3], a[4], a[5],
-        a[6], a[7],
+        0x45,
+        inner[1],
+        len[0],
+        len[1],
+        inner[4],
+        inner[5],
+        inner[6] & 0x40,
+        0,
+        64,
+        4,
+        0,
+        0,
+        a[0],
+        a[1],
+        a[2],
+        a[3],
+        a[4],
+        a[5],
+        a[6],
+        a[7],
     ];
     let sum: u64 = iph
         .chunks_exact(2)

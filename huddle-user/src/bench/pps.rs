@@ -5,8 +5,8 @@ use super::setup::*;
 use crate::{
     config::{Config, XdpMode},
     kernel::object,
-    kernel::packet::Frame,
-    kernel::prog_run::{ProgRun, BALANCER_IP, BALANCER_MAC},
+    kernel::packet::{checksums_valid, endpoints, ipip, Frame},
+    kernel::prog_run::{mac_of, test_run, ProgRun, BALANCER_IP, BALANCER_MAC},
 };
 use anyhow::{bail, Context, Result};
 use aya::{
@@ -37,6 +37,12 @@ fn csum_diff(was: &[u8], now: &[u8]) -> u32 {
 const PPS_FLOWS: u16 = 256;
 
 const PPS_BASE_PORT: u16 = 30000;
+
+/// The backend the bare forwarders send every flow to.
+const BARE_BACKEND: Ipv4Addr = Ipv4Addr::new(10, 213, 1, 1);
+
+/// XDP_TX, the verdict of every forwarded frame.
+const XDP_TX: u32 = 3;
 
 /// Packets per second forwarded on a veth pair, one core: a generator
 /// (BPF_PROG_TEST_RUN live frames) sends established-flow frames into the
@@ -73,6 +79,7 @@ pub(super) fn pps(
     let mut gen = Generator::load(peer, env.ifindex, client, frames)?;
     gen.fill_lookup_table(client)?;
     gen.fill_nat_table(client)?;
+    gen.check_bare(env.ifindex)?;
     let sink_link = xdp_of(&mut gen.obj, "sink")?
         .attach_to_if_index(peer, Mode::Driver)
         .context("attaching the sink")?;
@@ -114,7 +121,7 @@ impl Generator {
             let mut tpl = Frame::tcp((client, PPS_BASE_PORT), (VIP, port))
                 .seq_ack(1001, 5001)
                 .payload(&[0x61; GEN_FRAME - 54])
-                .macs(crate::kernel::prog_run::mac_of(client), BALANCER_MAC)
+                .macs(mac_of(client), BALANCER_MAC)
                 .build();
             tpl.resize(GEN_FRAME, 0);
             let mut template = [0u8; GEN_FRAME];
@@ -222,18 +229,45 @@ impl Generator {
         Ok(())
     }
 
+    /// The bare forwarders' frames for the first flow, checked against
+    /// what the balancer sends: a baseline that did less would flatter
+    /// the comparison.
+    fn check_bare(&self, ifindex: u32) -> Result<()> {
+        let frame = &self.templates[0];
+        let run = |name: &str| -> Result<(u32, Vec<u8>)> {
+            let prog: &Xdp = self
+                .obj
+                .program(name)
+                .context("bare forwarder")?
+                .try_into()?;
+            let (verdict, out, _) = test_run(prog, frame, ifindex)?;
+            Ok((verdict, out))
+        };
+        let (verdict, out) = run("nat_tx")?;
+        let want = ((BALANCER_IP, 20_000), (BARE_BACKEND, 8080));
+        if verdict != XDP_TX || !checksums_valid(&out) || endpoints(&out) != want {
+            bail!("the bare NAT forwarder sent {out:02x?} (verdict {verdict}), not a valid frame to {want:?}");
+        }
+        let (verdict, out) = run("ipip_tx")?;
+        let macs = (BALANCER_MAC, mac_of(BARE_BACKEND));
+        if verdict != XDP_TX || out != ipip(frame, BALANCER_IP, BARE_BACKEND, macs) {
+            bail!("the bare IP-in-IP forwarder sent {out:02x?} (verdict {verdict}), not the balancer's encapsulation");
+        }
+        Ok(())
+    }
+
     /// The bare NAT forwarder's flows: each rewritten toward a backend, as
     /// the balancer does (see `nat_tx`).
     fn fill_nat_table(&mut self, client: Ipv4Addr) -> Result<()> {
         let mut nat = aya::maps::HashMap::<_, [u64; 2], GenNat>::try_from(
             self.obj.map_mut("GEN_NAT").context("GEN_NAT")?,
         )?;
-        let backend = Ipv4Addr::new(10, 213, 1, 1);
+        let backend = BARE_BACKEND;
         let was = [client.octets(), VIP.octets()].concat();
         let now = [BALANCER_IP.octets(), backend.octets()].concat();
         let ip_diff = csum_diff(&was, &now);
         let mut macs = [0; 12];
-        macs[..6].copy_from_slice(&crate::kernel::prog_run::mac_of(backend));
+        macs[..6].copy_from_slice(&mac_of(backend));
         macs[6..].copy_from_slice(&BALANCER_MAC);
         let addrs_key = u64::from_le_bytes(was[..].try_into()?);
         for k in 0..PPS_FLOWS {
