@@ -414,7 +414,7 @@ fn report(
     println!(
         "\nThe minimal forwarder costs {fwd_net:.1} ns net: below what this timer resolves, so ratios are of the whole figures.\n\
          For scale (Katran at 19f08fec, timed the same way beside this program on this kind of machine on 5 December 2026, net of the floor; \
-         docs/benchmarks.md): established flow 108.9 ns, new flow 419.8 (Maglev pick and flow-table insert), non-VIP 40.9. \
+         docs/benchmarks-datapath.md): established flow 108.9 ns, new flow 419.8 (Maglev pick and flow-table insert), non-VIP 40.9. \
          Figures move with the machine's state: compare within one run."
     );
 }
