@@ -84,7 +84,7 @@ fn measure(args: &BenchArgs) -> Result<()> {
         eprintln!("removed {stale} network namespaces an interrupted benchmark left");
     }
     pin(args.cpu)?;
-    let mut beds = Beds::new(args.services)?;
+    let mut beds = Beds::new(args.services, args.rounds)?;
     let mut base = Ebpf::load(object::BASELINE).context("loading the baseline programs")?;
     for name in ["pass", "swap_tx"] {
         xdp_of(&mut base, name)?.load()?;
@@ -156,6 +156,8 @@ struct Beds {
     /// has gone round (the steady state).
     reuse: ProgRun,
     reuse_tuples: u32,
+    /// Rounds in all (none is prepared past the last).
+    rounds: u32,
     /// The round whose reuse connections are finished, and when: the
     /// next round's are finished right after this round's are timed, so
     /// their quiet time passes while the other cases run. Measured: a
@@ -168,7 +170,7 @@ struct Beds {
 }
 
 impl Beds {
-    fn new(services: usize) -> Result<Self> {
+    fn new(services: usize, rounds: u32) -> Result<Self> {
         let bench_config = |half_open| bench_config(half_open, services);
         let cfg = bench_config(HALF_OPEN_SLOTS);
         let mut neighbours: Vec<Ipv4Addr> = (0..BACKENDS)
@@ -204,6 +206,7 @@ impl Beds {
             full,
             reuse,
             reuse_tuples: per_backend * u32::from(BACKENDS),
+            rounds,
             reuse_ready: Cell::new(None),
             cfg,
             neighbours,
@@ -254,7 +257,7 @@ impl Beds {
                 self.env.dp.global_stats()
             )
         })?;
-        if i == REUSE_CASE {
+        if i == REUSE_CASE && round + 1 < self.rounds {
             let at = self.prepare_reuse(round + 1)?;
             self.reuse_ready.set(Some((round + 1, at)));
         }
