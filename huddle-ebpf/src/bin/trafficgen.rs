@@ -15,11 +15,12 @@ use huddle_common::{
 };
 use network_types::{eth::EthHdr, ip::Ipv4Hdr, tcp::TcpHdr};
 
-/// The balancer's checksum arithmetic (only `apply` is used here).
+/// The balancer's checksum arithmetic (only `apply` and `words` are used
+/// here).
 #[allow(dead_code)]
 #[path = "../csum.rs"]
 mod csum;
-use csum::apply;
+use csum::{apply, words};
 
 /// The frame `gen` writes on every run (user space fills it in).
 #[map]
@@ -215,11 +216,8 @@ pub fn ipip_tx(ctx: XdpContext) -> u32 {
         a[6],
         a[7],
     ];
-    let sum: u64 = iph
-        .chunks_exact(2)
-        .map(|w| u64::from(u16::from_ne_bytes([w[0], w[1]])))
-        .sum();
-    iph[10..12].copy_from_slice(&apply(0xffff, sum).to_ne_bytes());
+    let check = apply(0xffff, words(&iph)).to_ne_bytes();
+    iph[10..12].copy_from_slice(&check);
     // SAFETY: the new Ethernet and IP headers lie inside the packet
     // (checked just above).
     unsafe {

@@ -4,7 +4,7 @@
 
 use super::setup::{
     client_for, dsr_open, handshake, CLIENT6, FULL_BASE, HALF_OPEN_SLOTS, IPIP_PORT, L2_PORT,
-    MAGLEV_PORT, REUSE_BASE, REUSE_TUPLES, SNAT6, VIP, VIP6,
+    MAGLEV_PORT, REUSE_BASE, REUSE_TUPLES, SNAT6, VIP, VIP6, XDP_TX,
 };
 use crate::kernel::{
     packet::{tcp6, Frame, ACK, SYN},
@@ -124,7 +124,7 @@ fn v6_flows(env: &ProgRun) -> Result<Vec<Vec<u8>>> {
         tcp6((CLIENT6, 40000), (VIP6, port), tcp, payload, macs6)
     };
     let (v, out) = env.run(&from_client(80, (SYN, 1000, 0), &[]))?;
-    if v != 3 || out.len() < 58 {
+    if v != XDP_TX || out.len() < 58 {
         bail!("setting up the IPv6 flow: verdict {v}");
     }
     let nat6 = u16::from_be_bytes([out[54], out[55]]);
@@ -142,7 +142,7 @@ fn v6_flows(env: &ProgRun) -> Result<Vec<Vec<u8>>> {
             env.run(&from_client(port, (SYN, 1000, 0), &[]))?;
         }
         let (v, _) = env.run(&from_client(port, (ACK, 1001, 5001), &[]))?;
-        if v != 3 {
+        if v != XDP_TX {
             bail!("setting up the IPv6 flow on port {port}: verdict {v}");
         }
         flows.push(from_client(port, (ACK, 1001, 5001), &PAYLOAD));

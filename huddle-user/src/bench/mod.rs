@@ -102,8 +102,7 @@ fn measure(args: &BenchArgs) -> Result<()> {
     );
     if chosen[REUSE_CASE] {
         // Its quiet time passes while the cases before it run.
-        let at = beds.prepare_reuse(0)?;
-        beds.reuse_ready.set(Some((0, at)));
+        beds.reuse_ready.set(Some(beds.prepare_reuse(0)?));
     }
     let mut results: Vec<Vec<f64>> = vec![Vec::new(); cases.list.len()];
     for round in 0..args.rounds {
@@ -158,13 +157,13 @@ struct Beds {
     reuse_tuples: u32,
     /// Rounds in all (none is prepared past the last).
     rounds: u32,
-    /// The round whose reuse connections are finished, and when: the
+    /// When the reuse connections of the round to come were finished: the
     /// next round's are finished right after this round's are timed, so
     /// their quiet time passes while the other cases run. Measured: a
     /// 3.3 s sleep just before timing (as when each round waited for its
     /// own) put a SYN with free slots at 337-349 ns net against 232-294
     /// without, alternating runs: the reuse case was timing the sleep.
-    reuse_ready: Cell<Option<(u32, Instant)>>,
+    reuse_ready: Cell<Option<Instant>>,
     cfg: Config,
     neighbours: Vec<Ipv4Addr>,
 }
@@ -217,7 +216,7 @@ impl Beds {
     fn fill_full(&self) -> Result<()> {
         for n in 0..HALF_OPEN_SLOTS * 2 {
             let (verdict, _) = self.full.run(&flows::syn(FULL_BASE + n, 80))?;
-            if verdict != 3 {
+            if verdict != XDP_TX {
                 bail!("filling the small half-open table: verdict {verdict}");
             }
         }
@@ -236,10 +235,11 @@ impl Beds {
             self.env.dp.clear_half_open()?;
         }
         if i == REUSE_CASE {
-            let ready = match self.reuse_ready.take() {
-                Some((r, at)) if r == round => at,
-                _ => self.prepare_reuse(round)?,
-            };
+            // Finished before the first round (`measure`), then after each.
+            let ready = self
+                .reuse_ready
+                .take()
+                .context("the reuse case's connections were not finished")?;
             std::thread::sleep(REUSE_QUIET.saturating_sub(ready.elapsed()));
         }
         let ns = time_case(
@@ -258,8 +258,7 @@ impl Beds {
             )
         })?;
         if i == REUSE_CASE && round + 1 < self.rounds {
-            let at = self.prepare_reuse(round + 1)?;
-            self.reuse_ready.set(Some((round + 1, at)));
+            self.reuse_ready.set(Some(self.prepare_reuse(round + 1)?));
         }
         Ok(ns)
     }
@@ -319,35 +318,40 @@ impl<'a> Cases<'a> {
         let swap: &Xdp = base.program("swap_tx").context("swap_tx")?.try_into()?;
         let all = args.calls;
         let list: [(&'static str, &Xdp, u32, u32); 19] = [
-            ("established flow", prog, all, 3),
-            ("established flow, backend's reply", prog, all, 3),
-            ("new flow (SYN), half-open slots free", prog, new_calls, 3),
+            ("established flow", prog, all, XDP_TX),
+            ("established flow, backend's reply", prog, all, XDP_TX),
+            (
+                "new flow (SYN), half-open slots free",
+                prog,
+                new_calls,
+                XDP_TX,
+            ),
             (
                 "new flow (SYN), half-open slots all taken",
                 full,
                 new_calls,
-                3,
+                XDP_TX,
             ),
             (
                 "new flow (SYN) on a finished connection's NAT tuple",
                 reuse,
                 new_calls.min(beds.reuse_tuples),
-                3,
+                XDP_TX,
             ),
-            ("non-VIP (pass)", prog, all, 2),
-            ("dsr-l2 established flow", prog, all, 3),
-            ("dsr-l2 new flow (SYN)", prog, new_calls, 3),
-            ("dsr-ipip established flow", prog, all, 3),
-            ("dsr-ipip new flow (SYN)", prog, new_calls, 3),
-            ("IPv6 established flow", prog, all, 3),
-            ("IPv6 new flow (SYN)", prog, new_calls, 3),
-            ("IPv6 dsr-l2 established flow", prog, all, 3),
-            ("IPv6 dsr-l2 new flow (SYN)", prog, new_calls, 3),
-            ("IPv6 dsr-ipip established flow", prog, all, 3),
-            ("IPv6 dsr-ipip new flow (SYN)", prog, new_calls, 3),
-            ("dsr-l2 Maglev new flow (SYN)", prog, new_calls, 3),
-            ("minimal forwarder (swap+TX)", swap, all, 3),
-            ("XDP_PASS floor", pass, all, 2),
+            ("non-VIP (pass)", prog, all, XDP_PASS),
+            ("dsr-l2 established flow", prog, all, XDP_TX),
+            ("dsr-l2 new flow (SYN)", prog, new_calls, XDP_TX),
+            ("dsr-ipip established flow", prog, all, XDP_TX),
+            ("dsr-ipip new flow (SYN)", prog, new_calls, XDP_TX),
+            ("IPv6 established flow", prog, all, XDP_TX),
+            ("IPv6 new flow (SYN)", prog, new_calls, XDP_TX),
+            ("IPv6 dsr-l2 established flow", prog, all, XDP_TX),
+            ("IPv6 dsr-l2 new flow (SYN)", prog, new_calls, XDP_TX),
+            ("IPv6 dsr-ipip established flow", prog, all, XDP_TX),
+            ("IPv6 dsr-ipip new flow (SYN)", prog, new_calls, XDP_TX),
+            ("dsr-l2 Maglev new flow (SYN)", prog, new_calls, XDP_TX),
+            ("minimal forwarder (swap+TX)", swap, all, XDP_TX),
+            ("XDP_PASS floor", pass, all, XDP_PASS),
         ];
         let list = list
             .into_iter()

@@ -38,11 +38,11 @@ const PPS_FLOWS: u16 = 256;
 
 const PPS_BASE_PORT: u16 = 30000;
 
-/// The backend the bare forwarders send every flow to.
+/// The backend the bare forwarders send every flow to, its port, and
+/// the first of the source ports they give the flows.
 const BARE_BACKEND: Ipv4Addr = Ipv4Addr::new(10, 213, 1, 1);
-
-/// XDP_TX, the verdict of every forwarded frame.
-const XDP_TX: u32 = 3;
+const BARE_BACKEND_PORT: u16 = 8080;
+const BARE_NAT_PORT: u16 = 20_000;
 
 /// Packets per second forwarded on a veth pair, one core: a generator
 /// (BPF_PROG_TEST_RUN live frames) sends established-flow frames into the
@@ -244,7 +244,10 @@ impl Generator {
             Ok((verdict, out))
         };
         let (verdict, out) = run("nat_tx")?;
-        let want = ((BALANCER_IP, 20_000), (BARE_BACKEND, 8080));
+        let want = (
+            (BALANCER_IP, BARE_NAT_PORT),
+            (BARE_BACKEND, BARE_BACKEND_PORT),
+        );
         if verdict != XDP_TX || !checksums_valid(&out) || endpoints(&out) != want {
             bail!("the bare NAT forwarder sent {out:02x?} (verdict {verdict}), not a valid frame to {want:?}");
         }
@@ -272,7 +275,11 @@ impl Generator {
         let addrs_key = u64::from_le_bytes(was[..].try_into()?);
         for k in 0..PPS_FLOWS {
             let was_ports = [(PPS_BASE_PORT + k).to_be_bytes(), 80u16.to_be_bytes()].concat();
-            let now_ports = [(20_000 + k).to_be_bytes(), 8080u16.to_be_bytes()].concat();
+            let now_ports = [
+                (BARE_NAT_PORT + k).to_be_bytes(),
+                BARE_BACKEND_PORT.to_be_bytes(),
+            ]
+            .concat();
             let key = [
                 addrs_key,
                 u64::from(u32::from_le_bytes(was_ports[..].try_into()?)),
@@ -318,7 +325,12 @@ fn rounds(
             } else {
                 // The forwarder is in the baseline object, the others in
                 // the generator's.
-                let name = ["swap_tx", "lookup_tx", "nat_tx", "", "ipip_tx"][which - 1];
+                let name = match which {
+                    1 => "swap_tx",
+                    2 => "lookup_tx",
+                    3 => "nat_tx",
+                    _ => "ipip_tx",
+                };
                 let in_base = which == 1;
                 let obj = if in_base { &mut *base } else { &mut gen.obj };
                 let link = xdp_of(obj, name)?.attach_to_if_index(env.ifindex, Mode::Driver)?;

@@ -15,6 +15,10 @@ use std::{
 
 pub(super) const VIP: Ipv4Addr = Ipv4Addr::new(10, 213, 100, 1);
 
+/// The XDP actions the bench expects of a run (the kernel's `xdp_action`).
+pub(super) const XDP_PASS: u32 = 2;
+pub(super) const XDP_TX: u32 = 3;
+
 pub(super) const BACKENDS: u8 = 16;
 
 /// Half-open table slots of both new-flow runs: the default size. One
@@ -190,7 +194,7 @@ pub(super) fn finish_connections(env: &ProgRun, round: u32, tuples: u32) -> Resu
     for n in 0..tuples {
         let client = client_for(REUSE_BASE + 2 * round * REUSE_TUPLES + n);
         let ([v, ..], backend, nat_port) = handshake(env, client)?;
-        if v != 3 {
+        if v != XDP_TX {
             bail!("finishing connections for the reuse case: SYN verdict {v}");
         }
         let to_backend =
@@ -206,7 +210,7 @@ pub(super) fn finish_connections(env: &ProgRun, round: u32, tuples: u32) -> Resu
         // neighbour for (passed, once the flow has been marked).
         for (i, f) in closes.into_iter().enumerate() {
             let (v, _) = env.run(&f.build())?;
-            if v != 3 && !(i == 1 && v == 2) {
+            if v != XDP_TX && !(i == 1 && v == XDP_PASS) {
                 bail!("finishing connections for the reuse case: close segment {i}: verdict {v}");
             }
         }
