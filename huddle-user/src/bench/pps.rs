@@ -93,9 +93,9 @@ pub(super) fn pps(
         None
     };
     xdp_of(&mut gen.obj, "sink")?.detach(sink_link)?;
-    report(cpu, (frames, pps_rounds), one);
+    report(cpu, (frames, pps_rounds), &one);
     if let Some(both) = both {
-        report_cores(two, (frames, pps_rounds), one, both);
+        report_cores(two, (frames, pps_rounds), medians(&one), medians(&both));
     }
     Ok(())
 }
@@ -301,9 +301,14 @@ impl Generator {
 /// IP-in-IP DSR path, the bare IP-in-IP forwarder.
 const PROGRAMS: usize = 6;
 
+/// The order of the programs in a round: each path right before its bare
+/// forwarder, so that the ratio of the two in one round sees one spell of
+/// the host (and the bare IP-in-IP forwarder right before the minimal one).
+const ORDER: [usize; PROGRAMS] = [0, 3, 4, 5, 1, 2];
+
 /// Rounds of the six programs in turn, so that a slower spell of the host
-/// (this is a virtual machine) falls on all of them; the median rate of
-/// each: huddle, minimal forwarder, forwarder + lookup, bare NAT forwarder,
+/// (this is a virtual machine) falls on all of them; each round's rates:
+/// huddle, minimal forwarder, forwarder + lookup, bare NAT forwarder,
 /// huddle on IP-in-IP DSR flows, bare IP-in-IP forwarder.
 fn rounds(
     env: &mut ProgRun,
@@ -311,10 +316,11 @@ fn rounds(
     base: &mut Ebpf,
     cpus: &[usize],
     n: u32,
-) -> Result<[f64; PROGRAMS]> {
-    let mut rates: [Vec<f64>; PROGRAMS] = Default::default();
+) -> Result<Vec<[f64; PROGRAMS]>> {
+    let mut all = Vec::new();
     for _ in 0..n {
-        for (which, rate) in rates.iter_mut().enumerate() {
+        let mut round = [0.0; PROGRAMS];
+        for which in ORDER {
             // The DSR frames for the fifth, the source-NAT ones for the rest.
             gen.send(usize::from(which == 4))?;
             let r = if which == 0 || which == 4 {
@@ -339,21 +345,37 @@ fn rounds(
                 xdp_of(obj, name)?.detach(link)?;
                 r
             };
-            rate.push(r?);
+            round[which] = r?;
         }
+        all.push(round);
     }
-    Ok(rates.map(|mut r| {
-        r.sort_by(f64::total_cmp);
-        r[r.len() / 2]
-    }))
+    Ok(all)
+}
+
+/// The median of `v` (not empty).
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+/// Each program's median rate over the rounds.
+fn medians(rounds: &[[f64; PROGRAMS]]) -> [f64; PROGRAMS] {
+    std::array::from_fn(|i| median(rounds.iter().map(|r| r[i]).collect()))
+}
+
+/// Program `a`'s rate over program `b`'s, round by round: the median, the
+/// lowest and the highest. Less moved by the host's spells than the ratio
+/// of the two medians, whose rounds may have fallen in different ones.
+fn paired(rounds: &[[f64; PROGRAMS]], a: usize, b: usize) -> (f64, f64, f64) {
+    let r: Vec<f64> = rounds.iter().map(|x| x[a] / x[b]).collect();
+    let lo = r.iter().copied().fold(f64::INFINITY, f64::min);
+    let hi = r.iter().copied().fold(0.0, f64::max);
+    (median(r), lo, hi)
 }
 
 /// The table, and the whole cycle per packet.
-fn report(
-    cpu: usize,
-    (frames, n): (u32, u32),
-    [ours, theirs, lookup, bare, ipip, bare_ipip]: [f64; PROGRAMS],
-) {
+fn report(cpu: usize, (frames, n): (u32, u32), rounds: &[[f64; PROGRAMS]]) {
+    let [ours, theirs, lookup, bare, ipip, bare_ipip] = medians(rounds);
     println!(
         "\nPackets per second forwarded on a veth pair, one core (CPU {}), {} frames of {GEN_FRAME} bytes each from a \
          BPF_PROG_TEST_RUN live-frames generator, spread over {PPS_FLOWS} established flows; counted by an XDP sink on the peer. \
@@ -404,11 +426,21 @@ fn report(
         lookup_ns - theirs_ns,
         theirs_ns / 0.85 - theirs_ns
     );
+    let share = |(m, lo, hi): (f64, f64, f64)| {
+        format!(
+            "{:.0}% (rounds {:.0}-{:.0}%)",
+            m * 100.0,
+            lo * 100.0,
+            hi * 100.0
+        )
+    };
     println!(
-        "Each path against its bare forwarder: source NAT {:.0}% of the bare NAT forwarder's rate, \
-         dsr-ipip {:.0}% of the bare IP-in-IP forwarder's.",
-        ours / bare * 100.0,
-        ipip / bare_ipip * 100.0
+        "Each path against its bare forwarder, round by round (each path timed right before it; median and range): \
+         source NAT {} of the bare NAT forwarder's rate, dsr-ipip {} of the bare IP-in-IP forwarder's; \
+         the bare IP-in-IP forwarder {} of the minimal forwarder's.",
+        share(paired(rounds, 0, 3)),
+        share(paired(rounds, 4, 5)),
+        share(paired(rounds, 5, 1)),
     );
 }
 
