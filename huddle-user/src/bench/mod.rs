@@ -72,7 +72,7 @@ pub fn run(args: &BenchArgs) -> Result<()> {
         .map_err(|_| anyhow::anyhow!("benchmark thread panicked"))?
 }
 
-/// The run, phase by phase: the three balancers, the flows each case
+/// The run, phase by phase: the balancers, the flows each case
 /// needs, the cases, the interleaved rounds, the table, then packets per
 /// second.
 fn measure(args: &BenchArgs) -> Result<()> {
@@ -101,8 +101,10 @@ fn measure(args: &BenchArgs) -> Result<()> {
         args.calls, args.rounds, args.cpu
     );
     if chosen[REUSE_CASE] {
-        // Its quiet time passes while the cases before it run.
-        beds.reuse_ready.set(Some(beds.prepare_reuse(0)?));
+        // Their quiet time passes while the cases before them run.
+        for round in 0..args.rounds.min(2) {
+            beds.prepare_reuse(round)?;
+        }
     }
     let mut results: Vec<Vec<f64>> = vec![Vec::new(); cases.list.len()];
     for round in 0..args.rounds {
@@ -144,26 +146,36 @@ fn measure(args: &BenchArgs) -> Result<()> {
 /// The client of every established flow.
 const CLIENT: Ipv4Addr = Ipv4Addr::new(10, 213, 0, 2);
 
-/// The three balancers every case runs on.
+/// The reuse case's bed for round `round`.
+fn reuse_bed(round: u32) -> usize {
+    (round % 2) as usize
+}
+
+/// The balancers the cases run on.
 struct Beds {
     /// Free tables: most cases.
     env: ProgRun,
     /// Its half-open tables full: its SYNs take slots other SYNs hold.
     full: ProgRun,
-    /// Its NAT walk gives this CPU `reuse_tuples` tuples in all: its SYNs
-    /// take tuples of finished connections, as every SYN does once a walk
-    /// has gone round (the steady state).
-    reuse: ProgRun,
+    /// Their NAT walks give this CPU `reuse_tuples` tuples in all: their
+    /// SYNs take tuples of finished connections, as every SYN does once a
+    /// walk has gone round (the steady state). Two, one for even rounds
+    /// and one for odd (`reuse_bed`): a round's connections are finished
+    /// two rounds ahead, so their quiet time has passed when it comes.
+    reuse: [ProgRun; 2],
     reuse_tuples: u32,
     /// Rounds in all (none is prepared past the last).
     rounds: u32,
-    /// When the reuse connections of the round to come were finished: the
-    /// next round's are finished right after this round's are timed, so
-    /// their quiet time passes while the other cases run. Measured: a
-    /// 3.3 s sleep just before timing (as when each round waited for its
-    /// own) put a SYN with free slots at 337-349 ns net against 232-294
-    /// without, alternating runs: the reuse case was timing the sleep.
-    reuse_ready: Cell<Option<Instant>>,
+    /// When each reuse bed's connections were finished. A round's are
+    /// finished right after the round two before it is timed on the same
+    /// bed, so their quiet time passes while the other cases (and the
+    /// other bed) run: one round of all the cases took less than the
+    /// quiet time, and the wait left before timing was 1.3-1.4 s a round
+    /// (printed by a test build, 6 December). Measured: a 3.3 s sleep just
+    /// before timing put a SYN with free slots at 337-349 ns net against
+    /// 232-294 without, alternating runs: the reuse case was timing the
+    /// sleep.
+    reuse_ready: [Cell<Option<Instant>>; 2],
     cfg: Config,
     neighbours: Vec<Ipv4Addr>,
 }
@@ -187,17 +199,21 @@ impl Beds {
             min: 1024,
             max: u16::try_from(1023 + per_backend * slices)?,
         };
-        let reuse = ProgRun::new(&name("reuse-"), &reuse_cfg, &neighbours)?;
-        // The runs happen in the namespace entered last (`reuse`'s): the
-        // FIB answers from its neighbours, so all get the IPv6 ones.
+        let reuse = [
+            ProgRun::new(&name("reuse-"), &reuse_cfg, &neighbours)?,
+            ProgRun::new(&name("reuse2-"), &reuse_cfg, &neighbours)?,
+        ];
+        // The runs happen in the namespace entered last (the second reuse
+        // bed's): the FIB answers from its neighbours, so all get the IPv6
+        // ones.
         for n in (0..u16::from(BACKENDS)).map(backend6).chain([CLIENT6]) {
-            env.neighbour6(n)?;
-            full.neighbour6(n)?;
-            reuse.neighbour6(n)?;
+            for bed in [&env, &full].into_iter().chain(&reuse) {
+                bed.neighbour6(n)?;
+            }
         }
-        // The other cases run in the reuse case's namespace, on its
-        // interface of the same index.
-        if reuse.ifindex != env.ifindex {
+        // The other cases run in that namespace, on its interface of the
+        // same index.
+        if reuse.iter().any(|r| r.ifindex != env.ifindex) {
             bail!("the benchmark's namespaces gave their interfaces different indexes");
         }
         Ok(Self {
@@ -206,7 +222,7 @@ impl Beds {
             reuse,
             reuse_tuples: per_backend * u32::from(BACKENDS),
             rounds,
-            reuse_ready: Cell::new(None),
+            reuse_ready: Default::default(),
             cfg,
             neighbours,
         })
@@ -234,16 +250,19 @@ impl Beds {
         if NEW_CASES.contains(&i) {
             self.env.dp.clear_half_open()?;
         }
+        let mut program = case.program;
         if i == REUSE_CASE {
-            // Finished before the first round (`measure`), then after each.
-            let ready = self
-                .reuse_ready
+            // Finished before the first two rounds (`measure`), then two
+            // rounds ahead.
+            let bed = reuse_bed(round);
+            let ready = self.reuse_ready[bed]
                 .take()
                 .context("the reuse case's connections were not finished")?;
             std::thread::sleep(REUSE_QUIET.saturating_sub(ready.elapsed()));
+            program = self.reuse[bed].dp.program()?;
         }
         let ns = time_case(
-            case.program,
+            program,
             self.env.ifindex,
             &mut frames,
             case.calls,
@@ -257,17 +276,19 @@ impl Beds {
                 self.env.dp.global_stats()
             )
         })?;
-        if i == REUSE_CASE && round + 1 < self.rounds {
-            self.reuse_ready.set(Some(self.prepare_reuse(round + 1)?));
+        if i == REUSE_CASE && round + 2 < self.rounds {
+            self.prepare_reuse(round + 2)?;
         }
         Ok(ns)
     }
 
-    /// Finishes round `round`'s connections of the reuse case; returns
-    /// when, the start of their quiet time.
-    fn prepare_reuse(&self, round: u32) -> Result<Instant> {
-        finish_connections(&self.reuse, round, self.reuse_tuples)?;
-        Ok(Instant::now())
+    /// Finishes round `round`'s connections of the reuse case on its bed,
+    /// and notes when: the start of their quiet time.
+    fn prepare_reuse(&self, round: u32) -> Result<()> {
+        let bed = reuse_bed(round);
+        finish_connections(&self.reuse[bed], round, self.reuse_tuples)?;
+        self.reuse_ready[bed].set(Some(Instant::now()));
+        Ok(())
     }
 
     /// Every new flow of every case found room.
@@ -313,7 +334,8 @@ impl<'a> Cases<'a> {
     fn new(beds: &'a Beds, base: &'a Ebpf, args: &BenchArgs, new_calls: u32) -> Result<Self> {
         let prog = beds.env.dp.program()?;
         let full = beds.full.dp.program()?;
-        let reuse = beds.reuse.dp.program()?;
+        // The even rounds' bed (`Beds::time` takes each round's own).
+        let reuse = beds.reuse[0].dp.program()?;
         let pass: &Xdp = base.program("pass").context("pass")?.try_into()?;
         let swap: &Xdp = base.program("swap_tx").context("swap_tx")?.try_into()?;
         let all = args.calls;
