@@ -102,7 +102,7 @@ fn measure(args: &BenchArgs) -> Result<()> {
     );
     if chosen[REUSE_CASE] {
         // Their quiet time passes while the cases before them run.
-        for round in 0..args.rounds.min(2) {
+        for round in 0..args.rounds.min(REUSE_BEDS as u32) {
             beds.prepare_reuse(round)?;
         }
     }
@@ -148,8 +148,15 @@ const CLIENT: Ipv4Addr = Ipv4Addr::new(10, 213, 0, 2);
 
 /// The reuse case's bed for round `round`.
 fn reuse_bed(round: u32) -> usize {
-    (round % 2) as usize
+    round as usize % REUSE_BEDS
 }
+
+/// The reuse case's balancers, taken in turn: a round's connections are
+/// finished `REUSE_BEDS` rounds ahead. A round of all the cases took 4.6
+/// s here, 2.2 of them finishing connections; with two, 250-370 ms of the
+/// quiet time were still left to wait in some rounds (a test build
+/// printed them, 6 December).
+const REUSE_BEDS: usize = 3;
 
 /// The balancers the cases run on.
 struct Beds {
@@ -159,23 +166,24 @@ struct Beds {
     full: ProgRun,
     /// Their NAT walks give this CPU `reuse_tuples` tuples in all: their
     /// SYNs take tuples of finished connections, as every SYN does once a
-    /// walk has gone round (the steady state). Two, one for even rounds
-    /// and one for odd (`reuse_bed`): a round's connections are finished
-    /// two rounds ahead, so their quiet time has passed when it comes.
-    reuse: [ProgRun; 2],
+    /// walk has gone round (the steady state). `REUSE_BEDS` of them in
+    /// turn (`reuse_bed`), so that a round's connections are finished
+    /// rounds ahead and their quiet time has passed when it comes.
+    reuse: [ProgRun; REUSE_BEDS],
     reuse_tuples: u32,
     /// Rounds in all (none is prepared past the last).
     rounds: u32,
     /// When each reuse bed's connections were finished. A round's are
-    /// finished right after the round two before it is timed on the same
-    /// bed, so their quiet time passes while the other cases (and the
-    /// other bed) run: one round of all the cases took less than the
-    /// quiet time, and the wait left before timing was 1.3-1.4 s a round
-    /// (printed by a test build, 6 December). Measured: a 3.3 s sleep just
+    /// finished right after the round `REUSE_BEDS` before it is timed on
+    /// the same bed, so their quiet time passes while the other cases (and
+    /// the other beds) run. With one bed, finished one round ahead, 1.3-1.4
+    /// s were left to wait in every round (a test build printed them, 6
+    /// December): a round of all the cases is shorter than the quiet
+    /// time. Measured: a 3.3 s sleep just
     /// before timing put a SYN with free slots at 337-349 ns net against
     /// 232-294 without, alternating runs: the reuse case was timing the
     /// sleep.
-    reuse_ready: [Cell<Option<Instant>>; 2],
+    reuse_ready: [Cell<Option<Instant>>; REUSE_BEDS],
     cfg: Config,
     neighbours: Vec<Ipv4Addr>,
 }
@@ -202,6 +210,7 @@ impl Beds {
         let reuse = [
             ProgRun::new(&name("reuse-"), &reuse_cfg, &neighbours)?,
             ProgRun::new(&name("reuse2-"), &reuse_cfg, &neighbours)?,
+            ProgRun::new(&name("reuse3-"), &reuse_cfg, &neighbours)?,
         ];
         // The runs happen in the namespace entered last (the second reuse
         // bed's): the FIB answers from its neighbours, so all get the IPv6
@@ -252,8 +261,8 @@ impl Beds {
         }
         let mut program = case.program;
         if i == REUSE_CASE {
-            // Finished before the first two rounds (`measure`), then two
-            // rounds ahead.
+            // Finished before the first rounds (`measure`), then
+            // `REUSE_BEDS` rounds ahead.
             let bed = reuse_bed(round);
             let ready = self.reuse_ready[bed]
                 .take()
@@ -276,8 +285,9 @@ impl Beds {
                 self.env.dp.global_stats()
             )
         })?;
-        if i == REUSE_CASE && round + 2 < self.rounds {
-            self.prepare_reuse(round + 2)?;
+        let ahead = round + REUSE_BEDS as u32;
+        if i == REUSE_CASE && ahead < self.rounds {
+            self.prepare_reuse(ahead)?;
         }
         Ok(ns)
     }
@@ -334,7 +344,7 @@ impl<'a> Cases<'a> {
     fn new(beds: &'a Beds, base: &'a Ebpf, args: &BenchArgs, new_calls: u32) -> Result<Self> {
         let prog = beds.env.dp.program()?;
         let full = beds.full.dp.program()?;
-        // The even rounds' bed (`Beds::time` takes each round's own).
+        // The first round's bed (`Beds::time` takes each round's own).
         let reuse = beds.reuse[0].dp.program()?;
         let pass: &Xdp = base.program("pass").context("pass")?.try_into()?;
         let swap: &Xdp = base.program("swap_tx").context("swap_tx")?.try_into()?;
