@@ -152,10 +152,10 @@ fn reuse_bed(round: u32) -> usize {
 }
 
 /// The reuse case's balancers, taken in turn: a round's connections are
-/// finished `REUSE_BEDS` rounds ahead. A round of all the cases took 4.6
-/// s here, 2.2 of them finishing connections; with two, 250-370 ms of the
-/// quiet time were still left to wait in some rounds (a test build
-/// printed them, 6 December).
+/// finished `REUSE_BEDS` rounds ahead. A round of all the cases took
+/// 1.5-2.3 s here (finishing a round's connections 0.19-0.27 s of it);
+/// with two, 250-370 ms of the quiet time were still left to wait in some
+/// rounds (a test build printed them, 6 December).
 const REUSE_BEDS: usize = 3;
 
 /// The balancers the cases run on.
