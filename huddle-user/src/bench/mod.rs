@@ -91,21 +91,22 @@ fn measure(args: &BenchArgs) -> Result<()> {
     }
     // The IPv6-in-IPv6 outer source (the daemon takes the interface's).
     beds.env.dp.set_encap6(SNAT6)?;
-    let flows = Flows::open(&beds.env, CLIENT)?;
-    beds.fill_full()?;
     let new_calls = args.calls.min(HALF_OPEN_SLOTS / 4);
     let cases = Cases::new(&beds, &base, args, new_calls)?;
     let chosen = cases.chosen(&args.cases)?;
-    eprintln!(
-        "timing {} runs per case ({new_calls} for new flows), {} rounds, pinned to CPU {} ...",
-        args.calls, args.rounds, args.cpu
-    );
     if chosen[REUSE_CASE] {
-        // Their quiet time passes while the cases before them run.
+        // Their quiet time passes while the other cases' flows are opened
+        // and the cases before them run.
         for round in 0..args.rounds.min(REUSE_BEDS as u32) {
             beds.prepare_reuse(round)?;
         }
     }
+    let flows = Flows::open(&beds.env, CLIENT)?;
+    beds.fill_full()?;
+    eprintln!(
+        "timing {} runs per case ({new_calls} for new flows), {} rounds, pinned to CPU {} ...",
+        args.calls, args.rounds, args.cpu
+    );
     let mut results: Vec<Vec<f64>> = vec![Vec::new(); cases.list.len()];
     for round in 0..args.rounds {
         for (i, case) in cases.list.iter().enumerate() {
