@@ -179,11 +179,10 @@ struct Beds {
     /// the same bed, so their quiet time passes while the other cases (and
     /// the other beds) run. With one bed, finished one round ahead, 1.3-1.4
     /// s were left to wait in every round (a test build printed them, 6
-    /// December): a round of all the cases is shorter than the quiet
-    /// time. Measured: a 3.3 s sleep just
-    /// before timing put a SYN with free slots at 337-349 ns net against
-    /// 232-294 without, alternating runs: the reuse case was timing the
-    /// sleep.
+    /// December): a round of all the cases is shorter than the quiet time.
+    /// Measured: a 3.3 s sleep just before timing put a SYN with free
+    /// slots at 337-349 ns net against 232-294 without, alternating runs:
+    /// the reuse case was timing the sleep.
     reuse_ready: [Cell<Option<Instant>>; REUSE_BEDS],
     cfg: Config,
     neighbours: Vec<Ipv4Addr>,
@@ -213,7 +212,7 @@ impl Beds {
             ProgRun::new(&name("reuse2-"), &reuse_cfg, &neighbours)?,
             ProgRun::new(&name("reuse3-"), &reuse_cfg, &neighbours)?,
         ];
-        // The runs happen in the namespace entered last (the second reuse
+        // The runs happen in the namespace entered last (the last reuse
         // bed's): the FIB answers from its neighbours, so all get the IPv6
         // ones.
         for n in (0..u16::from(BACKENDS)).map(backend6).chain([CLIENT6]) {

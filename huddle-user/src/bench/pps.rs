@@ -352,12 +352,6 @@ fn rounds(
     Ok(all)
 }
 
-/// The median of `v` (not empty).
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v[v.len() / 2]
-}
-
 /// Each program's median rate over the rounds.
 fn medians(rounds: &[[f64; PROGRAMS]]) -> [f64; PROGRAMS] {
     std::array::from_fn(|i| median(rounds.iter().map(|r| r[i]).collect()))
