@@ -22,6 +22,10 @@ use net::{
 
 // The in-band verdicts lie above every XDP action (see `huddle_common::verdict`).
 const _: () = assert!(xdp_action::XDP_REDIRECT == huddle_common::verdict::LAST_XDP_ACTION);
+const _: () = assert!(
+    xdp_action::XDP_PASS == huddle_common::verdict::XDP_PASS
+        && xdp_action::XDP_TX == huddle_common::verdict::XDP_TX
+);
 
 #[xdp]
 pub fn huddle(ctx: XdpContext) -> u32 {

@@ -297,14 +297,21 @@ impl Generator {
     }
 }
 
-/// The programs timed: the balancer, the baselines, the balancer's
-/// IP-in-IP DSR path, the bare IP-in-IP forwarder.
+/// The programs timed, by their index in a round's rates: the balancer,
+/// the baselines, the balancer's IP-in-IP DSR path, the bare IP-in-IP
+/// forwarder.
 const PROGRAMS: usize = 6;
+const HUDDLE: usize = 0;
+const MINIMAL: usize = 1;
+const LOOKUP: usize = 2;
+const BARE_NAT: usize = 3;
+const HUDDLE_IPIP: usize = 4;
+const BARE_IPIP: usize = 5;
 
 /// The order of the programs in a round: each path right before its bare
 /// forwarder, so that the ratio of the two in one round sees one spell of
 /// the host (and the bare IP-in-IP forwarder right before the minimal one).
-const ORDER: [usize; PROGRAMS] = [0, 3, 4, 5, 1, 2];
+const ORDER: [usize; PROGRAMS] = [HUDDLE, BARE_NAT, HUDDLE_IPIP, BARE_IPIP, MINIMAL, LOOKUP];
 
 /// Rounds of the six programs in turn, so that a slower spell of the host
 /// (this is a virtual machine) falls on all of them; each round's rates:
@@ -321,9 +328,9 @@ fn rounds(
     for _ in 0..n {
         let mut round = [0.0; PROGRAMS];
         for which in ORDER {
-            // The DSR frames for the fifth, the source-NAT ones for the rest.
-            gen.send(usize::from(which == 4))?;
-            let r = if which == 0 || which == 4 {
+            // The DSR frames for the DSR path, the source-NAT ones for the rest.
+            gen.send(usize::from(which == HUDDLE_IPIP))?;
+            let r = if which == HUDDLE || which == HUDDLE_IPIP {
                 env.dp.attach(env.ifindex, XdpMode::Native)?;
                 let r = gen.rate(cpus);
                 env.dp.detach()?;
@@ -332,12 +339,12 @@ fn rounds(
                 // The forwarder is in the baseline object, the others in
                 // the generator's.
                 let name = match which {
-                    1 => "swap_tx",
-                    2 => "lookup_tx",
-                    3 => "nat_tx",
+                    MINIMAL => "swap_tx",
+                    LOOKUP => "lookup_tx",
+                    BARE_NAT => "nat_tx",
                     _ => "ipip_tx",
                 };
-                let in_base = which == 1;
+                let in_base = which == MINIMAL;
                 let obj = if in_base { &mut *base } else { &mut gen.obj };
                 let link = xdp_of(obj, name)?.attach_to_if_index(env.ifindex, Mode::Driver)?;
                 let r = gen.rate(cpus);
@@ -432,9 +439,9 @@ fn report(cpu: usize, (frames, n): (u32, u32), rounds: &[[f64; PROGRAMS]]) {
         "Each path against its bare forwarder, round by round (each path timed right before it; median and range): \
          source NAT {} of the bare NAT forwarder's rate, dsr-ipip {} of the bare IP-in-IP forwarder's; \
          the bare IP-in-IP forwarder {} of the minimal forwarder's.",
-        share(paired(rounds, 0, 3)),
-        share(paired(rounds, 4, 5)),
-        share(paired(rounds, 5, 1)),
+        share(paired(rounds, HUDDLE, BARE_NAT)),
+        share(paired(rounds, HUDDLE_IPIP, BARE_IPIP)),
+        share(paired(rounds, BARE_IPIP, MINIMAL)),
     );
 }
 
@@ -454,14 +461,14 @@ fn report_cores(
     );
     println!("| program | Mpps, one core | Mpps, two cores | two / one | share of the forwarder's two / one |");
     println!("|---|---:|---:|---:|---:|");
-    let forwarder = two[1] / one[1];
+    let forwarder = two[MINIMAL] / one[MINIMAL];
     for (i, name) in [
-        (0, "huddle (established flows)"),
-        (4, "huddle dsr-ipip (established flows)"),
-        (3, "bare NAT forwarder"),
-        (5, "bare IP-in-IP forwarder"),
-        (2, "forwarder + one lookup"),
-        (1, "minimal forwarder"),
+        (HUDDLE, "huddle (established flows)"),
+        (HUDDLE_IPIP, "huddle dsr-ipip (established flows)"),
+        (BARE_NAT, "bare NAT forwarder"),
+        (BARE_IPIP, "bare IP-in-IP forwarder"),
+        (LOOKUP, "forwarder + one lookup"),
+        (MINIMAL, "minimal forwarder"),
     ] {
         let ratio = two[i] / one[i];
         println!(

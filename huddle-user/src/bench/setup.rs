@@ -15,9 +15,7 @@ use std::{
 
 pub(super) const VIP: Ipv4Addr = Ipv4Addr::new(10, 213, 100, 1);
 
-/// The XDP actions the bench expects of a run (the kernel's `xdp_action`).
-pub(super) const XDP_PASS: u32 = 2;
-pub(super) const XDP_TX: u32 = 3;
+pub(super) use huddle_common::verdict::{XDP_PASS, XDP_TX};
 
 pub(super) const BACKENDS: u8 = 16;
 
