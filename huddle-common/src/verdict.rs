@@ -11,8 +11,10 @@ pub const LAST_XDP_ACTION: u32 = 4;
 /// The XDP actions user space reads back from a run (BPF_PROG_TEST_RUN),
 /// as the kernel's `xdp_action` numbers them (the program checks them
 /// against its bindings).
+pub const XDP_DROP: u32 = 1;
 pub const XDP_PASS: u32 = 2;
 pub const XDP_TX: u32 = 3;
+pub const XDP_REDIRECT: u32 = LAST_XDP_ACTION;
 
 /// `reply`'s answer for a refused SYN that may be retried: the packet is
 /// untouched and the scratch map holds its keys.

@@ -23,8 +23,10 @@ use net::{
 // The in-band verdicts lie above every XDP action (see `huddle_common::verdict`).
 const _: () = assert!(xdp_action::XDP_REDIRECT == huddle_common::verdict::LAST_XDP_ACTION);
 const _: () = assert!(
-    xdp_action::XDP_PASS == huddle_common::verdict::XDP_PASS
+    xdp_action::XDP_DROP == huddle_common::verdict::XDP_DROP
+        && xdp_action::XDP_PASS == huddle_common::verdict::XDP_PASS
         && xdp_action::XDP_TX == huddle_common::verdict::XDP_TX
+        && xdp_action::XDP_REDIRECT == huddle_common::verdict::XDP_REDIRECT
 );
 
 #[xdp]

@@ -20,11 +20,7 @@ pub(crate) use std::{
 };
 pub(crate) use testbed::{require_root, unique};
 
-pub(crate) const XDP_DROP: u32 = 1;
-
-pub(crate) const XDP_PASS: u32 = 2;
-
-pub(crate) const XDP_TX: u32 = 3;
+pub(crate) use huddle_common::verdict::{XDP_DROP, XDP_PASS, XDP_TX};
 
 /// Half-open slots of `config`'s balancers.
 pub(crate) const HALF_OPEN_SLOTS: u32 = 1024;

@@ -47,10 +47,7 @@ use huddle_user::{
 use std::net::{Ipv4Addr, Ipv6Addr, SocketAddr};
 use testbed::{require_root, unique};
 
-const XDP_DROP: u32 = 1;
-const XDP_PASS: u32 = 2;
-const XDP_TX: u32 = 3;
-const XDP_REDIRECT: u32 = 4;
+use huddle_common::verdict::{XDP_DROP, XDP_PASS, XDP_REDIRECT, XDP_TX};
 
 const VIP: Ipv4Addr = Ipv4Addr::new(10, 213, 100, 1);
 const CLIENTS: [Ipv4Addr; 2] = [Ipv4Addr::new(10, 213, 0, 2), Ipv4Addr::new(10, 213, 0, 3)];

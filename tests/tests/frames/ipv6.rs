@@ -19,9 +19,7 @@ use huddle_user::{
 use std::net::{Ipv6Addr, SocketAddr};
 use testbed::{require_root, unique};
 
-const XDP_DROP: u32 = 1;
-const XDP_PASS: u32 = 2;
-const XDP_TX: u32 = 3;
+use huddle_common::verdict::{XDP_DROP, XDP_PASS, XDP_TX};
 
 const VIP: Ipv6Addr = Ipv6Addr::new(0xfd00, 0x213, 0x100, 0, 0, 0, 0, 1);
 const CLIENT: Ipv6Addr = Ipv6Addr::new(0xfd00, 0x213, 0, 0, 0, 0, 0, 2);

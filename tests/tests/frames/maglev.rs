@@ -17,7 +17,7 @@ use huddle_user::{
 use std::net::{Ipv4Addr, SocketAddr};
 use testbed::{require_root, unique};
 
-const XDP_TX: u32 = 3;
+use huddle_common::verdict::XDP_TX;
 const VIP: Ipv4Addr = Ipv4Addr::new(10, 213, 100, 1);
 const CLIENTS: [Ipv4Addr; 2] = [Ipv4Addr::new(10, 213, 0, 2), Ipv4Addr::new(10, 213, 0, 3)];
 const BACKENDS: u8 = 6;
