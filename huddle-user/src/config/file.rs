@@ -236,6 +236,13 @@ pub struct ConfigFile {
     pub bgp: Option<BgpFile>,
     /// Balancers sharing the VIPs, which must agree on the rings.
     pub cluster: Option<ClusterFile>,
+    /// The file's text, so a validation error can name its line.
+    #[serde(skip)]
+    pub source: Option<std::sync::Arc<str>>,
+    /// Paths of the fields a command-line flag set over the file's (such
+    /// as `huddle.tick_ms`): their errors name no line of the file.
+    #[serde(skip)]
+    pub from_flags: Vec<String>,
 }
 
 /// `[cluster]`: the balancers that share the VIPs.
@@ -270,7 +277,10 @@ impl ConfigFile {
     pub fn load(path: &Path) -> Result<ConfigFile> {
         let text = std::fs::read_to_string(path)
             .with_context(|| format!("cannot read config {}", path.display()))?;
-        Self::parse(&text).map_err(|e| anyhow::anyhow!("config {}: {e}", path.display()))
+        let mut file =
+            Self::parse(&text).map_err(|e| anyhow::anyhow!("config {}: {e}", path.display()))?;
+        file.source = Some(text.into());
+        Ok(file)
     }
 
     /// Parses TOML text; the error says where.

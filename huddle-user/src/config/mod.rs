@@ -4,6 +4,7 @@
 
 mod file;
 pub mod key;
+mod locate;
 mod model;
 mod settings;
 #[cfg(test)]

@@ -139,3 +139,16 @@ fn renamed_keys_still_work_once_said_and_twice_is_refused() {
     let new = file("interface = \"eth0\"\n[huddle]\nlisten = \"off\"\nscrape_timeout_ms = 300\n[[service]]\nvip = \"10.0.0.1:80\"\nbackends = [\"10.0.0.2:80\"]\n").unwrap();
     assert!(new.renamed.is_empty() && new.huddle.listen.is_none());
 }
+
+#[test]
+fn validation_errors_name_the_files_line_too() {
+    let text = "interface = \"eth0\"\n\n[[service]]\nvip = \"10.0.100.1:80/tcp\"\nbackends = [\n  \"10.0.0.11:8080\",\n  \"10.0.0.11:8080\",\n]\n";
+    let mut f = ConfigFile::parse(text).unwrap();
+    f.source = Some(text.into());
+    let err = format!("{:#}", f.clone().validate().unwrap_err());
+    assert!(err.starts_with("line 7: service[0].backends[1]:"), "{err}");
+    // A field a flag set is not the file's: no line.
+    f.from_flags = vec!["service[0]".into()];
+    let err = format!("{:#}", f.validate().unwrap_err());
+    assert!(err.starts_with("service[0].backends[1]:"), "{err}");
+}

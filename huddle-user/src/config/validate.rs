@@ -1,8 +1,9 @@
 //! From the file (and the flags merged into it) to the validated config:
-//! every error names its field.
+//! every error names its field (and `locate` its line in the file).
 
 use super::{
     file::*,
+    locate::line_of,
     model::*,
     settings::{millis, renamed, validate_huddle},
     url,
@@ -17,9 +18,21 @@ use std::{
 };
 
 impl ConfigFile {
-    /// Checks everything and builds the runtime configuration. `file` is
-    /// used to point errors at the right place.
+    /// Checks everything and builds the runtime configuration. Every
+    /// error names its field and, when the file set it, the file's line.
     pub fn validate(mut self) -> Result<Config> {
+        let source = self.source.take();
+        let flags = std::mem::take(&mut self.from_flags);
+        self.checked().map_err(|e| {
+            match source.and_then(|t| line_of(&t, &format!("{e:#}"), &flags)) {
+                Some(line) => e.context(format!("line {line}")),
+                None => e,
+            }
+        })
+    }
+
+    /// `validate`, with errors naming the field alone.
+    fn checked(mut self) -> Result<Config> {
         let renamed = renamed(&mut self.huddle)?;
         let interface = self
             .interface

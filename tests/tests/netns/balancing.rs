@@ -410,22 +410,21 @@ fn bad_invocations_fail_with_one_line_and_attach_nothing() {
         args.extend(extra.split_whitespace());
         refused(&bed, &args, want);
     }
-    // Config files: the error names the field, and the line where TOML
-    // itself is wrong.
+    // Config files: the error names the line and the field.
     let svc = format!("[[service]]\nvip = \"{vip}\"\nbackends = [\"{b}\"]\n");
     let files = [
         (
             format!("[huddle]\ncool = 0.6\nheat = 0.5\n{svc}"),
-            "huddle.cool: 0.6 must be below huddle.heat",
+            "line 2: huddle.cool: 0.6 must be below huddle.heat",
         ),
         (
             format!("[huddle]\ntick_ms = 0\n{svc}"),
-            "huddle.tick_ms: 0 is outside",
+            "line 2: huddle.tick_ms: 0 is outside",
         ),
         (format!("[huddle]\ntick_ms = -5\n{svc}"), "line 2"),
         (
             format!("{svc}[[service]]\nvip = \"{vip}/tcp\"\nbackends = [\"{b}\"]\n"),
-            "service[1].vip: 10.213.100.1:80/tcp is configured twice",
+            "line 5: service[1].vip: 10.213.100.1:80/tcp is configured twice",
         ),
         (format!("[huddle\n{svc}"), "line 1"),
         (
@@ -434,7 +433,7 @@ fn bad_invocations_fail_with_one_line_and_attach_nothing() {
         ),
         (
             format!("[huddle]\nweights = {{ latency = -1.0 }}\n{svc}"),
-            "huddle.weights.latency",
+            "line 2: huddle.weights.latency",
         ),
     ];
     for (i, (text, want)) in files.iter().enumerate() {
