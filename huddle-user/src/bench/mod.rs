@@ -16,6 +16,7 @@ use crate::{
     config::{Config, PortRange},
     kernel::object,
     kernel::prog_run::ProgRun,
+    sys::steal::CpuTimes,
 };
 use anyhow::{bail, Context, Result};
 use aya::{programs::Xdp, Ebpf};
@@ -107,6 +108,7 @@ fn measure(args: &BenchArgs) -> Result<()> {
         "timing {} runs per case ({new_calls} for new flows), {} rounds, pinned to CPU {} ...",
         args.calls, args.rounds, args.cpu
     );
+    let stolen = CpuTimes::now(&[args.cpu]);
     let mut results: Vec<Vec<f64>> = vec![Vec::new(); cases.list.len()];
     for round in 0..args.rounds {
         for (i, case) in cases.list.iter().enumerate() {
@@ -118,6 +120,9 @@ fn measure(args: &BenchArgs) -> Result<()> {
     }
     beds.check_nothing_refused()?;
     report(args, new_calls, &cases, &chosen, results);
+    if let Some(s) = stolen {
+        println!("{}.", s.report("the cases ran"));
+    }
     if let [Some(v4), Some(v6)] = beds.env.dp.verified_instructions() {
         println!("\nVerified instructions: {v4} (huddle), {v6} (huddle6), of the verifier's 1,000,000 a program.");
     }

@@ -7,6 +7,7 @@ use crate::{
     kernel::object,
     kernel::packet::{checksums_valid, endpoints, ipip, Frame},
     kernel::prog_run::{mac_of, test_run, ProgRun, BALANCER_IP, BALANCER_MAC},
+    sys::steal::CpuTimes,
 };
 use anyhow::{bail, Context, Result};
 use aya::{
@@ -83,19 +84,29 @@ pub(super) fn pps(
     let sink_link = xdp_of(&mut gen.obj, "sink")?
         .attach_to_if_index(peer, Mode::Driver)
         .context("attaching the sink")?;
+    let stolen = CpuTimes::now(&[cpu]);
     let one = rounds(&mut env, &mut gen, base, &[cpu], pps_rounds)?;
+    let stolen_one = stolen.map(|s| s.report("one core's rounds ran"));
     // The second core: the other of the first two.
     let two = [cpu, if cpu == 0 { 1 } else { 0 }];
     // Online CPUs, not this thread's affinity (pinned to one by now).
     let both = if crate::sys::host::online_cpus() >= 2 {
-        Some(rounds(&mut env, &mut gen, base, &two, pps_rounds)?)
+        let stolen = CpuTimes::now(&two);
+        let both = rounds(&mut env, &mut gen, base, &two, pps_rounds)?;
+        Some((both, stolen.map(|s| s.report("two cores' rounds ran"))))
     } else {
         None
     };
     xdp_of(&mut gen.obj, "sink")?.detach(sink_link)?;
     report(cpu, (frames, pps_rounds), &one);
-    if let Some(both) = both {
+    if let Some(s) = stolen_one {
+        println!("{s}.");
+    }
+    if let Some((both, stolen)) = both {
         report_cores(two, (frames, pps_rounds), medians(&one), medians(&both));
+        if let Some(s) = stolen {
+            println!("{s}.");
+        }
     }
     Ok(())
 }
