@@ -375,7 +375,9 @@ impl RunArgs {
             (None, true) if this.latency.is_some() => bail!("--latency given without --vip"),
             (None, true) => {}
         }
-        file.from_flags = flags;
+        if let Some(o) = &mut file.origin {
+            o.from_flags = flags;
+        }
         let what = this.config.as_ref().map_or_else(
             || "command line".to_string(),
             |p| format!("config {}", p.display()),

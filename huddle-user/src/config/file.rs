@@ -236,13 +236,10 @@ pub struct ConfigFile {
     pub bgp: Option<BgpFile>,
     /// Balancers sharing the VIPs, which must agree on the rings.
     pub cluster: Option<ClusterFile>,
-    /// The file's text, so a validation error can name its line.
+    /// The file's path and text, so an error can name its line; the
+    /// command line notes there the fields its flags set.
     #[serde(skip)]
-    pub source: Option<std::sync::Arc<str>>,
-    /// Paths of the fields a command-line flag set over the file's (such
-    /// as `huddle.tick_ms`): their errors name no line of the file.
-    #[serde(skip)]
-    pub from_flags: Vec<String>,
+    pub origin: Option<super::locate::Origin>,
 }
 
 /// `[cluster]`: the balancers that share the VIPs.
@@ -279,7 +276,11 @@ impl ConfigFile {
             .with_context(|| format!("cannot read config {}", path.display()))?;
         let mut file =
             Self::parse(&text).map_err(|e| anyhow::anyhow!("config {}: {e}", path.display()))?;
-        file.source = Some(text.into());
+        file.origin = Some(super::locate::Origin {
+            path: path.to_path_buf(),
+            text: text.into(),
+            from_flags: Vec::new(),
+        });
         Ok(file)
     }
 

@@ -3,7 +3,44 @@
 //! line of that field's value in the file's text, so the error names the
 //! line too, as a syntax error does.
 
+use std::{path::PathBuf, sync::Arc};
 use toml_edit::{ImDocument, Item, Table, Value};
+
+/// Where a configuration came from: a file's path and text, and the
+/// fields command-line flags set over it. Kept in the validated config
+/// too, so the checks against the host (a backend with no route) name
+/// the file's line as validation does.
+#[derive(Clone, Default)]
+pub struct Origin {
+    pub path: PathBuf,
+    pub text: Arc<str>,
+    /// Paths such as `huddle.tick_ms`, or `service[2]` for `--vip`.
+    pub from_flags: Vec<String>,
+}
+
+impl Origin {
+    /// The line in the file of the field error `e` starts with.
+    #[must_use]
+    pub fn line(&self, e: &anyhow::Error) -> Option<usize> {
+        line_of(&self.text, &format!("{e:#}"), &self.from_flags)
+    }
+
+    /// `e`, a check's error about a field, with the file and its line
+    /// when the file set the field.
+    #[must_use]
+    pub fn place(&self, e: anyhow::Error) -> anyhow::Error {
+        match self.line(&e) {
+            Some(n) => e.context(format!("config {}: line {n}", self.path.display())),
+            None => e,
+        }
+    }
+}
+
+impl std::fmt::Debug for Origin {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Origin({})", self.path.display())
+    }
+}
 
 /// The 1-based line of the field whose path starts `message` (up to its
 /// first ": "), in TOML `text`: its value's line, or that of the deepest

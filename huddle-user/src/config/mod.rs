@@ -4,7 +4,7 @@
 
 mod file;
 pub mod key;
-mod locate;
+pub mod locate;
 mod model;
 mod settings;
 #[cfg(test)]
@@ -16,5 +16,6 @@ mod values;
 
 // One `config::` namespace for the types every layer names.
 pub use file::*;
+pub use locate::Origin;
 pub use model::*;
 pub use values::*;

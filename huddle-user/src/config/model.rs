@@ -142,6 +142,8 @@ impl Service {
 pub struct Config {
     /// Keys the file set under an old name, said once at start.
     pub renamed: Vec<String>,
+    /// The file it was read from, for the line in a later check's error.
+    pub origin: Option<super::locate::Origin>,
     pub interface: String,
     /// SNAT addresses; empty: the interface's IPv4 address.
     pub snat_ips: Vec<Ipv4Addr>,
@@ -167,6 +169,18 @@ pub struct Config {
     pub huddle: Huddle,
     pub bgp: Option<Bgp>,
     pub cluster: Option<Cluster>,
+}
+
+impl Config {
+    /// `e`, a check's error about a field, with the file's path and line
+    /// when the file set that field.
+    #[must_use]
+    pub fn placed(&self, e: anyhow::Error) -> anyhow::Error {
+        match &self.origin {
+            Some(o) => o.place(e),
+            None => e,
+        }
+    }
 }
 
 /// The maps' sizes the file sets (`None`: sized at load from what is

@@ -1,6 +1,6 @@
 //! The config's validation, line and field in every error.
 
-use super::{file::*, model::*, values::*};
+use super::{file::*, model::*, values::*, Origin};
 use anyhow::Result;
 use std::path::PathBuf;
 
@@ -144,11 +144,15 @@ fn renamed_keys_still_work_once_said_and_twice_is_refused() {
 fn validation_errors_name_the_files_line_too() {
     let text = "interface = \"eth0\"\n\n[[service]]\nvip = \"10.0.100.1:80/tcp\"\nbackends = [\n  \"10.0.0.11:8080\",\n  \"10.0.0.11:8080\",\n]\n";
     let mut f = ConfigFile::parse(text).unwrap();
-    f.source = Some(text.into());
+    f.origin = Some(Origin {
+        path: "x.toml".into(),
+        text: text.into(),
+        from_flags: Vec::new(),
+    });
     let err = format!("{:#}", f.clone().validate().unwrap_err());
     assert!(err.starts_with("line 7: service[0].backends[1]:"), "{err}");
     // A field a flag set is not the file's: no line.
-    f.from_flags = vec!["service[0]".into()];
+    f.origin.as_mut().unwrap().from_flags = vec!["service[0]".into()];
     let err = format!("{:#}", f.validate().unwrap_err());
     assert!(err.starts_with("service[0].backends[1]:"), "{err}");
 }

@@ -3,7 +3,6 @@
 
 use super::{
     file::*,
-    locate::line_of,
     model::*,
     settings::{millis, renamed, validate_huddle},
     url,
@@ -21,14 +20,14 @@ impl ConfigFile {
     /// Checks everything and builds the runtime configuration. Every
     /// error names its field and, when the file set it, the file's line.
     pub fn validate(mut self) -> Result<Config> {
-        let source = self.source.take();
-        let flags = std::mem::take(&mut self.from_flags);
-        self.checked().map_err(|e| {
-            match source.and_then(|t| line_of(&t, &format!("{e:#}"), &flags)) {
-                Some(line) => e.context(format!("line {line}")),
-                None => e,
-            }
-        })
+        let origin = self.origin.take();
+        match self.checked() {
+            Ok(cfg) => Ok(Config { origin, ..cfg }),
+            Err(e) => match origin.and_then(|o| o.line(&e)) {
+                Some(line) => Err(e.context(format!("line {line}"))),
+                None => Err(e),
+            },
+        }
     }
 
     /// `validate`, with errors naming the field alone.
@@ -83,6 +82,7 @@ impl ConfigFile {
         let snat_ips6 = snat_v6(self.snat_ips6.as_deref(), snat_ips.len())?;
         Ok(Config {
             renamed,
+            origin: None,
             bgp: bgp(self.bgp.as_ref(), &interface)?,
             cluster: cluster(self.cluster.as_ref(), huddle.listen)?,
             interface,

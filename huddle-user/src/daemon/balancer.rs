@@ -297,7 +297,9 @@ impl Balancer {
         let new = reloader().context("reload refused, nothing changed")?;
         lap.mark("read");
         refuse_restart_only(&self.cfg, &new)?;
-        super::preflight::backends(&new).context("reload refused, nothing changed")?;
+        super::preflight::backends(&new)
+            .map_err(|e| new.placed(e))
+            .context("reload refused, nothing changed")?;
         lap.mark("preflight");
         warn_mode_changes(&self.cfg, &new);
         let saved = self.snapshot();

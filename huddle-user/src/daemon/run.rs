@@ -25,11 +25,11 @@ use tracing::{info, warn};
 /// Runs the balancer until SIGINT or SIGTERM (or `huddle stop`); SIGHUP
 /// reloads the configuration through `reloader`.
 pub async fn run(cfg: Config, reloader: Option<Reloader>) -> Result<()> {
-    let facts = preflight::host(&cfg)?;
+    let facts = preflight::host(&cfg).map_err(|e| cfg.placed(e))?;
     let control = bind_control(&cfg.control_socket)?;
     let _socket_file = SocketFile(cfg.control_socket.clone());
     let metrics = bind_metrics(&cfg).await?;
-    preflight::backends(&cfg)?;
+    preflight::backends(&cfg).map_err(|e| cfg.placed(e))?;
     let (mut balancer, pinned) = start::start(&cfg, &facts, reloader)?;
     let stop = balancer.life.stop.clone();
     let handles = Handles {

@@ -34,6 +34,7 @@ pub fn config(
     Config {
         limits: Default::default(),
         renamed: Vec::new(),
+        origin: None,
         interface: IFACE.into(),
         snat_ips: vec![BALANCER_IP],
         snat_ips6: Vec::new(),
