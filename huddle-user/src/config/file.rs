@@ -289,10 +289,7 @@ impl ConfigFile {
         toml::from_str(text).map_err(|e| {
             let msg = e.message().replace('\n', " ");
             match e.span() {
-                Some(span) => {
-                    let line = text[..span.start.min(text.len())].matches('\n').count() + 1;
-                    format!("line {line}: {msg}")
-                }
+                Some(span) => format!("line {}: {msg}", super::locate::line_at(text, span.start)),
                 None => msg,
             }
         })

@@ -74,7 +74,16 @@ pub fn line_of(text: &str, message: &str, from_flags: &[String]) -> Option<usize
         node = next;
         at = node.span().map(|s| s.start).or(at);
     }
-    at.map(|start| text[..start.min(text.len())].matches('\n').count() + 1)
+    at.map(|start| line_at(text, start))
+}
+
+/// The 1-based line of byte `offset` of `text`.
+pub fn line_at(text: &str, offset: usize) -> usize {
+    text.as_bytes()[..offset.min(text.len())]
+        .iter()
+        .filter(|&&b| b == b'\n')
+        .count()
+        + 1
 }
 
 /// Whether `path` is `field` or lies under it.
