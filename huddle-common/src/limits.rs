@@ -9,6 +9,17 @@ pub const PROGRAM_NAME: &str = "huddle";
 /// Name of the IPv6 program the main one tail-calls.
 pub const PROGRAM6_NAME: &str = "huddle6";
 
+/// Name of the program both tail-call to finish a checksum left to
+/// offload before the frame is sent (verified on its own: its loop,
+/// inlined into every path that sends, took the main program past the
+/// verifier's 1M instructions).
+pub const PROGRAM_CSUM_NAME: &str = "huddle_csum";
+
+/// `TAILS` slots: the IPv6 program, the checksum finisher.
+pub const TAIL_V6: u32 = 0;
+pub const TAIL_CSUM: u32 = 1;
+pub const TAIL_SLOTS: u32 = 2;
+
 /// Services (VIP:port/proto) one balancer can serve at most: the maps
 /// are sized at load for `limits.services` of them (`DEFAULT_SERVICES`
 /// unless configured), up to this.

@@ -226,6 +226,14 @@ counters!(
         /// entry while a migration copies the old program's last flows
         /// (`config_flags::MIGRATING`; otherwise passed, `pass_no_nat`).
         drop_no_nat,
+        /// Sent with a TCP or UDP checksum the program finished itself:
+        /// the frame came with only the pseudo header's sum, left to an
+        /// offload that XDP_TX and redirects do not do (a veth's
+        /// CHECKSUM_PARTIAL; `net::partial` in the program).
+        csum_finished,
+        /// Dropped: such a frame whose segment was too long to finish
+        /// (over `partial::MAX_L4` bytes), rather than sent corrupt.
+        drop_csum,
     }
 );
 

@@ -39,8 +39,14 @@ pub const NO_BACKEND: u32 = u32::MAX - 5;
 /// request path does (`lb::established` in the XDP program).
 pub const FULL_PATH: u32 = u32::MAX - 6;
 
+/// A frame ready to be sent whose TCP or UDP checksum was left to
+/// offload: the scratch map holds where it lies and the verdict, and the
+/// checksum program (`TAIL_CSUM`) finishes it and sends the frame.
+pub const FINISH_CSUM: u32 = u32::MAX - 7;
+
 /// Every value above, for the test.
-pub const ALL: [u32; 7] = [
+pub const ALL: [u32; 8] = [
+    FINISH_CSUM,
     RETRY,
     FORWARD,
     FORWARD_NEW,

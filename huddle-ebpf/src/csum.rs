@@ -23,13 +23,20 @@ pub fn diff16(old: u16, new: u16) -> u64 {
 /// Applies an accumulated difference to a checksum field's value.
 #[inline(always)]
 pub fn apply(check: u16, diff: u64) -> u16 {
-    let mut s = u64::from(!check) + diff;
+    !fold(u64::from(!check) + diff)
+}
+
+/// A one's-complement sum folded to 16 bits, not complemented: what a
+/// checksum field left to offload holds of its pseudo header
+/// (`net::partial`).
+#[inline(always)]
+pub fn fold(mut s: u64) -> u16 {
     // Four folds bring any sum of a few dozen terms to 16 bits.
     s = (s & 0xffff) + (s >> 16);
     s = (s & 0xffff) + (s >> 16);
     s = (s & 0xffff) + (s >> 16);
     s = (s & 0xffff) + (s >> 16);
-    !(s as u16)
+    s as u16
 }
 
 /// Sum of the 16-bit words of `b`; `apply(0xffff, sum)` (a zero field
@@ -49,8 +56,11 @@ pub fn words<const N: usize>(b: &[u8; N]) -> u64 {
 /// family: both sum to the same words but for the addresses' width.
 #[inline(always)]
 pub fn tcp_pseudo<const N: usize>(src: &[u8; N], dst: &[u8; N], tcp_len: u16) -> u64 {
-    words(src)
-        + words(dst)
-        + u64::from(u16::from_ne_bytes([0, huddle_common::PROTO_TCP]))
-        + u64::from(u16::from_ne_bytes(tcp_len.to_be_bytes()))
+    words(src) + words(dst) + pseudo_rest(huddle_common::PROTO_TCP, tcp_len)
+}
+
+/// The words of a TCP or UDP pseudo header but the addresses.
+#[inline(always)]
+pub fn pseudo_rest(proto: u8, l4_len: u16) -> u64 {
+    u64::from(u16::from_ne_bytes([0, proto])) + u64::from(u16::from_ne_bytes(l4_len.to_be_bytes()))
 }

@@ -14,7 +14,7 @@ mod mem;
 mod net;
 
 use aya_ebpf::{bindings::xdp_action, macros::xdp, programs::XdpContext};
-use lb::{balance, guard, icmp, maps};
+use lb::{balance, finish, guard, icmp, maps};
 use net::{
     family::{V4, V6},
     parse::{self, Skip},
@@ -35,12 +35,14 @@ pub fn huddle(ctx: XdpContext) -> u32 {
         // The IPv6 program: its own verification and its own stack. If
         // none is set, the frame goes to the kernel.
         // SAFETY: a tail call with this program's own context.
-        unsafe { maps::TAILS.tail_call(&ctx, 0) };
+        unsafe {
+            let _ = maps::TAILS.tail_call(&ctx, huddle_common::TAIL_V6);
+        }
         maps::global(|s| s.pass_not_ipv4 += 1);
         return xdp_action::XDP_PASS;
     }
     match parse::parse(&ctx) {
-        Ok(p) => balance::balance::<V4>(&ctx, &p),
+        Ok(p) => finish::then(&ctx, balance::balance::<V4>(&ctx, &p)),
         Err(Skip::NotTcpUdp) if parse::is_icmp(&ctx) => match icmp::v4::inbound(&ctx) {
             xdp_action::XDP_PASS => guard::frame_v4(&ctx),
             verdict => verdict,
@@ -66,7 +68,7 @@ pub fn huddle(ctx: XdpContext) -> u32 {
 #[xdp]
 pub fn huddle6(ctx: XdpContext) -> u32 {
     match parse::parse6(&ctx) {
-        Ok(p) => balance::balance::<V6>(&ctx, &p),
+        Ok(p) => finish::then(&ctx, balance::balance::<V6>(&ctx, &p)),
         Err(Skip::V6Extension) if icmp::v6::is_icmp6(&ctx) => match icmp::v6::inbound(&ctx) {
             xdp_action::XDP_PASS => guard::frame_v6(&ctx),
             verdict => verdict,
@@ -82,6 +84,13 @@ pub fn huddle6(ctx: XdpContext) -> u32 {
             xdp_action::XDP_PASS
         }
     }
+}
+
+/// Finishes a checksum left to offload and sends the frame, handed over
+/// by either program (`lb::finish`).
+#[xdp]
+pub fn huddle_csum(ctx: XdpContext) -> u32 {
+    finish::run(&ctx)
 }
 
 #[cfg(not(test))]

@@ -9,12 +9,13 @@
 use crate::lb::scratch;
 use crate::{
     csum,
-    lb::forward::{out, out_or_pass, route},
+    lb::forward::{finished, out_or_pass_of, route},
     lb::icmp,
     lb::maps::global,
     mem::put,
     net::family::{Family, V4, V6},
     net::parse::Packet,
+    net::partial,
 };
 use aya_ebpf::{
     bindings::xdp_action, helpers::generated::bpf_xdp_adjust_head, programs::XdpContext,
@@ -52,7 +53,10 @@ pub fn l2<F: Family>(
         gen,
         true,
     ) {
-        Ok((ifindex, _)) => out(ctx, ifindex),
+        Ok((ifindex, _)) => {
+            let ingress = ctx.ingress_ifindex() as u32;
+            finished(p, None, partial::l4_offset(ctx, p), ingress, ifindex)
+        }
         // Not on this segment: no MAC of ours reaches it, and the kernel
         // would route the packet by its VIP.
         Err(ROUTED) => {
@@ -84,6 +88,10 @@ pub fn encap(ctx: &XdpContext, p: &Packet, cfg: &KernelConfig, id: u32, dst: [u8
     // Where the frame came from, for an ICMP answer: `route` overwrites it.
     // SAFETY: the Ethernet header was bounds-checked by `parse`.
     let macs: [u8; 12] = unsafe { *p.eth.cast::<[u8; 12]>() };
+    // Asked while `p`'s pointers hold: the inner segment moves back by
+    // the outer header.
+    let partial = partial::left_to_offload(p);
+    let l4_off = partial::l4_offset(ctx, p) + IP_LEN as u32;
     // Asked before the packet changes (`p`'s pointers die with it): the
     // next hop's addresses go into the client's Ethernet header, which
     // then moves to the front.
@@ -147,7 +155,7 @@ pub fn encap(ctx: &XdpContext, p: &Packet, cfg: &KernelConfig, id: u32, dst: [u8
     }
     // Without a next hop, the kernel resolves the neighbour and forwards
     // the outer packet.
-    out_or_pass(ctx, next)
+    out_or_pass_of(ctx, p, partial, l4_off, next)
 }
 
 /// IPv6 next header of an IPv6 packet inside another.
@@ -179,6 +187,8 @@ pub fn encap6(
     // SAFETY: this CPU's element; `parse6` checked the Ethernet header.
     unsafe { put(&mut (*sc).macs, &*p.eth.cast::<[u8; 12]>()) };
     let outer_len = p.tot_len + IP6_LEN as u16;
+    let partial = partial::left_to_offload(p);
+    let l4_off = partial::l4_offset(ctx, p) + IP6_LEN as u32;
     let next = route::<V6>(
         ctx,
         p.eth,
@@ -233,7 +243,7 @@ pub fn encap6(
         put(outer.add(24).cast::<[u8; 16]>(), &backend.addr);
     }
     global(|s| s.encap += 1);
-    out_or_pass(ctx, next)
+    out_or_pass_of(ctx, p, partial, l4_off, next)
 }
 
 /// The outer IPv4 source of a client's flow: the configured prefix, its

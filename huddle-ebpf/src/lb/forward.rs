@@ -9,9 +9,11 @@
 
 use crate::{
     lb::maps::{global, CLIENT_HOP, NEXT_HOP},
+    lb::scratch,
     mem::put,
     net::family::Family,
     net::parse::Packet,
+    net::partial,
 };
 use aya_ebpf::{
     bindings::{
@@ -24,7 +26,7 @@ use aya_ebpf::{
 use core::mem::{size_of, zeroed};
 use huddle_common::{
     addr_words, client_hop_slot,
-    verdict::{MTU_ANY, ROUTED},
+    verdict::{FINISH_CSUM, MTU_ANY, ROUTED},
     NextHop,
 };
 use network_types::eth::EthHdr;
@@ -61,7 +63,7 @@ pub fn send<F: Family>(
             unsettled(BPF_FIB_LKUP_RET_FRAG_NEEDED);
             xdp_action::XDP_PASS
         }
-        Ok((ifindex, _)) => out_from(ingress, ifindex),
+        Ok((ifindex, _)) => finished(p, None, partial::l4_offset(ctx, p), ingress, ifindex),
         Err(rc) => {
             unsettled(rc);
             xdp_action::XDP_PASS
@@ -248,6 +250,29 @@ pub fn out_or_pass(ctx: &XdpContext, next: Result<(u32, u16), u32>) -> u32 {
     }
 }
 
+/// `out_or_pass` for the client's packet `p` (its L4 header now `l4_off`
+/// bytes into the frame, its checksum `partial`ly summed or not), the
+/// checksum finished first if the frame goes out.
+#[inline(always)]
+pub fn out_or_pass_of<F: Family>(
+    ctx: &XdpContext,
+    p: &Packet<F>,
+    partial: bool,
+    l4_off: u32,
+    next: Result<(u32, u16), u32>,
+) -> u32 {
+    match next {
+        Ok((ifindex, _)) => finished(
+            p,
+            Some(partial),
+            l4_off,
+            ctx.ingress_ifindex() as u32,
+            ifindex,
+        ),
+        Err(_) => out_or_pass(ctx, next),
+    }
+}
+
 /// XDP_TX when the next hop is out of the interface the packet came in on,
 /// else a redirect.
 #[inline(always)]
@@ -255,9 +280,38 @@ pub fn out(ctx: &XdpContext, ifindex: u32) -> u32 {
     out_from(ctx.ingress_ifindex() as u32, ifindex)
 }
 
+/// `out_from` for the packet `p` (its L4 header `l4_off` bytes into the
+/// frame): if its checksum was left to offload (`partial`, asked of the
+/// packet as it is unless the caller already knows), the checksum program
+/// finishes it and sends the frame instead (`lb::finish`).
+#[inline(always)]
+pub fn finished<F: Family>(
+    p: &Packet<F>,
+    partial: Option<bool>,
+    l4_off: u32,
+    ingress: u32,
+    ifindex: u32,
+) -> u32 {
+    if !partial.unwrap_or_else(|| partial::left_to_offload(p)) {
+        return out_from(ingress, ifindex);
+    }
+    let Some(sc) = scratch::get() else {
+        return xdp_action::XDP_DROP;
+    };
+    // SAFETY: this CPU's element, used by this run only.
+    unsafe {
+        let job = &mut (*sc).csum;
+        job.l4_off = l4_off;
+        job.l4_len = u32::from(partial::l4_len(p));
+        job.proto = u32::from(p.proto);
+        job.ifindex = if ifindex == ingress { 0 } else { ifindex };
+    }
+    FINISH_CSUM
+}
+
 /// `out` for a packet that came in on `ingress`.
 #[inline(always)]
-fn out_from(ingress: u32, ifindex: u32) -> u32 {
+pub fn out_from(ingress: u32, ifindex: u32) -> u32 {
     if ifindex == ingress {
         global(|s| s.tx += 1);
         xdp_action::XDP_TX

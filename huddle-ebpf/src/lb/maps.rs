@@ -12,7 +12,7 @@ use huddle_common::{
     ServiceValue, Tuning, TwHint, CLIENT_HOP_SLOTS, DEFAULT_FLOW_TABLE_SIZE,
     DEFAULT_HALF_OPEN_SIZE, DEFAULT_MAGLEV_SIZE, HALF_OPEN_TAGS_PER_LINE, MAGLEV_MAP_FLAGS,
     MAX_BACKENDS, MAX_GUARDED, MAX_SERVICES, MAX_SNAT, MAX_TW_HINTS, NAT_USED_LINE,
-    SERVICE_INDEX_SLOTS,
+    SERVICE_INDEX_SLOTS, TAIL_SLOTS,
 };
 
 /// VIP:port/proto -> service id, and SNAT address -> its index. Written
@@ -35,9 +35,10 @@ pub static SERVICE_INDEX: Array<ServiceBucket> =
 pub static SERVICES6: HashMap<ServiceKey6, ServiceValue> =
     HashMap::with_max_entries(MAX_SERVICES + MAX_SNAT as u32, 0);
 
-/// Slot 0: the IPv6 program, which the main one hands IPv6 frames to.
+/// `TAIL_V6`: the IPv6 program, which the main one hands IPv6 frames to;
+/// `TAIL_CSUM`: the checksum finisher (`net::partial`).
 #[map]
-pub static TAILS: ProgramArray = ProgramArray::with_max_entries(1, 0);
+pub static TAILS: ProgramArray = ProgramArray::with_max_entries(TAIL_SLOTS, 0);
 
 /// Two Maglev tables per service (`huddle_common::maps::MAGLEV`); size
 /// set by the control plane.

@@ -7,6 +7,7 @@ pub mod balance;
 pub mod balanced;
 pub mod dsr;
 pub mod established;
+pub mod finish;
 pub mod forward;
 pub mod guard;
 pub mod halfopen;

@@ -35,6 +35,22 @@ pub struct Scratch {
     pub syn: SynCopy,
     /// The pending flow's hash (`nval.flow` is its key, `fwd` its flow).
     pub pending_hash: u64,
+    /// A frame's checksum to finish (`forward::finished` writes it, the
+    /// checksum program reads it).
+    pub csum: CsumJob,
+}
+
+/// Where a checksum left to offload lies in the frame, and how the frame
+/// leaves once it is finished.
+#[repr(C)]
+pub struct CsumJob {
+    /// Offset of the TCP or UDP header in the frame, and its segment's length.
+    pub l4_off: u32,
+    pub l4_len: u32,
+    /// The protocol (TCP or UDP).
+    pub proto: u32,
+    /// Where to redirect the frame, or 0: XDP_TX.
+    pub ifindex: u32,
 }
 
 /// This CPU's scratch element, for a step that fills or reads several of

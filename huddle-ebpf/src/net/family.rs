@@ -34,6 +34,9 @@ pub trait Family: Sized {
     /// # Safety
     /// `ip` must point to a bounds-checked header that outlives `'a`.
     unsafe fn addrs<'a>(ip: *const Self::Hdr) -> (&'a Self::Addr, &'a Self::Addr);
+    /// The one's-complement sum of an address where the packet holds it
+    /// (for a pseudo header; word sums fold to what byte pairs do).
+    fn addr_sum(a: &Self::Addr) -> u64;
     /// Puts the addresses into a FIB request.
     fn fib_addrs(params: &mut bpf_fib_lookup, src: &Self::Addr, dst: &Self::Addr);
     /// Whether the FIB's answer names `dst` itself as the next hop (no
@@ -74,6 +77,11 @@ impl Family for V4 {
     unsafe fn addrs<'a>(ip: *const Ipv4Hdr) -> (&'a [u8; 4], &'a [u8; 4]) {
         // SAFETY: the caller's bounds.
         unsafe { (&(*ip).src_addr, &(*ip).dst_addr) }
+    }
+
+    #[inline(always)]
+    fn addr_sum(a: &[u8; 4]) -> u64 {
+        u64::from(u32::from_ne_bytes(*a))
     }
 
     #[inline(always)]
@@ -132,6 +140,12 @@ impl Family for V6 {
     unsafe fn addrs<'a>(ip: *const Ipv6Hdr) -> (&'a [u8; 16], &'a [u8; 16]) {
         // SAFETY: the caller's bounds.
         unsafe { (&(*ip).src_addr, &(*ip).dst_addr) }
+    }
+
+    #[inline(always)]
+    fn addr_sum(a: &[u8; 16]) -> u64 {
+        let w = |i: usize| u64::from(u32::from_ne_bytes([a[i], a[i + 1], a[i + 2], a[i + 3]]));
+        w(0) + w(4) + w(8) + w(12)
     }
 
     #[inline(always)]

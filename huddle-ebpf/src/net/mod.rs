@@ -3,4 +3,5 @@
 
 pub mod family;
 pub mod parse;
+pub mod partial;
 pub mod tcp;

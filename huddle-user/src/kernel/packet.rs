@@ -224,6 +224,25 @@ pub fn l4_checksum(frame: &[u8]) -> u16 {
     checksum(&pseudo, 0)
 }
 
+/// `frame` (IPv4, TCP or UDP) as a veth hands it over from a sender with
+/// checksum offload on: its L4 checksum holds only the pseudo header's
+/// sum, folded and not inverted (the kernel's CHECKSUM_PARTIAL), for a
+/// device to finish.
+#[must_use]
+pub fn left_to_offload(mut frame: Vec<u8>) -> Vec<u8> {
+    let ip = &frame[ETH_LEN..];
+    let ihl = usize::from(ip[0] & 0x0f) * 4;
+    let tot = usize::from(u16::from_be_bytes([ip[2], ip[3]]));
+    let proto = ip[9];
+    let mut pseudo = ip[12..20].to_vec();
+    pseudo.extend_from_slice(&[0, proto]);
+    pseudo.extend_from_slice(&((tot - ihl) as u16).to_be_bytes());
+    let sum = !checksum(&pseudo, 0);
+    let off = ETH_LEN + ihl + if proto == 6 { 16 } else { 6 };
+    frame[off..off + 2].copy_from_slice(&sum.to_be_bytes());
+    frame
+}
+
 /// Whether both checksums of an IPv4 TCP/UDP frame are valid (a UDP
 /// checksum of 0 means none and is valid).
 #[must_use]

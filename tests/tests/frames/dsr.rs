@@ -8,7 +8,8 @@ use huddle_user::{
     config::{Mode, PortRange, Proto, Service},
     kernel::decap::Decap,
     kernel::packet::{
-        checksums_valid, icmp_checksums_valid, icmp_error, ipip, Frame, ACK, FIN, PSH, RST,
+        checksums_valid, icmp_checksums_valid, icmp_error, ipip, left_to_offload, Frame, ACK, FIN,
+        PSH, RST,
     },
     kernel::prog_run::{mac_of, test_run, ProgRun, BALANCER_MAC},
 };
@@ -120,6 +121,31 @@ fn l2_frames_leave_unchanged_but_for_their_mac_addresses() {
     let st = env.dp.service_stats(env.dp.services[0].id).unwrap();
     assert_eq!((st.half_open, st.promoted), (1, 1));
     assert_eq!(global(&env).encap, 0);
+}
+
+/// A client's segment whose checksum was left to offload (a veth sender's)
+/// reaches its backend with the full one, in both modes: the backend's
+/// stack would drop it otherwise.
+#[test]
+fn dsr_segments_left_to_offload_reach_the_backend_with_full_checksums() {
+    let env = env("dsr-offload");
+    let body: Vec<u8> = (0..1401u32).map(|i| (i * 13) as u8).collect();
+    for (sport, port) in [(42000, L2), (42001, IPIP)] {
+        assert_eq!(
+            env.run(&client(sport, port).syn().build()).unwrap().0,
+            XDP_TX
+        );
+        let data = client(sport, port).flags(ACK | PSH).payload(&body).build();
+        let (verdict, out) = env.run(&left_to_offload(data.clone())).unwrap();
+        assert_eq!(verdict, XDP_TX);
+        let inner = if port == L2 { 0 } else { 20 };
+        assert_eq!(
+            out[inner + 14..],
+            data[14..],
+            "port {port}: checksum not finished"
+        );
+    }
+    assert_eq!((global(&env).csum_finished, global(&env).drop_csum), (2, 0));
 }
 
 #[test]

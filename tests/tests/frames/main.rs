@@ -16,6 +16,7 @@ mod latency;
 mod lifecycle;
 mod maglev;
 mod nat;
+mod offload;
 mod retry;
 mod ring;
 mod snat;

@@ -2,9 +2,10 @@
 
 use crate::net::parse::Packet;
 use crate::{
-    csum::{apply, diff16, diff32},
+    csum::{apply, diff16, diff32, fold, pseudo_rest},
     mem::put,
     net::family::{Family, V4, V6},
+    net::partial,
 };
 use huddle_common::Addr;
 
@@ -31,8 +32,11 @@ pub struct Tuple<'a, A = [u8; 4]> {
 /// A UDP checksum of 0 (none) stays 0; a computed 0 is sent as 0xffff.
 #[inline(always)]
 pub fn rewrite(p: &Packet, to: &Tuple) {
-    let addr_diff = diff32(u32::from_ne_bytes(*p.src()), u32::from_ne_bytes(*to.src))
-        + diff32(u32::from_ne_bytes(*p.dst()), u32::from_ne_bytes(*to.dst));
+    let (src, dst) = (u32::from_ne_bytes(*p.src()), u32::from_ne_bytes(*p.dst()));
+    let addr_diff =
+        diff32(src, u32::from_ne_bytes(*to.src)) + diff32(dst, u32::from_ne_bytes(*to.dst));
+    // Word sums fold to what byte pairs do (2^16 = 1, one's complement).
+    let was = u64::from(src) + u64::from(dst) + pseudo_rest(p.proto, partial::l4_len(p));
     // SAFETY: `parse` checked that the IP header lies inside the packet.
     unsafe {
         let ip = &mut *p.ip;
@@ -40,20 +44,35 @@ pub fn rewrite(p: &Packet, to: &Tuple) {
         ip.dst_addr = *to.dst;
         ip.check = apply(u16::from_ne_bytes(ip.check), addr_diff).to_ne_bytes();
     }
-    ports(p, to, addr_diff);
+    ports(p, to, addr_diff, was);
 }
 
 /// IPv6: no header checksum; the addresses count in the L4 one.
 #[inline(always)]
 pub fn rewrite6(p: &Packet<V6>, to: &Tuple<'_, [u8; 16]>) {
     let addr_diff = diff128(to.was_src, to.src) + diff128(to.was_dst, to.dst);
+    let was = sum128(to.was_src) + sum128(to.was_dst) + pseudo_rest(p.proto, partial::l4_len(p));
     // SAFETY: `parse6` checked that the IP header lies inside the packet.
     unsafe {
         let ip = p.ip;
         put(&mut (*ip).src_addr, to.src);
         put(&mut (*ip).dst_addr, to.dst);
     }
-    ports(p, to, addr_diff);
+    ports(p, to, addr_diff, was);
+}
+
+/// Sum of a 16-byte address in a map value, as four words (see `diff128`).
+#[inline(always)]
+fn sum128(a: &Addr) -> u64 {
+    let w = a.as_ptr().cast::<u32>();
+    let mut s = 0;
+    let mut i = 0;
+    while i < 4 {
+        // SAFETY: as in `diff128`.
+        s += u64::from(unsafe { w.add(i).read() });
+        i += 1;
+    }
+    s
 }
 
 /// Sum of the changes from `old` to `new` for one 16-byte address; both
@@ -73,9 +92,12 @@ pub fn diff128(old: &Addr, new: &Addr) -> u64 {
 }
 
 /// Sets the ports and updates the L4 checksum by `addr_diff` (the
-/// pseudo-header's addresses) and the ports' change.
+/// pseudo-header's addresses) and the ports' change; `was` is the pseudo
+/// header's sum before. A checksum left to offload (`net::partial`) holds
+/// only that sum: it takes the addresses' change alone, and stays one
+/// (`forward::finished` has it finished if the frame is sent).
 #[inline(always)]
-fn ports<F: Family>(p: &Packet<F>, to: &Tuple<'_, F::Addr>, addr_diff: u64) {
+fn ports<F: Family>(p: &Packet<F>, to: &Tuple<'_, F::Addr>, addr_diff: u64, was: u64) {
     let l4_diff = addr_diff
         + diff16(u16::from_ne_bytes(p.sport), u16::from_ne_bytes(to.sport))
         + diff16(u16::from_ne_bytes(p.dport), u16::from_ne_bytes(to.dport));
@@ -85,16 +107,17 @@ fn ports<F: Family>(p: &Packet<F>, to: &Tuple<'_, F::Addr>, addr_diff: u64) {
         let l4 = p.l4;
         *l4.cast::<[u8; 2]>() = to.sport;
         *l4.add(2).cast::<[u8; 2]>() = to.dport;
-        if p.is_tcp() {
-            let check = l4.add(TCP_CHECK).cast::<u16>();
-            check.write_unaligned(apply(check.read_unaligned(), l4_diff));
-        } else {
-            let check = l4.add(UDP_CHECK).cast::<u16>();
-            let old = check.read_unaligned();
-            if old != 0 {
-                let new = apply(old, l4_diff);
-                check.write_unaligned(if new == 0 { 0xffff } else { new });
-            }
+        let check = l4
+            .add(if p.is_tcp() { TCP_CHECK } else { UDP_CHECK })
+            .cast::<u16>();
+        let old = check.read_unaligned();
+        if partial::is_partial(old, was) {
+            check.write_unaligned(fold(u64::from(old) + addr_diff));
+        } else if p.is_tcp() {
+            check.write_unaligned(apply(old, l4_diff));
+        } else if old != 0 {
+            let new = apply(old, l4_diff);
+            check.write_unaligned(if new == 0 { 0xffff } else { new });
         }
     }
 }

@@ -159,7 +159,7 @@ pub(super) fn auto_generic_reason(ifindex: u32) -> Option<String> {
     let peer = match crate::sys::link::veth_peer(ifindex) {
         Ok(Peer::VethXdp) => {
             info!(
-                "the interface is a veth whose peer runs an XDP program: native mode (senders must compute their own checksums, e.g. `ethtool -K IFACE tx off`, or rewritten frames arrive with bad checksums)"
+                "the interface is a veth whose peer runs an XDP program: native mode (checksums a sender left to offload are finished by the program: `csum_finished` in `huddle status`)"
             );
             return None;
         }
@@ -172,6 +172,6 @@ pub(super) fn auto_generic_reason(ifindex: u32) -> Option<String> {
         }
     };
     Some(format!(
-        "xdp mode auto: generic, because the interface is a veth whose peer {peer}, and native XDP_TX on a veth is lost unless the peer runs one; for native mode attach an XDP program to the peer, have senders compute checksums (`ethtool -K IFACE tx off`), and pass --xdp-mode native"
+        "xdp mode auto: generic, because the interface is a veth whose peer {peer}, and native XDP_TX on a veth is lost unless the peer runs one; for native mode attach an XDP program to the peer and pass --xdp-mode native"
     ))
 }

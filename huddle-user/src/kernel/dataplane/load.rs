@@ -10,7 +10,8 @@ use aya::{
     Ebpf, EbpfLoader,
 };
 use huddle_common::{
-    addr_v4, config_flags, maps, KernelConfig, FAMILY_V4, MAX_SNAT, PROGRAM6_NAME, PROGRAM_NAME,
+    addr_v4, config_flags, maps, KernelConfig, FAMILY_V4, MAX_SNAT, PROGRAM6_NAME,
+    PROGRAM_CSUM_NAME, PROGRAM_NAME, TAIL_CSUM, TAIL_V6,
 };
 use limits::MapLimits;
 use migrate::{Found, Migration};
@@ -416,23 +417,28 @@ fn pin_to(
     Ok((adopted, fresh_cursors))
 }
 
-/// Loads both programs, points the IPv4 one's tail call at the IPv6 one,
-/// and forwards the programs' log records.
+/// Loads the programs, points the IPv4 one's tail calls at the IPv6 one
+/// and at the checksum finisher (which the IPv6 one calls too), and
+/// forwards the programs' log records.
 fn load_programs(ebpf: &mut Ebpf) -> Result<()> {
     load_program(ebpf, PROGRAM_NAME)?;
-    // The IPv6 program, which the main one tail-calls for IPv6 frames.
-    load_program(ebpf, PROGRAM6_NAME)?;
-    {
+    for (name, slot, what) in [
+        (PROGRAM6_NAME, TAIL_V6, "the IPv6 program"),
+        (PROGRAM_CSUM_NAME, TAIL_CSUM, "the checksum program"),
+    ] {
+        load_program(ebpf, name)?;
         let fd = ebpf
-            .program(PROGRAM6_NAME)
-            .context("IPv6 program missing")?
+            .program(name)
+            .with_context(|| format!("{what} missing"))?
             .fd()?
             .try_clone()?;
         let mut tails: aya::maps::ProgramArray<&mut MapData> = ebpf
             .map_mut(maps::TAILS)
             .context("TAILS missing")?
             .try_into()?;
-        tails.set(0, &fd, 0).context("setting the IPv6 program")?;
+        tails
+            .set(slot, &fd, 0)
+            .with_context(|| format!("setting {what}"))?;
     }
     // After the program holds its maps: the logger owns the log map's fd.
     match aya_log::EbpfLogger::init(ebpf) {
