@@ -291,8 +291,15 @@ impl Balancer {
                 let t = &self.huddles[si].trackers[m.member];
                 let c = t.components;
                 let ms = |v: Option<f64>| v.map_or("-".to_string(), |v| format!("{v:.1} ms"));
+                // Judged against a share of the ring's p99 rather than its
+                // median (`readings::shared_spread`): say so.
+                let ring = self.huddles[si].ring_p50_ms;
+                let spread = match (t.against_ms, ring) {
+                    (Some(a), Some(m)) if a > m => format!(" (half its p99; its median {m:.1} ms)"),
+                    _ => String::new(),
+                };
                 format!(
-                    "latency {} ({}) against the ring's {}: anomaly {:.2}, cpu {:.2}, memory {:.2}, errors {:.2}, load {:.2}",
+                    "latency {} ({}) against the ring's {}{spread}: anomaly {:.2}, cpu {:.2}, memory {:.2}, errors {:.2}, load {:.2}",
                     ms(t.latency_ms),
                     t.latency_source,
                     ms(t.against_ms),

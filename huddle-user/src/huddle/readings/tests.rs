@@ -496,3 +496,42 @@ fn a_service_with_nothing_moving_rests_until_something_comes() {
     h.engine.set_drained(0, true, now);
     assert!(!h.at_rest(now), "drained");
 }
+
+/// Per-backend median and p99 (ms) of four equal NGINX backends at full
+/// speed, one-second windows measured 7 December 2026 (`SHARED_SPREAD`).
+const BUSY_WINDOWS: [([f64; 4], [f64; 4]); 4] = [
+    ([1.4, 5.8, 3.6, 3.7], [12.0, 12.2, 13.3, 12.5]),
+    ([1.3, 2.0, 1.3, 4.1], [6.8, 7.8, 6.8, 18.4]),
+    ([5.1, 0.3, 3.8, 1.1], [16.2, 4.9, 14.6, 15.7]),
+    ([2.3, 1.0, 3.6, 4.5], [8.1, 16.0, 11.4, 12.5]),
+];
+
+#[test]
+fn backends_slow_together_are_no_outliers_but_one_slow_alone_is() {
+    let s = settings();
+    let anomaly = |l: f64, against: Option<f64>| thermal::anomaly(l, against.unwrap(), &s.thermal);
+    let (mut by_reference, mut by_median) = (0.0f64, 0.0f64);
+    for (p50, p99) in BUSY_WINDOWS {
+        let median = thermal::median(p50);
+        let reference = shared_spread(median, thermal::median(p99));
+        for l in p50 {
+            by_reference = by_reference.max(anomaly(l, reference));
+            by_median = by_median.max(anomaly(l, median));
+        }
+    }
+    println!("largest anomaly: {by_median:.2} against the median, {by_reference:.2} against the reference");
+    // The ring's median alone warms the busiest of each moment: 0.7 x
+    // 0.75 is nearly `heat` (0.55), and such windows come in runs.
+    assert!(by_median > 0.7, "{by_median}");
+    assert!(by_reference < 0.1, "{by_reference}");
+    // One backend 5x a calm ring (p99 near its median), or starved under
+    // a busy one, is as hot as before.
+    let heat = |l: f64, against: Option<f64>| {
+        s.thermal.weights.latency * anomaly(l, against) >= s.rotation_params.heat
+    };
+    assert!(heat(50.0, shared_spread(Some(10.0), Some(13.0))));
+    let busy = shared_spread(thermal::median(BUSY_WINDOWS[0].0), Some(12.4));
+    assert!(heat(300.0, busy));
+    assert_eq!(shared_spread(Some(2.0), None), Some(2.0));
+    assert_eq!(shared_spread(None, Some(8.0)), None);
+}
