@@ -487,6 +487,14 @@ fn check(config: &Path) -> Result<()> {
         cfg.services.len(),
         cfg.interface
     );
+    // Without snat_ips, the interface's one address (known only at start).
+    let snat = cfg.snat_ips.len().max(1);
+    println!(
+        "source NAT: ports {} x {snat} address(es) = {} tuples per backend: about {} new connections a second per backend before a tuple comes back within a TIME_WAIT (60 s)",
+        cfg.nat_ports,
+        cfg.nat_ports.tuples(snat),
+        cfg.nat_ports.sustainable_rate(snat)
+    );
     Ok(())
 }
 

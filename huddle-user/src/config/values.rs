@@ -292,6 +292,20 @@ impl PortRange {
     pub fn overlaps(&self, other: &PortRange) -> bool {
         self.min <= other.max && other.min <= self.max
     }
+
+    /// NAT tuples toward one backend with `snat_addrs` source addresses.
+    #[must_use]
+    pub fn tuples(&self, snat_addrs: usize) -> u64 {
+        u64::from(self.max - self.min + 1) * snat_addrs.max(1) as u64
+    }
+
+    /// New connections a second toward one backend that these tuples
+    /// carry before one is handed out again within a TIME_WAIT (60 s on
+    /// Linux), which the backend may then still hold.
+    #[must_use]
+    pub fn sustainable_rate(&self, snat_addrs: usize) -> u64 {
+        self.tuples(snat_addrs) / (huddle_common::TIME_WAIT_NS / 1_000_000_000)
+    }
 }
 
 impl fmt::Display for PortRange {

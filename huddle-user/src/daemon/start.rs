@@ -64,7 +64,7 @@ pub(super) fn start(
         );
     }
     info!(
-        "attached to {} in {} mode; SNAT {}, NAT ports {}; control socket {}; pinned under {}",
+        "attached to {} in {} mode; SNAT {}, NAT ports {} ({} new connections a second per backend before a tuple comes back within a TIME_WAIT: widen nat_ports or add snat_ips for more); control socket {}; pinned under {}",
         cfg.interface,
         mode.as_str(),
         facts
@@ -74,6 +74,7 @@ pub(super) fn start(
             .collect::<Vec<_>>()
             .join(", "),
         cfg.nat_ports,
+        cfg.nat_ports.sustainable_rate(facts.snat.len()),
         cfg.control_socket.display(),
         shown.display()
     );

@@ -345,16 +345,16 @@ impl Balancer {
         let new = count.wrapping_sub(e.0);
         e.0 = count;
         let addr = self.cfg.services[si].backends[bi];
-        let tuples = u64::from(self.dp.settings.nat_ports.max - self.dp.settings.nat_ports.min + 1)
-            * self.dp.settings.snat.len() as u64;
+        let ports = self.dp.settings.nat_ports;
+        let snat = self.dp.settings.snat.len();
+        let (tuples, rate) = (ports.tuples(snat), ports.sustainable_rate(snat));
         if new > 0 && !e.1 {
             e.1 = true;
             warn!(
                 event = "nat_reuse_early",
                 backend = %addr,
                 new_flows = new,
-                "NAT tuples toward backend {addr} are being reused less than 60 s after their last use ({new} new flows this tick): more new connections a second toward it than {tuples} tuples / 60 s = {} a second; the oldest tuple goes first, but the backend may still hold it in TIME_WAIT (widen nat_ports or add snat_ips); counted in nat_reuse_early",
-                tuples / 60
+                "NAT tuples toward backend {addr} are being reused less than 60 s after their last use ({new} new flows this tick): more new connections a second toward it than {tuples} tuples / 60 s = {rate} a second; the oldest tuple goes first, but the backend may still hold it in TIME_WAIT (widen nat_ports or add snat_ips); counted in nat_reuse_early"
             );
         } else if new == 0 && e.1 {
             e.1 = false;
