@@ -123,4 +123,9 @@ pub mod config_flags {
     /// answer RST and close the backend's side; dropped, the backend
     /// sends again and finds them. Cleared once they are.
     pub const MIGRATING: u16 = 1;
+    /// Attached in generic (skb) mode: a frame keeps its checksum-offload
+    /// state through XDP_TX and redirects, so a checksum left to offload
+    /// stays so (the rewrite keeps its partial sum right) and is not
+    /// finished: finished, a device that offloads would sum it again.
+    pub const SKB_MODE: u16 = 2;
 }

@@ -8,7 +8,7 @@
 //! rarely changes, and comparing a generation costs no clock read.
 
 use crate::{
-    lb::maps::{global, CLIENT_HOP, NEXT_HOP},
+    lb::maps::{global, CLIENT_HOP, CONFIG, NEXT_HOP},
     lb::scratch,
     mem::put,
     net::family::Family,
@@ -25,7 +25,7 @@ use aya_ebpf::{
 };
 use core::mem::{size_of, zeroed};
 use huddle_common::{
-    addr_words, client_hop_slot,
+    addr_words, client_hop_slot, config_flags,
     verdict::{FINISH_CSUM, MTU_ANY, ROUTED},
     NextHop,
 };
@@ -54,12 +54,20 @@ pub fn send<F: Family>(
     // Read once for the whole path: LLVM otherwise may keep the field's
     // address in a register, which the verifier refuses for a context.
     let ingress = ctx.ingress_ifindex() as u32;
+    // SAFETY: `parse` checked the Ethernet header's bounds.
+    let arrived_to = unsafe { (*p.eth).dst_addr };
     match route_via::<F>(
         ctx, ingress, p.eth, src, dst, p.proto, p.tot_len, cache, generation, false,
     ) {
-        // A reply bigger than the path toward its client takes: the
-        // kernel's (a FIB lookup with its length would have said so).
+        // A reply bigger than the path toward its client takes (a frame
+        // GRO coalesced, which generic mode sees whole): the kernel's (a
+        // FIB lookup with its length would have said so), addressed to
+        // this host again. With the next hop's MAC left on it, the kernel
+        // took it for another host's and dropped it unseen (no
+        // IpForwDatagrams): 100 KB took 6.8 s through generic mode.
         Ok((_, mtu)) if backend.is_none() && p.tot_len > mtu => {
+            // SAFETY: as above.
+            unsafe { put(&mut (*p.eth).dst_addr, &arrived_to) };
             unsettled(BPF_FIB_LKUP_RET_FRAG_NEEDED);
             xdp_action::XDP_PASS
         }
@@ -292,7 +300,11 @@ pub fn finished<F: Family>(
     ingress: u32,
     ifindex: u32,
 ) -> u32 {
-    if !partial.unwrap_or_else(|| partial::left_to_offload(p)) {
+    if !partial.unwrap_or_else(|| partial::left_to_offload(p))
+        || CONFIG
+            .get(0)
+            .is_none_or(|c| c.flags & config_flags::SKB_MODE != 0)
+    {
         return out_from(ingress, ifindex);
     }
     let Some(sc) = scratch::get() else {

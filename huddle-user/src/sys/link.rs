@@ -21,6 +21,8 @@ const IFLA_LINK_NETNSID: u16 = 37;
 const IFLA_XDP: u16 = 43;
 const IFLA_XDP_ATTACHED: u16 = 2;
 const IFLA_XDP_PROG_ID: u16 = 4;
+/// `IFLA_XDP_ATTACHED`'s value for a program attached in generic mode.
+const XDP_ATTACHED_SKB: u8 = 2;
 const IFLA_TARGET_NETNSID: u16 = 46;
 /// Attribute type bits that are flags (nested, byte order), not the type.
 const NLA_TYPE_MASK: u16 = 0x3fff;
@@ -34,6 +36,8 @@ pub struct LinkInfo {
     pub kind: String,
     /// An XDP program is attached (any mode).
     pub xdp: bool,
+    /// It is attached in generic (skb) mode only (`XDP_ATTACHED_SKB`).
+    pub xdp_generic: bool,
     /// Id of the attached XDP program, when there is one.
     pub xdp_prog: Option<u32>,
     /// The peer's (or lower device's) ifindex, in `link_netnsid`'s namespace.
@@ -154,6 +158,7 @@ fn parse_reply(msg: &[u8]) -> Result<LinkInfo> {
         IFLA_XDP => attrs(v, |t, v| {
             if t == IFLA_XDP_ATTACHED {
                 info.xdp = v.first().is_some_and(|a| *a != 0);
+                info.xdp_generic = v.first() == Some(&XDP_ATTACHED_SKB);
             } else if t == IFLA_XDP_PROG_ID {
                 info.xdp_prog = u32_at(v, 0);
             }

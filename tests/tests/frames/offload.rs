@@ -93,3 +93,34 @@ fn udp_datagrams_left_to_offload_leave_with_full_checksums() {
         .build();
     assert_eq!(out, want, "answer: checksum not finished");
 }
+
+/// A reply longer than the client's path (a GRO-coalesced frame, which
+/// generic mode sees whole) goes to the kernel, which segments and
+/// forwards it: addressed to this host as it came (with the next hop's
+/// MAC the kernel dropped it as another host's), translated, and its
+/// partial sum kept right for the new addresses (the kernel finishes it).
+#[test]
+fn a_reply_too_long_for_the_client_goes_to_the_kernel_addressed_to_this_host() {
+    let env = env("pr-offload-big");
+    let ring = [backend(0), backend(1), backend(2)];
+    let (b, nat_port) = establish(&env, 40000, &ring);
+    let reply = Frame::tcp((b, 8080), (BALANCER_IP, nat_port))
+        .flags(ACK)
+        .seq_ack(7001, 1001)
+        .payload(&payload(2901))
+        .macs(mac_of(b), BALANCER_MAC);
+    let (verdict, out) = env.run(&left_to_offload(reply.build())).unwrap();
+    assert_eq!(verdict, XDP_PASS);
+    assert_eq!(out[..6], BALANCER_MAC, "not addressed to this host");
+    assert_eq!(endpoints(&out), ((VIP, 80), (CLIENT, 40000)));
+    let want = Frame::tcp((VIP, 80), (CLIENT, 40000))
+        .flags(ACK)
+        .seq_ack(7001, 1001)
+        .payload(&payload(2901))
+        .build();
+    assert_eq!(
+        out[14..],
+        left_to_offload(want)[14..],
+        "partial sum not kept"
+    );
+}

@@ -19,6 +19,15 @@ impl Dataplane {
     /// new link is pinned so the program outlives the daemon.
     pub fn attach(&mut self, ifindex: u32, mode: XdpMode) -> Result<AttachedMode> {
         let attached = self.attach_program(ifindex, mode)?;
+        // An adopted link kept its mode: the interface says which.
+        let generic = match attached {
+            AttachedMode::Generic => true,
+            AttachedMode::Native => false,
+            AttachedMode::Adopted => crate::sys::link::query(ifindex, None)
+                .map(|l| l.xdp_generic)
+                .unwrap_or(false),
+        };
+        self.set_flag(config_flags::SKB_MODE, generic)?;
         // The new program runs: a migration copies what the old one made
         // since, then unpins the old maps.
         if let Some(m) = self.attach.migration.take() {
@@ -31,10 +40,15 @@ impl Dataplane {
     /// Sets or clears `config_flags::MIGRATING` (public for the frames
     /// tests, which have no older data plane to migrate).
     pub fn set_migrating(&mut self, on: bool) -> Result<()> {
+        self.set_flag(config_flags::MIGRATING, on)
+    }
+
+    /// Sets or clears one of `config_flags` in the program's config.
+    fn set_flag(&mut self, flag: u16, on: bool) -> Result<()> {
         if on {
-            self.settings.kernel_config.flags |= config_flags::MIGRATING;
+            self.settings.kernel_config.flags |= flag;
         } else {
-            self.settings.kernel_config.flags &= !config_flags::MIGRATING;
+            self.settings.kernel_config.flags &= !flag;
         }
         self.write_config()
     }

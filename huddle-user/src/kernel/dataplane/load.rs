@@ -524,7 +524,8 @@ fn kernel_config(
         slice_ports: geo.slice_ports,
         slices: geo.slices,
         snat6_count: snat6.len() as u16,
-        flags: 0,
+        // An adopted link keeps its mode until `attach` says it again.
+        flags: old.map_or(0, |c| c.flags & config_flags::SKB_MODE),
         hop_generation,
         half_open_mask: half_open - 1,
         encap_vary: 0,
