@@ -541,6 +541,19 @@ impl Tracker {
     }
 }
 
+impl Tracker {
+    /// The slowest of the probes `probe_ms` judges an inner member on
+    /// (at least two), while the last passed: its share of the ring's
+    /// spread of probe latency (`readings::shared_spread`).
+    pub(super) fn probe_spread_ms(&self) -> Option<f64> {
+        self.probe.as_ref().filter(|p| p.error.is_none())?;
+        if self.probe_lat.len() < 2 {
+            return None;
+        }
+        self.probe_lat.iter().copied().reduce(f64::max)
+    }
+}
+
 /// `Tracker::latency_source` of a backend judged on its probes.
 pub(super) const FROM_PROBES: &str = "probe";
 
