@@ -103,6 +103,13 @@ impl Testbed {
         Testbed::build(tag, n_backends, false)
     }
 
+    /// Native XDP with every host's default offloads (checksums left to them).
+    pub fn native(tag: &str, n_backends: usize) -> Result<Testbed> {
+        let bed = Testbed::build(tag, n_backends, false)?;
+        bed.peer_xdp()?;
+        Ok(bed)
+    }
+
     fn build(tag: &str, n_backends: usize, tuned: bool) -> Result<Testbed> {
         let (prefix, switch, dir) = segment(tag)?;
         let mut bed = Testbed {

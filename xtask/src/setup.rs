@@ -14,9 +14,11 @@ use std::{
 /// `nft` (a backend's firewall dropping SYNs, in the retry test), NGINX
 /// and HAProxy, the peers the comparison benchmark (and its quick test)
 /// runs against, bird2, the BGP daemon the balancers announce their
-/// VIPs through (its service is never started; tests run their own), and
-/// `ping` (a looping ping through a router, in the routing test).
-const PACKAGES: [(&str, &str); 10] = [
+/// VIPs through (its service is never started; tests run their own),
+/// `ping` (a looping ping through a router, in the routing test), and the
+/// real-stack test's clients: curl, wrk, h2load (nghttp2-client) and ab
+/// (apache2-utils).
+const PACKAGES: [(&str, &str); 14] = [
     ("ip", "iproute2"),
     ("/usr/sbin/nft", "nftables"),
     ("ethtool", "ethtool"),
@@ -31,6 +33,10 @@ const PACKAGES: [(&str, &str); 10] = [
     ("/usr/sbin/haproxy", "haproxy"),
     ("/usr/sbin/bird", "bird2"),
     ("ping", "iputils-ping"),
+    ("curl", "curl"),
+    ("wrk", "wrk"),
+    ("h2load", "nghttp2-client"),
+    ("ab", "apache2-utils"),
 ];
 
 /// Stops Debian's maintainer scripts from starting the packages' services
