@@ -431,20 +431,33 @@ fn status(target: &Target, json: bool, only: &[String]) -> Result<()> {
     Ok(())
 }
 
-/// `huddle stop`: the daemon told to remove everything, or the pins
-/// removed by hand when no daemon answers.
+/// `huddle stop`: the daemon told to remove everything (it knows its
+/// pins), or the pins removed by hand when no daemon answers.
 fn stop(target: &Target, pin_dir: Option<PathBuf>, state_file: Option<PathBuf>) -> Result<()> {
-    let (socket, iface) = target.resolve(true)?;
+    use crate::daemon::stop::{by_daemon, by_hand};
+    let resolved = target.resolve(true);
+    if let Ok((socket, _)) = &resolved {
+        if let Some(done) = by_daemon(socket)? {
+            println!("{done}");
+            return Ok(());
+        }
+    }
+    let (socket, iface) = match (resolved, &pin_dir) {
+        (Ok((s, i)), _) => (Some(s), i),
+        // No socket to find, but the pins are named: enough.
+        (Err(_), Some(_)) => (None, None),
+        (Err(e), None) => return Err(e),
+    };
     let pins = match (pin_dir, &iface) {
         (Some(p), _) => p,
         (None, Some(i)) => crate::sys::pins::default_pin_dir(i),
         (None, None) => bail!("say which pin folder: --iface IFACE or --pin-dir PATH"),
     };
-    let state_file = state_file.unwrap_or_else(|| socket.with_extension("state"));
-    println!(
-        "{}",
-        crate::daemon::stop::stop(&socket, &pins, &state_file)?
-    );
+    let state_file = state_file.or_else(|| socket.as_ref().map(|s| s.with_extension("state")));
+    let asked = socket.map_or("any control socket".to_string(), |s| {
+        s.display().to_string()
+    });
+    println!("{}", by_hand(&asked, &pins, state_file.as_deref())?);
     Ok(())
 }
 

@@ -14,20 +14,35 @@ use tracing::warn;
 /// answers, else by removing what a daemon left pinned. Returns what was
 /// done.
 pub fn stop(socket: &Path, pins: &Path, state_file: &Path) -> Result<String> {
-    if let Ok(reply) = crate::status::control::call(socket, &Request::Stop) {
-        if !reply.ok {
-            bail!("{}", reply.error.unwrap_or_default());
-        }
-        // Wait for the daemon to finish (it removes its socket last).
-        for _ in 0..100 {
-            if !socket.exists() {
-                break;
-            }
-            std::thread::sleep(Duration::from_millis(50));
-        }
-        return Ok(reply.message.unwrap_or_default());
+    if let Some(done) = by_daemon(socket)? {
+        return Ok(done);
     }
-    let saved = state::load(state_file);
+    by_hand(&socket.display().to_string(), pins, Some(state_file))
+}
+
+/// Asks the daemon on `socket` to stop (it knows its own pins); `None` if
+/// no daemon answers there.
+pub fn by_daemon(socket: &Path) -> Result<Option<String>> {
+    let Ok(reply) = crate::status::control::call(socket, &Request::Stop) else {
+        return Ok(None);
+    };
+    if !reply.ok {
+        bail!("{}", reply.error.unwrap_or_default());
+    }
+    // Wait for the daemon to finish (it removes its socket last).
+    for _ in 0..100 {
+        if !socket.exists() {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    Ok(Some(reply.message.unwrap_or_default()))
+}
+
+/// Removes what a daemon left pinned under `pins` (and restores the
+/// sysctls its `state_file` kept); `asked` names where no daemon answered.
+pub fn by_hand(asked: &str, pins: &Path, state_file: Option<&Path>) -> Result<String> {
+    let saved = state_file.and_then(state::load);
     let n = dataplane::unpin(
         &crate::sys::pins::host_pin_dir(pins).unwrap_or_else(|| pins.to_path_buf()),
     )?;
@@ -44,11 +59,12 @@ pub fn stop(socket: &Path, pins: &Path, state_file: &Path) -> Result<String> {
             );
         }
     }
-    let _ = std::fs::remove_file(state_file);
+    if let Some(f) = state_file {
+        let _ = std::fs::remove_file(f);
+    }
     if n == 0 && saved.is_none() {
         bail!(
-            "nothing to stop: no daemon answers on {} and nothing is pinned under {}",
-            socket.display(),
+            "nothing to stop: no daemon answers on {asked} and nothing is pinned under {}",
             pins.display()
         );
     }
