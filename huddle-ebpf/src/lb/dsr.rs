@@ -54,8 +54,15 @@ pub fn l2<F: Family>(
         true,
     ) {
         Ok((ifindex, _)) => {
-            let ingress = ctx.ingress_ifindex() as u32;
-            finished(p, None, partial::l4_offset(ctx, p), ingress, ifindex)
+            let (ingress, partial) = (ctx.ingress_ifindex() as u32, partial::left_to_offload(p));
+            finished(
+                cfg,
+                p,
+                partial,
+                partial::l4_offset(ctx, p),
+                ingress,
+                ifindex,
+            )
         }
         // Not on this segment: no MAC of ours reaches it, and the kernel
         // would route the packet by its VIP.
@@ -155,7 +162,7 @@ pub fn encap(ctx: &XdpContext, p: &Packet, cfg: &KernelConfig, id: u32, dst: [u8
     }
     // Without a next hop, the kernel resolves the neighbour and forwards
     // the outer packet.
-    out_or_pass_of(ctx, p, partial, l4_off, next)
+    out_or_pass_of(ctx, cfg, p, partial, l4_off, next)
 }
 
 /// IPv6 next header of an IPv6 packet inside another.
@@ -243,7 +250,7 @@ pub fn encap6(
         put(outer.add(24).cast::<[u8; 16]>(), &backend.addr);
     }
     global(|s| s.encap += 1);
-    out_or_pass_of(ctx, p, partial, l4_off, next)
+    out_or_pass_of(ctx, cfg, p, partial, l4_off, next)
 }
 
 /// The outer IPv4 source of a client's flow: the configured prefix, its

@@ -133,7 +133,7 @@ pub fn translate<F: Balanced>(
     backend: &Backend,
     key: &FlowKey,
 ) -> u32 {
-    F::rewrite(
+    let partial = F::rewrite(
         p,
         &Tuple {
             src: F::narrow(nat::snat_addr(cfg, flow.snat)),
@@ -144,5 +144,5 @@ pub fn translate<F: Balanced>(
             dport: backend.port_be.to_ne_bytes(),
         },
     );
-    send(ctx, p, Some(flow.backend), cfg.hop_generation)
+    send(ctx, p, Some(flow.backend), cfg, partial)
 }

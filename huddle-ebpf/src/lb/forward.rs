@@ -8,7 +8,7 @@
 //! rarely changes, and comparing a generation costs no clock read.
 
 use crate::{
-    lb::maps::{global, CLIENT_HOP, CONFIG, NEXT_HOP},
+    lb::maps::{global, CLIENT_HOP, NEXT_HOP},
     lb::scratch,
     mem::put,
     net::family::Family,
@@ -27,13 +27,13 @@ use core::mem::{size_of, zeroed};
 use huddle_common::{
     addr_words, client_hop_slot, config_flags,
     verdict::{FINISH_CSUM, MTU_ANY, ROUTED},
-    NextHop,
+    KernelConfig, NextHop,
 };
 use network_types::eth::EthHdr;
 
 /// Forwards the already rewritten packet `p` toward its new destination:
-/// backend `backend`, or a client (`None`); `generation` is the control
-/// plane's current next-hop generation.
+/// backend `backend`, or a client (`None`); `partial`: its checksum was
+/// left to offload (as the rewrite found).
 ///
 /// When the neighbour is not resolved the packet goes up to the kernel,
 /// which resolves it and forwards (the control plane enables forwarding
@@ -43,8 +43,10 @@ pub fn send<F: Family>(
     ctx: &XdpContext,
     p: &Packet<F>,
     backend: Option<u32>,
-    generation: u64,
+    cfg: &KernelConfig,
+    partial: bool,
 ) -> u32 {
+    let generation = cfg.hop_generation;
     // SAFETY: `parse` checked the header's bounds.
     let (src, dst) = unsafe { F::addrs(p.ip) };
     let cache = match backend {
@@ -71,7 +73,14 @@ pub fn send<F: Family>(
             unsettled(BPF_FIB_LKUP_RET_FRAG_NEEDED);
             xdp_action::XDP_PASS
         }
-        Ok((ifindex, _)) => finished(p, None, partial::l4_offset(ctx, p), ingress, ifindex),
+        Ok((ifindex, _)) => finished(
+            cfg,
+            p,
+            partial,
+            partial::l4_offset(ctx, p),
+            ingress,
+            ifindex,
+        ),
         Err(rc) => {
             unsettled(rc);
             xdp_action::XDP_PASS
@@ -264,6 +273,7 @@ pub fn out_or_pass(ctx: &XdpContext, next: Result<(u32, u16), u32>) -> u32 {
 #[inline(always)]
 pub fn out_or_pass_of<F: Family>(
     ctx: &XdpContext,
+    cfg: &KernelConfig,
     p: &Packet<F>,
     partial: bool,
     l4_off: u32,
@@ -271,8 +281,9 @@ pub fn out_or_pass_of<F: Family>(
 ) -> u32 {
     match next {
         Ok((ifindex, _)) => finished(
+            cfg,
             p,
-            Some(partial),
+            partial,
             l4_off,
             ctx.ingress_ifindex() as u32,
             ifindex,
@@ -289,22 +300,19 @@ pub fn out(ctx: &XdpContext, ifindex: u32) -> u32 {
 }
 
 /// `out_from` for the packet `p` (its L4 header `l4_off` bytes into the
-/// frame): if its checksum was left to offload (`partial`, asked of the
-/// packet as it is unless the caller already knows), the checksum program
+/// frame): if its checksum was left to offload (`partial`) and the frames
+/// are not skbs that keep that state (`SKB_MODE`), the checksum program
 /// finishes it and sends the frame instead (`lb::finish`).
 #[inline(always)]
 pub fn finished<F: Family>(
+    cfg: &KernelConfig,
     p: &Packet<F>,
-    partial: Option<bool>,
+    partial: bool,
     l4_off: u32,
     ingress: u32,
     ifindex: u32,
 ) -> u32 {
-    if !partial.unwrap_or_else(|| partial::left_to_offload(p))
-        || CONFIG
-            .get(0)
-            .is_none_or(|c| c.flags & config_flags::SKB_MODE != 0)
-    {
+    if !partial || cfg.flags & config_flags::SKB_MODE != 0 {
         return out_from(ingress, ifindex);
     }
     let Some(sc) = scratch::get() else {

@@ -244,7 +244,7 @@ fn to_client<F: Balanced>(
     cfg: &KernelConfig,
     sc: &Scratch,
 ) -> u32 {
-    F::rewrite(
+    let partial = F::rewrite(
         p,
         &Tuple {
             src: F::narrow(&sc.nval.flow.vip),
@@ -255,5 +255,5 @@ fn to_client<F: Balanced>(
             dport: sc.nval.flow.client_port_be.to_ne_bytes(),
         },
     );
-    send(ctx, p, None, cfg.hop_generation)
+    send(ctx, p, None, cfg, partial)
 }

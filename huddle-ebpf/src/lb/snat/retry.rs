@@ -216,7 +216,8 @@ pub fn resend<F: Family>(ctx: &XdpContext, cfg: &KernelConfig, slot: *mut HalfOp
         seq: s.syn.isn,
         ack: 0,
     };
-    send(ctx, &p, Some(id), cfg.hop_generation)
+    // Written afresh, with a full checksum.
+    send(ctx, &p, Some(id), cfg, false)
 }
 
 /// Makes the frame `want` bytes long. Room for the options at the head:

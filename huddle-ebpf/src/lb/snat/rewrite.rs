@@ -30,8 +30,9 @@ pub struct Tuple<'a, A = [u8; 4]> {
 
 /// Rewrites addresses and ports of `p` to `to`, keeping both checksums valid.
 /// A UDP checksum of 0 (none) stays 0; a computed 0 is sent as 0xffff.
+/// True if the L4 checksum was left to offload (and stays so).
 #[inline(always)]
-pub fn rewrite(p: &Packet, to: &Tuple) {
+pub fn rewrite(p: &Packet, to: &Tuple) -> bool {
     let (src, dst) = (u32::from_ne_bytes(*p.src()), u32::from_ne_bytes(*p.dst()));
     let addr_diff =
         diff32(src, u32::from_ne_bytes(*to.src)) + diff32(dst, u32::from_ne_bytes(*to.dst));
@@ -44,12 +45,12 @@ pub fn rewrite(p: &Packet, to: &Tuple) {
         ip.dst_addr = *to.dst;
         ip.check = apply(u16::from_ne_bytes(ip.check), addr_diff).to_ne_bytes();
     }
-    ports(p, to, addr_diff, was);
+    ports(p, to, addr_diff, was)
 }
 
 /// IPv6: no header checksum; the addresses count in the L4 one.
 #[inline(always)]
-pub fn rewrite6(p: &Packet<V6>, to: &Tuple<'_, [u8; 16]>) {
+pub fn rewrite6(p: &Packet<V6>, to: &Tuple<'_, [u8; 16]>) -> bool {
     let addr_diff = diff128(to.was_src, to.src) + diff128(to.was_dst, to.dst);
     let was = sum128(to.was_src) + sum128(to.was_dst) + pseudo_rest(p.proto, partial::l4_len(p));
     // SAFETY: `parse6` checked that the IP header lies inside the packet.
@@ -58,7 +59,7 @@ pub fn rewrite6(p: &Packet<V6>, to: &Tuple<'_, [u8; 16]>) {
         put(&mut (*ip).src_addr, to.src);
         put(&mut (*ip).dst_addr, to.dst);
     }
-    ports(p, to, addr_diff, was);
+    ports(p, to, addr_diff, was)
 }
 
 /// Sum of a 16-byte address in a map value, as four words (see `diff128`).
@@ -95,9 +96,9 @@ pub fn diff128(old: &Addr, new: &Addr) -> u64 {
 /// pseudo-header's addresses) and the ports' change; `was` is the pseudo
 /// header's sum before. A checksum left to offload (`net::partial`) holds
 /// only that sum: it takes the addresses' change alone, and stays one
-/// (`forward::finished` has it finished if the frame is sent).
+/// (`forward::finished` has it finished if the frame is sent): returned.
 #[inline(always)]
-fn ports<F: Family>(p: &Packet<F>, to: &Tuple<'_, F::Addr>, addr_diff: u64, was: u64) {
+fn ports<F: Family>(p: &Packet<F>, to: &Tuple<'_, F::Addr>, addr_diff: u64, was: u64) -> bool {
     let l4_diff = addr_diff
         + diff16(u16::from_ne_bytes(p.sport), u16::from_ne_bytes(to.sport))
         + diff16(u16::from_ne_bytes(p.dport), u16::from_ne_bytes(to.dport));
@@ -111,7 +112,8 @@ fn ports<F: Family>(p: &Packet<F>, to: &Tuple<'_, F::Addr>, addr_diff: u64, was:
             .add(if p.is_tcp() { TCP_CHECK } else { UDP_CHECK })
             .cast::<u16>();
         let old = check.read_unaligned();
-        if partial::is_partial(old, was) {
+        let partial = partial::is_partial(old, was);
+        if partial {
             check.write_unaligned(fold(u64::from(old) + addr_diff));
         } else if p.is_tcp() {
             check.write_unaligned(apply(old, l4_diff));
@@ -119,25 +121,27 @@ fn ports<F: Family>(p: &Packet<F>, to: &Tuple<'_, F::Addr>, addr_diff: u64, was:
             let new = apply(old, l4_diff);
             check.write_unaligned(if new == 0 { 0xffff } else { new });
         }
+        partial
     }
 }
 
 /// The rewrite of addresses and ports, per family.
 pub trait Rewrite: Family {
-    /// Rewrites addresses and ports, keeping checksums valid.
-    fn rewrite(p: &Packet<Self>, to: &Tuple<'_, Self::Addr>);
+    /// Rewrites addresses and ports, keeping checksums valid; true if the
+    /// L4 checksum was left to offload.
+    fn rewrite(p: &Packet<Self>, to: &Tuple<'_, Self::Addr>) -> bool;
 }
 
 impl Rewrite for V4 {
     #[inline(always)]
-    fn rewrite(p: &Packet<V4>, to: &Tuple<'_, [u8; 4]>) {
-        rewrite(p, to);
+    fn rewrite(p: &Packet<V4>, to: &Tuple<'_, [u8; 4]>) -> bool {
+        rewrite(p, to)
     }
 }
 
 impl Rewrite for V6 {
     #[inline(always)]
-    fn rewrite(p: &Packet<V6>, to: &Tuple<'_, [u8; 16]>) {
-        rewrite6(p, to);
+    fn rewrite(p: &Packet<V6>, to: &Tuple<'_, [u8; 16]>) -> bool {
+        rewrite6(p, to)
     }
 }
