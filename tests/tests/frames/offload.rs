@@ -20,37 +20,58 @@ fn source_nat_segments_left_to_offload_leave_with_full_checksums() {
     let (b, nat_port) = establish(&env, 40000, &ring);
     // Odd lengths pad the last chunk; 2,901 bytes span six 512-byte chunks
     // (toward the backend: a reply over the client's MTU is the kernel's).
-    for (n, m) in [(1, 1), (1001, 1001), (2901, 1448)] {
-        let data = client_frame(40000)
-            .flags(ACK | PSH)
-            .seq_ack(1001, 7001)
-            .payload(&payload(n));
-        let (verdict, out) = env.run(&left_to_offload(data.build())).unwrap();
-        assert_eq!(verdict, XDP_TX, "client segment of {n} bytes");
-        let want = Frame::tcp((BALANCER_IP, nat_port), (b, 8080))
-            .flags(ACK | PSH)
-            .seq_ack(1001, 7001)
+    // A segment of `n` bytes from `from` to `to`, between those MACs.
+    let seg = |from, to, macs: ([u8; 6], [u8; 6]), flags, seq_ack: (u32, u32), n| {
+        Frame::tcp(from, to)
+            .flags(flags)
+            .seq_ack(seq_ack.0, seq_ack.1)
             .payload(&payload(n))
-            .macs(BALANCER_MAC, mac_of(b))
-            .build();
+            .macs(macs.0, macs.1)
+            .build()
+    };
+    for (n, m) in [(1, 1), (1001, 1001), (2901, 1448)] {
+        let (at_b, at_c) = ((1001, 7001), (7001, 1001 + n as u32));
+        let data = seg(
+            (CLIENT, 40000),
+            (VIP, 80),
+            (mac_of(CLIENT), BALANCER_MAC),
+            ACK | PSH,
+            at_b,
+            n,
+        );
+        let (verdict, out) = env.run(&left_to_offload(data)).unwrap();
+        assert_eq!(verdict, XDP_TX, "client segment of {n} bytes");
+        let want = seg(
+            (BALANCER_IP, nat_port),
+            (b, 8080),
+            (BALANCER_MAC, mac_of(b)),
+            ACK | PSH,
+            at_b,
+            n,
+        );
         assert_eq!(
             out, want,
             "client segment of {n} bytes: checksum not finished"
         );
 
-        let reply = Frame::tcp((b, 8080), (BALANCER_IP, nat_port))
-            .flags(ACK)
-            .seq_ack(7001, 1001 + n as u32)
-            .payload(&payload(m))
-            .macs(mac_of(b), BALANCER_MAC);
-        let (verdict, out) = env.run(&left_to_offload(reply.build())).unwrap();
+        let reply = seg(
+            (b, 8080),
+            (BALANCER_IP, nat_port),
+            (mac_of(b), BALANCER_MAC),
+            ACK,
+            at_c,
+            m,
+        );
+        let (verdict, out) = env.run(&left_to_offload(reply)).unwrap();
         assert_eq!(verdict, XDP_TX, "backend segment of {m} bytes");
-        let want = Frame::tcp((VIP, 80), (CLIENT, 40000))
-            .flags(ACK)
-            .seq_ack(7001, 1001 + n as u32)
-            .payload(&payload(m))
-            .macs(BALANCER_MAC, mac_of(CLIENT))
-            .build();
+        let want = seg(
+            (VIP, 80),
+            (CLIENT, 40000),
+            (BALANCER_MAC, mac_of(CLIENT)),
+            ACK,
+            at_c,
+            m,
+        );
         assert_eq!(
             out, want,
             "backend segment of {m} bytes: checksum not finished"
