@@ -11,6 +11,7 @@ pub mod adversary;
 mod bed;
 pub mod kinds;
 mod names;
+pub mod nginx;
 mod proc;
 pub mod scaleout;
 mod traffic;

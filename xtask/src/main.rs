@@ -77,6 +77,14 @@ enum Cmd {
         #[arg(last = true)]
         args: Vec<String>,
     },
+    /// The huddle beside kernel DNAT with NGINX backends and wrk, h2load
+    /// and curl clients on one bed (downloads checked, req/s, P99, shares,
+    /// moves). Root.
+    BenchReal {
+        /// Arguments for `hc-realload` (after `--`), e.g. `--starve --gro off`.
+        #[arg(last = true)]
+        args: Vec<String>,
+    },
 }
 
 fn root() -> PathBuf {
@@ -207,6 +215,15 @@ fn main() -> Result<()> {
             let mut a = vec!["--huddle", huddle];
             a.extend(args.iter().map(String::as_str));
             run(&release_bin("hc-compare")?, &a)
+        }
+        Cmd::BenchReal { args } => {
+            require_root("cargo xtask bench-real")?;
+            setup::all()?;
+            build_release(&["huddle-user", "tests"])?;
+            let huddle = release_bin("hc-huddle")?;
+            let mut a = vec!["--huddle", huddle.as_str()];
+            a.extend(args.iter().map(String::as_str));
+            run(&release_bin("hc-realload")?, &a)
         }
         Cmd::BenchScale { args } => {
             require_root("cargo xtask bench-scale")?;
