@@ -301,7 +301,8 @@ fn logged(dir: &Path) -> Vec<usize> {
 /// A `Connection: close` run; with `starve`, backend `STARVED` is held to
 /// `QUOTA_US` from halfway and the shares are those after that.
 fn close(bed: &Testbed, cli: &Cli, starve: bool) -> Result<Close> {
-    let since = bed.status().ok().map(|s| s.uptime_s);
+    let first = bed.status().ok();
+    let since = first.as_ref().map(|s| s.uptime_s);
     // Access logs flush every second.
     thread::sleep(Duration::from_millis(1500));
     let mut before = logged(&bed.dir);
@@ -347,8 +348,30 @@ fn close(bed: &Testbed, cli: &Cli, starve: bool) -> Result<Close> {
     let after = logged(&bed.dir);
     let d: Vec<usize> = after.iter().zip(&before).map(|(a, b)| a - b).collect();
     let total = d.iter().sum::<usize>().max(1) as f64;
-    let moves = match (since, bed.status()) {
-        (Some(t0), Ok(st)) => st
+    let last = bed.status().ok();
+    if let (Some(a), Some(b)) = (&first, &last) {
+        let sum = |s: &huddle_user::status::Status, k: &str| -> u64 {
+            s.services
+                .iter()
+                .flat_map(|v| &v.backends)
+                .map(|b| b.counters.get(k).copied().unwrap_or(0))
+                .sum()
+        };
+        for k in [
+            "flows_new",
+            "nat_reuse_early",
+            "nat_tw_skipped",
+            "retried_time_wait",
+        ] {
+            let _ = write!(
+                seen,
+                "\n  - huddle {k} +{}",
+                sum(b, k).saturating_sub(sum(a, k))
+            );
+        }
+    }
+    let moves = match (since, last) {
+        (Some(t0), Some(st)) => st
             .services
             .iter()
             .flat_map(|s| &s.recent)
