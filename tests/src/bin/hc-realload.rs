@@ -43,6 +43,10 @@ struct Cli {
     /// The huddle's `nat_ports` (default: the product's).
     #[arg(long)]
     nat_ports: Option<String>,
+    /// A top-level line for the huddle's config, e.g. `flow_table_size =
+    /// 1048576` (repeatable).
+    #[arg(long)]
+    config_line: Vec<String>,
     /// A sysctl for the client's namespace, e.g. `net.ipv4.tcp_timestamps=2`.
     #[arg(long)]
     client_sysctl: Option<String>,
@@ -95,9 +99,11 @@ fn main() -> Result<()> {
         bed.client.exec("sysctl", &["-qw", kv])?;
     }
     let config = nginx::huddle_config(&bed)?;
-    if let Some(p) = &cli.nat_ports {
+    let mut lines = cli.config_line.clone();
+    lines.extend(cli.nat_ports.iter().map(|p| format!("nat_ports = \"{p}\"")));
+    if !lines.is_empty() {
         let text = std::fs::read_to_string(&config)?;
-        std::fs::write(&config, format!("nat_ports = \"{p}\"\n{text}"))?;
+        std::fs::write(&config, format!("{}\n{text}", lines.join("\n")))?;
     }
     let mut report = String::new();
     for (key, who) in [("huddle", "huddle"), ("dnat", "kernel DNAT")] {
