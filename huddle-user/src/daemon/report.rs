@@ -189,6 +189,7 @@ impl Balancer {
             heavy_samples: t.window.heavy_samples,
             mean_ms: t.window.mean_ms,
             p50_ms: t.window.p50_ms,
+            p75_ms: t.window.p75_ms,
             p99_ms: t.window.p99_ms,
             probe_ms: t.probe.as_ref().map(|p| p.latency_ms),
             probe_error: t.probe.as_ref().and_then(|p| p.error.clone()),

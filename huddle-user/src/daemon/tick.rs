@@ -291,11 +291,11 @@ impl Balancer {
                 let t = &self.huddles[si].trackers[m.member];
                 let c = t.components;
                 let ms = |v: Option<f64>| v.map_or("-".to_string(), |v| format!("{v:.1} ms"));
-                // Judged against a share of the ring's p99 rather than its
-                // median (`readings::shared_spread`): say so.
+                // Judged against the ring's spread (half its p99, at most
+                // its p75) rather than its median (`readings::shared_spread`).
                 let ring = self.huddles[si].ring_p50_ms;
                 let spread = match (t.against_ms, ring) {
-                    (Some(a), Some(m)) if a > m => format!(" (half its p99; its median {m:.1} ms)"),
+                    (Some(a), Some(m)) if a > m => format!(" (its spread; its median {m:.1} ms)"),
                     _ => String::new(),
                 };
                 format!(

@@ -146,6 +146,8 @@ pub struct BackendStatus {
     pub heavy_samples: u64,
     pub mean_ms: Option<f64>,
     pub p50_ms: Option<f64>,
+    #[serde(default)]
+    pub p75_ms: Option<f64>,
     pub p99_ms: Option<f64>,
     pub probe_ms: Option<f64>,
     pub probe_error: Option<String>,

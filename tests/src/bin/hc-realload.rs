@@ -43,8 +43,8 @@ struct Cli {
     /// The huddle's `nat_ports` (default: the product's).
     #[arg(long)]
     nat_ports: Option<String>,
-    /// A top-level line for the huddle's config, e.g. `flow_table_size =
-    /// 1048576` (repeatable).
+    /// A line for the huddle's config, e.g. `flow_table_size = 1048576`,
+    /// or `huddle.rotation = false` for the `[huddle]` table (repeatable).
     #[arg(long)]
     config_line: Vec<String>,
     /// A sysctl for the client's namespace, e.g. `net.ipv4.tcp_timestamps=2`.
@@ -102,8 +102,16 @@ fn main() -> Result<()> {
     let mut lines = cli.config_line.clone();
     lines.extend(cli.nat_ports.iter().map(|p| format!("nat_ports = \"{p}\"")));
     if !lines.is_empty() {
-        let text = std::fs::read_to_string(&config)?;
-        std::fs::write(&config, format!("{}\n{text}", lines.join("\n")))?;
+        // `huddle.rotation = false` goes into the `[huddle]` table.
+        let (inner, top): (Vec<String>, Vec<String>) =
+            lines.into_iter().partition(|l| l.starts_with("huddle."));
+        let inner: String = inner.iter().map(|l| format!("{}\n", &l[7..])).collect();
+        let text = std::fs::read_to_string(&config)?.replacen(
+            "[huddle]\n",
+            &format!("[huddle]\n{inner}"),
+            1,
+        );
+        std::fs::write(&config, format!("{}\n{text}", top.join("\n")))?;
     }
     let mut report = String::new();
     for (key, who) in [("huddle", "huddle"), ("dnat", "kernel DNAT")] {
@@ -465,11 +473,12 @@ fn view(st: &huddle_user::status::Status) -> String {
             let ms = |x: Option<f64>| x.map_or("-".into(), |x| format!("{x:.1}"));
             let _ = write!(
                 v,
-                "\n  - {} {} t {:.2}: p50 {} p99 {} ms ({}), probe {} ms",
+                "\n  - {} {} t {:.2}: p50 {} p75 {} p99 {} ms ({}), probe {} ms",
                 b.addr,
                 b.place,
                 b.temperature,
                 ms(b.p50_ms),
+                ms(b.p75_ms),
                 ms(b.p99_ms),
                 b.latency_source,
                 ms(b.probe_ms)

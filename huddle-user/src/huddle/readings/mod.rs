@@ -40,14 +40,29 @@ pub const SHARED_SPREAD: f64 = 0.5;
 
 /// The reference a backend's median request latency (or judged probe
 /// latency) is judged against: the ring's median, or `SHARED_SPREAD` of
-/// the ring's p99 (of its slowest recent probe) where that is more. When the whole ring is slow together (the load, the host, the
+/// the ring's p99 (of its slowest recent probe) where that is more, but
+/// never above `cap`, the ring's median p75 (requests; `None` for probes).
+/// When the whole ring is slow together (the load, the host, the
 /// network), its tail widens with it, and a backend within that spread is
 /// no outlier: resting it would only move its share onto peers no less
-/// busy.
+/// busy. The cap is for a tail that is no slowness at all: an endpoint
+/// every backend has that takes 200 ms, at 5% of requests, put half of
+/// the ring's windows' p99 at 200 ms (a window holds as few as 10
+/// samples), and a backend 5x slow (25.6 ms against 4.9) was judged
+/// against 51 ms and stayed (CI, 7 December 2026). A 5% tail reaches a
+/// p75 of 10 samples in about 1% of windows, and the median of the ring's
+/// in far fewer.
 #[must_use]
-pub fn shared_spread(median_ms: Option<f64>, p99_ms: Option<f64>) -> Option<f64> {
+pub fn shared_spread(
+    median_ms: Option<f64>,
+    p99_ms: Option<f64>,
+    cap_ms: Option<f64>,
+) -> Option<f64> {
     match (median_ms, p99_ms) {
-        (Some(m), Some(p)) if p.is_finite() => Some(m.max(p * SHARED_SPREAD)),
+        (Some(m), Some(p)) if p.is_finite() => {
+            let spread = p * SHARED_SPREAD;
+            Some(m.max(cap_ms.map_or(spread, |c| spread.min(c))))
+        }
         (m, _) => m,
     }
 }
@@ -244,6 +259,7 @@ impl ServiceHuddle {
                     .iter()
                     .filter_map(|i| self.trackers[*i].probe_spread_ms()),
             ),
+            None,
         );
         self.answer_p99_ms = thermal::median(
             inner
@@ -251,7 +267,13 @@ impl ServiceHuddle {
                 .filter(|i| use_requests[**i])
                 .filter_map(|i| self.trackers[*i].window.p99_ms),
         );
-        let req_reference = shared_spread(req_median, self.answer_p99_ms);
+        let ring_p75 = thermal::median(
+            inner
+                .iter()
+                .filter(|i| use_requests[**i])
+                .filter_map(|i| self.trackers[*i].window.p75_ms),
+        );
+        let req_reference = shared_spread(req_median, self.answer_p99_ms, ring_p75);
         for (i, t) in self.trackers.iter_mut().enumerate() {
             let inner = self.engine.members[i].place == Place::Inner;
             // Rested for its requests, a backend keeps its temperature

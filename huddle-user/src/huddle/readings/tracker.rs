@@ -354,6 +354,7 @@ impl Tracker {
             let less = |v: Option<f64>| v.map(|v| (v - rtt).max(0.0));
             self.window.mean_ms = less(self.window.mean_ms);
             self.window.p50_ms = less(self.window.p50_ms);
+            self.window.p75_ms = less(self.window.p75_ms);
             self.window.p99_ms = less(self.window.p99_ms);
         }
     }

@@ -106,6 +106,8 @@ pub struct Window {
     pub heavy_samples: u64,
     pub mean_ms: Option<f64>,
     pub p50_ms: Option<f64>,
+    /// The ring's spread is read from it (`readings::shared_spread`).
+    pub p75_ms: Option<f64>,
     pub p99_ms: Option<f64>,
 }
 
@@ -155,6 +157,7 @@ pub(super) fn window(ticks: &VecDeque<TickSamples>, min_samples: u64) -> Window 
         heavy_samples,
         mean_ms: Some(sum as f64 / count as f64 / 1e6),
         p50_ms,
+        p75_ms: percentile(&hist, total, 0.75),
         p99_ms: percentile(&hist, total, 0.99),
     }
 }
