@@ -97,6 +97,14 @@ pub const TW_HINTS: &str = "TW_HINTS";
 /// `Array<u64>` of one element: until when (`bpf_ktime_get_ns`) any
 /// of `TW_HINTS` can matter; 0: none loaded.
 pub const TW_HINTS_UNTIL: &str = "TW_HINTS_UNTIL";
+/// `LruHashMap<NatKey, TwHint>`: tuples whose last connection the
+/// backend holds in TIME_WAIT, kept when a new connection on the same
+/// client tuple replaced that connection's flow entry (whose timestamp
+/// `reclaim` otherwise reads). A client that reuses its ports sooner
+/// than the walk comes back to a tuple (wrk: every ~1.2 s at 24,000 new
+/// connections a second) left no trace of them. Never pinned (a cache):
+/// sized as `FLOWS`.
+pub const TW_REUSED: &str = "TW_REUSED";
 /// `Array<[u8; NAT_USED_LINE]>`: per backend id and NAT tuple, one
 /// byte, nonzero while `NAT` may hold an entry for the tuple, so a new
 /// flow asks `NAT` (a cold hash bucket) only then. Laid out as the walk

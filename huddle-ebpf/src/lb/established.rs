@@ -16,7 +16,7 @@ use crate::{
     lb::forward::send,
     lb::latency::{ackclock, timing},
     lb::maps::{bump, BACKENDS, BACKEND_STATS, FLOWS},
-    lb::snat::{nat, rewrite::Tuple, timewait},
+    lb::snat::{closing, nat, rewrite::Tuple},
     lb::window,
     net::parse::{Packet, TCP_FIN, TCP_RST, TCP_SYN},
 };
@@ -94,7 +94,7 @@ pub fn carry_on<F: Balanced>(
     } else {
         timing::request(f, p, flow.backend);
         if flow.flags & flow_flags::BACKEND_TIME_WAIT != 0 && p.is_tcp() {
-            timewait::note_client(ctx, p, f);
+            closing::note_client(ctx, p, f);
         }
     }
 }

@@ -145,6 +145,13 @@ pub static SWEPT: Array<u64> = Array::with_max_entries(MAX_BACKENDS, 0);
 #[map]
 pub static TW_HINTS: HashMap<NatKey, TwHint> = HashMap::with_max_entries(MAX_TW_HINTS, 0);
 
+/// Tuples in a backend's TIME_WAIT whose flow entry a new connection on
+/// the client tuple replaced (`huddle_common::maps::TW_REUSED`). Size set
+/// by the control plane (that of `FLOWS`).
+#[map]
+pub static TW_REUSED: LruHashMap<NatKey, TwHint> =
+    LruHashMap::with_max_entries(DEFAULT_FLOW_TABLE_SIZE, 0);
+
 /// Until when any of `TW_HINTS` matters (0: none).
 #[map]
 pub static TW_HINTS_UNTIL: Array<u64> = Array::with_max_entries(1, 0);

@@ -14,7 +14,7 @@
 
 use crate::lb::scratch::Scratch;
 use crate::{
-    lb::maps::{bump, BACKEND_STATS, NAT_CURSOR, NAT_USED, TW_HINTS, TW_HINTS_UNTIL},
+    lb::maps::{bump, BACKEND_STATS, NAT_CURSOR, NAT_USED, TW_HINTS, TW_HINTS_UNTIL, TW_REUSED},
     lb::service::Lookup,
     lb::snat::timewait,
     lb::tables::{flows, nat_table},
@@ -312,7 +312,7 @@ fn reclaim(key: &NatKey, syn_ts: u32, now: u64) -> Reclaim {
     // SAFETY: copied out at once.
     let (nat, table) = (nat_table(key.proto), flows(false, key.proto));
     let Some(old) = (unsafe { nat.get(key) }).copied() else {
-        return unused(key, syn_ts, now);
+        return gone(key, syn_ts, now);
     };
     // The flow the entry names, if it still holds this tuple (its client
     // tuple may since have been reused by a flow with another one).
@@ -349,8 +349,35 @@ fn reclaim(key: &NatKey, syn_ts: u32, now: u64) -> Reclaim {
             return Reclaim::TimeWait;
         }
         let _ = table.remove(&old.flow);
+        let _ = nat.remove(key);
+        return Reclaim::Free;
     }
+    // Its flow entry is another connection's now (the client reused its
+    // tuple): what the backend may hold is in `TW_REUSED`.
     let _ = nat.remove(key);
+    gone(key, syn_ts, now)
+}
+
+/// `reclaim` for a tuple whose flow entry is gone or another's: the last
+/// run's hints, then `TW_REUSED`.
+#[inline(always)]
+fn gone(key: &NatKey, syn_ts: u32, now: u64) -> Reclaim {
+    if let Reclaim::TimeWait = unused(key, syn_ts, now) {
+        return Reclaim::TimeWait;
+    }
+    // SAFETY: copied out at once.
+    let Some(h) = (unsafe { TW_REUSED.get(key) }).copied() else {
+        return Reclaim::Free;
+    };
+    if syn_ts != 0
+        && now.wrapping_sub(h.closed_ns) < TIME_WAIT_NS
+        && !timewait::accepts(syn_ts, h.tsval)
+    {
+        return Reclaim::TimeWait;
+    }
+    // Past its TIME_WAIT, or this SYN ends it (or carries no timestamp:
+    // taken as the last tries take one): of no more use.
+    let _ = TW_REUSED.remove(key);
     Reclaim::Free
 }
 

@@ -9,13 +9,10 @@
 //! new SYN's timestamp comes from another client connection with its own
 //! random offset, so that is a coin toss whenever the port space must be
 //! reused within 60 s. The balancer sees both timestamps: it keeps the
-//! old connection's last one in its flow entry and, for a new SYN, passes
-//! over tuples whose TIME_WAIT would refuse it.
-use crate::lb::scratch;
-
-use crate::net::{family::Family, parse::Packet, tcp};
-use aya_ebpf::programs::XdpContext;
-use huddle_common::{flow_flags, FlowValue, SynCopy, SYN_OPTS};
+//! old connection's last one in its flow entry and in `TW_REUSED` (the
+//! flow entry is the next connection's once the client reuses its tuple)
+//! and, for a new SYN, passes over tuples whose TIME_WAIT would refuse it.
+use huddle_common::{SynCopy, SYN_OPTS};
 
 /// TCP option kinds and the timestamp option's length.
 const END: u8 = 0;
@@ -60,24 +57,4 @@ pub fn tsval(syn: &SynCopy) -> u32 {
 #[inline(always)]
 pub fn accepts(syn: u32, last: u32) -> bool {
     syn == 0 || last == 0 || (syn.wrapping_sub(last) as i32) > 0
-}
-
-/// A client segment `p` of source-NAT flow `f` after the backend's FIN:
-/// keeps its timestamp, the one the backend's TIME_WAIT will hold. Its
-/// own BPF function: the option copy's frame stays off `request`'s.
-#[inline(never)]
-pub fn note_client<F: Family>(ctx: &XdpContext, p: &Packet<F>, f: *mut FlowValue) {
-    let Some(sc) = scratch::get() else {
-        return;
-    };
-    // SAFETY: this CPU's element, used by this run only.
-    let syn = unsafe { core::ptr::addr_of_mut!((*sc).syn) };
-    tcp::keep_syn(ctx, p, syn, 0);
-    // SAFETY: as above; `f` is a map value pointer valid for this run.
-    unsafe {
-        let ts = tsval(&*syn);
-        if ts != 0 && (*f).flags & flow_flags::BACKEND_TIME_WAIT != 0 {
-            (*f).synack_seq = ts;
-        }
-    }
 }

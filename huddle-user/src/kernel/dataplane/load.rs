@@ -374,6 +374,7 @@ fn loader(cfg: &Config, limits: &MapLimits, half_open: u32, nat_used: u32) -> Eb
         .map_max_entries(maps::UDP_FLOWS, cfg.flow_table_size)
         .map_max_entries(maps::NAT, cfg.flow_table_size)
         .map_max_entries(maps::UDP_NAT, cfg.flow_table_size)
+        .map_max_entries(maps::TW_REUSED, cfg.flow_table_size)
         .map_max_entries(maps::HALF_OPEN, half_open)
         .map_max_entries(maps::HALF_OPEN_NAT, half_open)
         .map_max_entries(maps::HALF_OPEN_TAGS, tag_lines)

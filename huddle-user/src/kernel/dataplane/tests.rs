@@ -75,5 +75,6 @@ fn object_declares_every_map_and_the_program() {
     }
     assert!(obj.maps.contains_key(maps::NAT_USED));
     assert!(obj.maps.contains_key(maps::CLIENT_HOP));
+    assert!(obj.maps.contains_key(maps::TW_REUSED));
     assert!(obj.programs.contains_key(PROGRAM_NAME));
 }
