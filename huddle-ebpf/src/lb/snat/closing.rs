@@ -26,7 +26,10 @@ pub fn note_client<F: Family>(ctx: &XdpContext, p: &Packet<F>, f: *mut FlowValue
     // SAFETY: as above; `f` is a map value pointer valid for this run.
     unsafe {
         let ts = timewait::tsval(&*syn);
-        if ts != 0 && (*f).flags & flow_flags::BACKEND_TIME_WAIT != 0 {
+        // A segment with the timestamp already kept (a retransmit, or one
+        // stamped in the same millisecond) changes nothing: no second write
+        // of the shared map, and no hint put back once a SYN ended it.
+        if ts != 0 && ts != (*f).synack_seq && (*f).flags & flow_flags::BACKEND_TIME_WAIT != 0 {
             (*f).synack_seq = ts;
             keep_time_wait(&*f);
         }

@@ -343,8 +343,7 @@ fn reclaim(key: &NatKey, syn_ts: u32, now: u64) -> Reclaim {
             return Reclaim::Held;
         }
         if f.flags & flow_flags::BACKEND_TIME_WAIT != 0
-            && closed < TIME_WAIT_NS
-            && !timewait::accepts(syn_ts, f.synack_seq)
+            && timewait::refuses(f.stamp_ns, f.synack_seq, syn_ts, now)
         {
             return Reclaim::TimeWait;
         }
@@ -369,10 +368,7 @@ fn gone(key: &NatKey, syn_ts: u32, now: u64) -> Reclaim {
     let Some(h) = (unsafe { TW_REUSED.get(key) }).copied() else {
         return Reclaim::Free;
     };
-    if syn_ts != 0
-        && now.wrapping_sub(h.closed_ns) < TIME_WAIT_NS
-        && !timewait::accepts(syn_ts, h.tsval)
-    {
+    if timewait::refuses(h.closed_ns, h.tsval, syn_ts, now) {
         return Reclaim::TimeWait;
     }
     // Past its TIME_WAIT, or this SYN ends it (or carries no timestamp:
@@ -421,9 +417,7 @@ fn hinted_refusal(key: &NatKey, syn_ts: u32, now: u64) -> bool {
     }
     // SAFETY: copied out at once.
     match unsafe { TW_HINTS.get(key) }.copied() {
-        Some(h) => {
-            now.wrapping_sub(h.closed_ns) < TIME_WAIT_NS && !timewait::accepts(syn_ts, h.tsval)
-        }
+        Some(h) => timewait::refuses(h.closed_ns, h.tsval, syn_ts, now),
         None => false,
     }
 }

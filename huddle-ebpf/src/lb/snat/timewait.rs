@@ -12,7 +12,7 @@
 //! old connection's last one in its flow entry and in `TW_REUSED` (the
 //! flow entry is the next connection's once the client reuses its tuple)
 //! and, for a new SYN, passes over tuples whose TIME_WAIT would refuse it.
-use huddle_common::{SynCopy, SYN_OPTS};
+use huddle_common::{SynCopy, SYN_OPTS, TIME_WAIT_NS};
 
 /// TCP option kinds and the timestamp option's length.
 const END: u8 = 0;
@@ -57,4 +57,13 @@ pub fn tsval(syn: &SynCopy) -> u32 {
 #[inline(always)]
 pub fn accepts(syn: u32, last: u32) -> bool {
     syn == 0 || last == 0 || (syn.wrapping_sub(last) as i32) > 0
+}
+
+/// Whether a TIME_WAIT the backend entered at `closed_ns`, holding the
+/// client's last timestamp `last`, still stands at `now` and refuses a SYN
+/// with timestamp `syn`: the one question a flow entry, `TW_HINTS` and
+/// `TW_REUSED` each answer.
+#[inline(always)]
+pub fn refuses(closed_ns: u64, last: u32, syn: u32, now: u64) -> bool {
+    now.wrapping_sub(closed_ns) < TIME_WAIT_NS && !accepts(syn, last)
 }
