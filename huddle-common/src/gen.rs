@@ -1,7 +1,8 @@
 //! The packets-per-second generator's settings (`huddle bench`).
 
-/// Settings of the packet generator in the baseline object (`gen`):
-/// where to redirect frames, and over how many client ports to spread them.
+/// Settings of the packet generator in the baseline object (`gen`,
+/// `bounce`): where to redirect frames, over how many client ports to
+/// spread them, and whether `bounce` is to let its frames die.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct GenConfig {
@@ -10,7 +11,8 @@ pub struct GenConfig {
     /// First client port, host order.
     pub base_port: u16,
     pub _pad: u16,
-    pub _pad2: u32,
+    /// Non-zero: `bounce` drops what it receives (ends a round).
+    pub stop: u32,
 }
 shared!(GenConfig, 16);
 

@@ -1,5 +1,7 @@
 //! The packets-per-second measurement of `huddle bench`: a generator run
-//! with BPF_PROG_TEST_RUN in live-frames mode, and a counting sink.
+//! with BPF_PROG_TEST_RUN in live-frames mode and a counting sink, or,
+//! where the kernel refuses live frames, a counting reflector that sends
+//! each frame back as a new one.
 #![no_std]
 #![no_main]
 
@@ -33,6 +35,25 @@ static GEN_CONFIG: Array<GenConfig> = Array::with_max_entries(1, 0);
 #[map]
 static GEN_COUNT: PerCpuArray<u64> = PerCpuArray::with_max_entries(2, 0);
 
+/// Writes the template over the frame at `start` (which holds
+/// `GEN_FRAME` bytes) and gives it the next of the configured client
+/// ports, counted in `n`.
+///
+/// # Safety
+/// The `GEN_FRAME` bytes from `start` are the packet's; `n` is this CPU's.
+#[inline(always)]
+unsafe fn write_template(start: usize, tpl: &[u8; GEN_FRAME], cfg: &GenConfig, n: *mut u64) {
+    // SAFETY: as the caller promises.
+    unsafe {
+        core::ptr::copy_nonoverlapping(tpl.as_ptr(), start as *mut u8, GEN_FRAME);
+        let flow = (*n % u64::from(cfg.flows.max(1))) as u16;
+        *n += 1;
+        let port = cfg.base_port.wrapping_add(flow).to_be_bytes();
+        let sport = (start + EthHdr::LEN + Ipv4Hdr::LEN) as *mut [u8; 2];
+        *sport = port;
+    }
+}
+
 /// Run with BPF_PROG_TEST_RUN in live-frames mode: writes the template
 /// into the frame (the kernel reuses pages without copying the template
 /// again, and the program under test rewrites them), gives it the next
@@ -52,14 +73,48 @@ pub fn gen(ctx: XdpContext) -> u32 {
     // SAFETY: the frame holds GEN_FRAME bytes (checked); the counter is
     // this CPU's.
     unsafe {
-        core::ptr::copy_nonoverlapping(tpl.as_ptr(), start as *mut u8, GEN_FRAME);
-        let flow = (*n % u64::from(cfg.flows.max(1))) as u16;
-        *n += 1;
-        let port = cfg.base_port.wrapping_add(flow).to_be_bytes();
-        let sport = (start + EthHdr::LEN + Ipv4Hdr::LEN) as *mut [u8; 2];
-        *sport = port;
+        write_template(start, tpl, cfg, n);
         bpf_redirect(cfg.ifindex, 0) as u32
     }
+}
+
+/// The generator where the kernel refuses live frames, on the peer of the
+/// interface under test: counts what the program under test sent (as
+/// `sink`), writes the template over it (taking back the 20 bytes an
+/// IP-in-IP path put in front) and sends it back, so that the few hundred
+/// frames user space sent once circulate between the two ends, each pass
+/// one packet through the program under test, until `stop` is set.
+#[xdp]
+pub fn bounce(ctx: XdpContext) -> u32 {
+    let (Some(cfg), Some(tpl)) = (GEN_CONFIG.get(0), GEN_TEMPLATE.get(0)) else {
+        return xdp_action::XDP_ABORTED;
+    };
+    let (Some(made), Some(took)) = (GEN_COUNT.get_ptr_mut(0), GEN_COUNT.get_ptr_mut(1)) else {
+        return xdp_action::XDP_ABORTED;
+    };
+    // SAFETY: this CPU's counter.
+    unsafe { *took += 1 };
+    if cfg.stop != 0 {
+        return xdp_action::XDP_DROP;
+    }
+    let extra = ctx.data_end().saturating_sub(ctx.data() + GEN_FRAME);
+    if extra > 0 {
+        if extra > 64 {
+            return xdp_action::XDP_DROP;
+        }
+        // SAFETY: plain helper call; the pointers are derived afresh below.
+        if unsafe { bpf_xdp_adjust_head(ctx.ctx.cast(), extra as i32) } != 0 {
+            return xdp_action::XDP_DROP;
+        }
+    }
+    let start = ctx.data();
+    if start + GEN_FRAME > ctx.data_end() {
+        return xdp_action::XDP_DROP;
+    }
+    // SAFETY: the frame holds GEN_FRAME bytes (checked); the counter is
+    // this CPU's.
+    unsafe { write_template(start, tpl, cfg, made) };
+    xdp_action::XDP_TX
 }
 
 /// The generator's flows, for `lookup_tx`: the balancer's flow-table type,

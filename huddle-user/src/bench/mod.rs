@@ -8,6 +8,7 @@
 //! fresh copy of the frame; all cases run interleaved in each round and the
 //! median round is reported.
 
+mod bounce;
 mod flows;
 mod pps;
 mod setup;
@@ -43,6 +44,10 @@ pub struct BenchArgs {
     /// round is reported (more on a noisy host).
     #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..=99))]
     pub pps_rounds: u32,
+    /// Only the packets-per-second part (no per-packet cases): its
+    /// balancer is the only one loaded.
+    #[arg(long, conflicts_with = "cases")]
+    pub pps_only: bool,
     /// Only the cases whose name contains this (any case; repeat for
     /// more), with the floor and the minimal forwarder: for timing or
     /// profiling one path without the other cases' runs in between.
@@ -85,11 +90,19 @@ fn measure(args: &BenchArgs) -> Result<()> {
         eprintln!("removed {stale} network namespaces an interrupted benchmark left");
     }
     pin(args.cpu)?;
-    let mut beds = Beds::new(args.services, args.rounds)?;
     let mut base = Ebpf::load(object::BASELINE).context("loading the baseline programs")?;
     for name in ["pass", "swap_tx"] {
         xdp_of(&mut base, name)?.load()?;
     }
+    if args.pps_only {
+        if args.pps_frames == 0 {
+            bail!("--pps-only with --pps-frames 0 measures nothing");
+        }
+        let cfg = bench_config(HALF_OPEN_SLOTS, args.services);
+        let frames = (args.pps_frames, args.pps_rounds);
+        return pps::pps(args.cpu, frames, &cfg, &neighbours(), CLIENT, &mut base);
+    }
+    let mut beds = Beds::new(args.services, args.rounds)?;
     // The IPv6-in-IPv6 outer source (the daemon takes the interface's).
     beds.env.dp.set_encap6(SNAT6)?;
     let new_calls = args.calls.min(HALF_OPEN_SLOTS / 4);
@@ -149,6 +162,15 @@ fn measure(args: &BenchArgs) -> Result<()> {
     Ok(())
 }
 
+/// The backends' and the client's addresses, which every bed's FIB knows.
+fn neighbours() -> Vec<Ipv4Addr> {
+    let mut all: Vec<Ipv4Addr> = (0..BACKENDS)
+        .map(|i| Ipv4Addr::new(10, 213, 0, 10 + i))
+        .collect();
+    all.push(CLIENT);
+    all
+}
+
 /// The client of every established flow.
 const CLIENT: Ipv4Addr = Ipv4Addr::new(10, 213, 0, 2);
 
@@ -197,10 +219,7 @@ impl Beds {
     fn new(services: usize, rounds: u32) -> Result<Self> {
         let bench_config = |half_open| bench_config(half_open, services);
         let cfg = bench_config(HALF_OPEN_SLOTS);
-        let mut neighbours: Vec<Ipv4Addr> = (0..BACKENDS)
-            .map(|i| Ipv4Addr::new(10, 213, 0, 10 + i))
-            .collect();
-        neighbours.push(CLIENT);
+        let neighbours = neighbours();
         let name = |what: &str| format!("huddle-bench-{what}{}", std::process::id());
         let env = ProgRun::new(&name(""), &cfg, &neighbours)?;
         let full = ProgRun::new(&name("full-"), &bench_config(HALF_OPEN_SLOTS), &neighbours)?;

@@ -1,6 +1,7 @@
 //! Packets per second on a veth pair: our generator's established-flow
 //! frames through the balancer and the baselines, in interleaved rounds.
 
+use super::bounce::{self, Method};
 use super::setup::*;
 use crate::{
     config::{Config, XdpMode},
@@ -46,10 +47,11 @@ const BARE_BACKEND_PORT: u16 = 8080;
 const BARE_NAT_PORT: u16 = 20_000;
 
 /// Packets per second forwarded on a veth pair, one core: a generator
-/// (BPF_PROG_TEST_RUN live frames) sends established-flow frames into the
-/// balancer's interface, the program under test sends them back out, a
-/// sink on the peer counts them. Then the same with the baselines in its
-/// place.
+/// (BPF_PROG_TEST_RUN live frames, or where the kernel refuses them,
+/// frames circulating through a reflector: see `bounce`) sends
+/// established-flow frames into the balancer's interface, the program
+/// under test sends them back out, the peer counts them. Then the same
+/// with the baselines in its place.
 pub(super) fn pps(
     cpu: usize,
     (frames, pps_rounds): (u32, u32),
@@ -81,9 +83,10 @@ pub(super) fn pps(
     gen.fill_lookup_table(client)?;
     gen.fill_nat_table(client)?;
     gen.check_bare(env.ifindex)?;
-    let sink_link = xdp_of(&mut gen.obj, "sink")?
+    let peer_program = gen.method.peer_program();
+    let sink_link = xdp_of(&mut gen.obj, peer_program)?
         .attach_to_if_index(peer, Mode::Driver)
-        .context("attaching the sink")?;
+        .with_context(|| format!("attaching {peer_program} to the peer"))?;
     let stolen = CpuTimes::now(&[cpu]);
     let one = rounds(&mut env, &mut gen, base, &[cpu], pps_rounds)?;
     let stolen_one = stolen.map(|s| s.report("one core's rounds ran"));
@@ -97,13 +100,19 @@ pub(super) fn pps(
     } else {
         None
     };
-    xdp_of(&mut gen.obj, "sink")?.detach(sink_link)?;
-    report(cpu, (frames, pps_rounds), &one);
+    xdp_of(&mut gen.obj, peer_program)?.detach(sink_link)?;
+    report(cpu, (frames, pps_rounds), gen.method, &one);
     if let Some(s) = stolen_one {
         println!("{s}.");
     }
     if let Some((both, stolen)) = both {
-        report_cores(two, (frames, pps_rounds), medians(&one), medians(&both));
+        report_cores(
+            two,
+            (frames, pps_rounds),
+            gen.method,
+            medians(&one),
+            medians(&both),
+        );
         if let Some(s) = stolen {
             println!("{s}.");
         }
@@ -122,6 +131,10 @@ struct Generator {
     /// struct xdp_md for the runs.
     ctx: [u8; 24],
     frames: u32,
+    /// Where the frames are sent from (the interface under test's peer),
+    /// and how.
+    peer: u32,
+    method: Method,
 }
 
 impl Generator {
@@ -147,6 +160,8 @@ impl Generator {
             templates,
             ctx: [0; 24],
             frames,
+            peer,
+            method: Method::Live,
         };
         gen.send(0)?;
         let obj = &mut gen.obj;
@@ -160,13 +175,15 @@ impl Generator {
             },
             0,
         )?;
-        for name in ["gen", "sink", "lookup_tx", "nat_tx", "ipip_tx"] {
+        for name in ["gen", "sink", "bounce", "lookup_tx", "nat_tx", "ipip_tx"] {
             xdp_of(obj, name)?.load()?;
         }
         // struct xdp_md: data_end must be the frame's length, as in
         // `test_run`.
         gen.ctx[4..8].copy_from_slice(&(GEN_FRAME as u32).to_ne_bytes());
         gen.ctx[12..16].copy_from_slice(&ifindex.to_ne_bytes());
+        let prog: &Xdp = gen.obj.program("gen").context("gen")?.try_into()?;
+        gen.method = Method::probe(prog, &gen.template, &gen.ctx)?;
         Ok(gen)
     }
 
@@ -190,6 +207,9 @@ impl Generator {
     /// One run: frames the sink counted per second, with `frames` sent
     /// from each CPU of `cpus` at once (a thread pinned to each).
     fn rate(&mut self, cpus: &[usize]) -> Result<f64> {
+        if self.method == Method::Bounce {
+            return bounce::rate(&mut self.obj, self.peer, &self.template, cpus, self.frames);
+        }
         let before = self.counted()?;
         let gen: &Xdp = self.obj.program("gen").context("gen")?.try_into()?;
         let (template, ctx, frames) = (&self.template, &self.ctx, self.frames);
@@ -386,13 +406,14 @@ fn paired(rounds: &[[f64; PROGRAMS]], a: usize, b: usize) -> (f64, f64, f64) {
 }
 
 /// The table, and the whole cycle per packet.
-fn report(cpu: usize, (frames, n): (u32, u32), rounds: &[[f64; PROGRAMS]]) {
+fn report(cpu: usize, (frames, n): (u32, u32), method: Method, rounds: &[[f64; PROGRAMS]]) {
     let [ours, theirs, lookup, bare, ipip, bare_ipip] = medians(rounds);
     println!(
-        "\nPackets per second forwarded on a veth pair, one core (CPU {}), {} frames of {GEN_FRAME} bytes each from a \
-         BPF_PROG_TEST_RUN live-frames generator, spread over {PPS_FLOWS} established flows; counted by an XDP sink on the peer. \
-         Median of {n} rounds of the six in turn.",
-        cpu, frames
+        "\nPackets per second forwarded on a veth pair, one core (CPU {}), {} frames of {GEN_FRAME} bytes each, \
+         spread over {PPS_FLOWS} established flows, from {}. Median of {n} rounds of the six in turn.",
+        cpu,
+        frames,
+        method.describe()
     );
     println!("| program on the receiving veth | Mpps forwarded | vs minimal forwarder |");
     println!("|---|---:|---:|");
@@ -425,7 +446,8 @@ fn report(cpu: usize, (frames, n): (u32, u32), rounds: &[[f64; PROGRAMS]]) {
             rate / theirs * 100.0
         );
     }
-    // The whole cycle per packet (generator, veth, program, XDP_TX, sink)
+    // The whole cycle per packet (generator, veth, program, XDP_TX, sink;
+    // or reflector, veth, program, XDP_TX, veth)
     // sets the ceiling: a share of the forwarder's rate leaves the
     // balancer only so many ns of its own.
     let [ours_ns, bare_ns, lookup_ns, theirs_ns] = [ours, bare, lookup, theirs].map(|r| 1e9 / r);
@@ -462,11 +484,16 @@ fn report(cpu: usize, (frames, n): (u32, u32), rounds: &[[f64; PROGRAMS]]) {
 fn report_cores(
     cpus: [usize; 2],
     (frames, n): (u32, u32),
+    method: Method,
     one: [f64; PROGRAMS],
     two: [f64; PROGRAMS],
 ) {
+    let source = match method {
+        Method::Live => "a generator thread pinned to each",
+        Method::Bounce => "a loop of frames started from each",
+    };
     println!(
-        "\nTwo cores (CPUs {} and {}, a generator thread pinned to each, {frames} frames each; two queues a veth end) \
+        "\nTwo cores (CPUs {} and {}, {source}, {frames} frames each; two queues a veth end) \
          against one, in the same run. Median of {n} rounds.",
         cpus[0], cpus[1]
     );

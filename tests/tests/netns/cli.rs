@@ -235,3 +235,46 @@ fn the_demo_and_the_benchmark_stopped_with_sigterm_leave_nothing() {
     sigterm_mid_run(DEMO, &["--huddle", HUDDLE], 7);
     sigterm_mid_run(HUDDLE, &["bench", "--rounds", "1"], 1);
 }
+
+/// The packets-per-second part runs on this machine's kernel, whatever it
+/// allows (live frames or the reflector), and every program in its table
+/// forwarded frames: a part that stopped, or printed rates of nothing,
+/// fails here rather than on a newcomer's machine.
+#[test]
+fn the_benchmark_prints_packets_per_second() {
+    testbed::require_root();
+    testbed::sweep_stale();
+    let out = run(
+        HUDDLE,
+        &[
+            "bench",
+            "--pps-only",
+            "--pps-frames",
+            "20000",
+            "--pps-rounds",
+            "1",
+        ],
+    );
+    let text = String::from_utf8_lossy(&out.stdout);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        out.status.success(),
+        "huddle bench: {}\n{text}\n{err}",
+        out.status
+    );
+    let rows: Vec<&str> = text
+        .lines()
+        .skip_while(|l| !l.starts_with("| program on the receiving veth"))
+        .skip(2)
+        .take_while(|l| l.starts_with('|'))
+        .collect();
+    assert_eq!(rows.len(), 6, "the packets-per-second table:\n{text}");
+    for row in rows {
+        let mpps: f64 = row.split('|').nth(2).unwrap().trim().parse().unwrap();
+        assert!(mpps > 0.0, "a program forwarded nothing: {row}");
+    }
+    let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
+    if cpus >= 2 {
+        assert!(text.contains("Two cores"), "no two-core table:\n{text}");
+    }
+}
