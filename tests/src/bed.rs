@@ -528,6 +528,18 @@ impl Testbed {
     pub fn huddle_log(&self) -> String {
         std::fs::read_to_string(self.dir.join("huddle.log")).unwrap_or_default()
     }
+
+    /// The balancer's Prometheus page (its default listener), fetched
+    /// inside its namespace.
+    pub fn metrics_page(&self) -> Result<String> {
+        crate::in_ns(&self.lb, || {
+            crate::http_get_path(
+                "127.0.0.1:9477".parse()?,
+                "/metrics",
+                Duration::from_secs(2),
+            )
+        })
+    }
 }
 
 impl Drop for Testbed {

@@ -14,6 +14,7 @@ mod names;
 pub mod nginx;
 mod proc;
 pub mod scaleout;
+pub mod slowloris;
 mod traffic;
 
 // One flat namespace: tests name `testbed::X` whatever file holds it.

@@ -47,6 +47,9 @@ pub struct Balancer {
     pub(super) seen: Seen,
     /// Its cluster and its BGP announcements.
     pub cluster: ClusterSide,
+    /// Where suspected hangs go to be asked about (`suspects`).
+    pub(super) asks:
+        Option<tokio::sync::mpsc::UnboundedSender<crate::huddle::readings::suspicion::Ask>>,
 }
 
 /// The daemon's life: when it started, how it re-reads its config, how
@@ -265,6 +268,7 @@ impl Balancer {
                 hold: None,
                 bgp,
             },
+            asks: None,
         };
         if let Some(saved) = saved {
             b.restore(saved);

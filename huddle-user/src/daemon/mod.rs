@@ -18,5 +18,6 @@ mod settle;
 mod snapshot;
 mod start;
 pub mod stop;
+mod suspects;
 mod tasks;
 mod tick;

@@ -89,6 +89,7 @@ impl Balancer {
                 .unwrap_or(0.0)
         };
         let (map_bytes, maps) = crate::sys::host::bpf_map_memory().unwrap_or_default();
+        let (hangs_cleared, hangs_confirmed) = self.suspicions();
         crate::status::ControlCost {
             tick_p50_ms: q(0.5),
             tick_p99_ms: q(0.99),
@@ -97,6 +98,8 @@ impl Balancer {
             map_bytes,
             maps,
             services_at_rest: self.seen.passed_by,
+            hangs_cleared,
+            hangs_confirmed,
         }
     }
 

@@ -392,7 +392,10 @@ pub(super) fn spawn(
         bgp,
     } = handles;
     let snapshots = Arc::new(Snapshots::new(cfg.huddle.tick));
+    let (asks, asked) = tokio::sync::mpsc::unbounded_channel();
+    lock(shared).asks = Some(asks);
     let mut tasks = vec![
+        tokio::spawn(super::suspects::asker(shared.clone(), asked)),
         tokio::spawn(serve(control, shared.clone(), snapshots.clone())),
         tokio::spawn(async move {
             let mut tick = tokio::time::interval(NEIGHBOUR_REFRESH);

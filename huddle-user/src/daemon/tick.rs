@@ -89,6 +89,7 @@ impl Balancer {
                     hung_after,
                 };
                 self.observe_backend(si, bi, at, &mut tx);
+                self.ask_if_suspected(si, bi);
             }
             let moved = self.rotate(si, now);
             rotated |= moved;

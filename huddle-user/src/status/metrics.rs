@@ -213,6 +213,23 @@ fn control(enc: &mut DescriptorEncoder, st: &Status) -> Encoded {
     family
         .encode_family(&labels)?
         .encode_counter(&(c.probes_sent as f64), no_exemplar())?;
+    for (name, help, n) in [
+        (
+            "huddle_hang_suspicions_cleared",
+            "Suspected hangs cleared: the backend answered a probe sent at once.",
+            c.hangs_cleared,
+        ),
+        (
+            "huddle_hang_suspicions_confirmed",
+            "Suspected hangs confirmed: the probe sent at once failed too.",
+            c.hangs_confirmed,
+        ),
+    ] {
+        let mut family = enc.encode_descriptor(name, help, None, MetricType::Counter)?;
+        family
+            .encode_family(&labels)?
+            .encode_counter(&(n as f64), no_exemplar())?;
+    }
     Ok(())
 }
 

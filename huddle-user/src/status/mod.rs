@@ -65,6 +65,12 @@ pub struct ControlCost {
     /// Services the last tick passed by, at rest (see `daemon::settle`).
     #[serde(default)]
     pub services_at_rest: usize,
+    /// Suspected hangs a probe sent at once cleared (the backend answered)
+    /// and confirmed (it failed too), since start.
+    #[serde(default)]
+    pub hangs_cleared: u64,
+    #[serde(default)]
+    pub hangs_confirmed: u64,
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -243,13 +249,15 @@ impl Status {
         let c = &self.control;
         let _ = writeln!(
             out,
-            "\ncontrol: tick took {:.2} ms (p50), {:.2} ms (p99), {:.2} ms (longest) of {} ms, passing by {} services at rest; {} probes sent; {} kernel maps hold {:.1} MiB",
+            "\ncontrol: tick took {:.2} ms (p50), {:.2} ms (p99), {:.2} ms (longest) of {} ms, passing by {} services at rest; {} probes sent; suspected hangs: {} cleared by the backend's answer, {} confirmed; {} kernel maps hold {:.1} MiB",
             c.tick_p50_ms,
             c.tick_p99_ms,
             c.tick_max_ms,
             self.tick_ms,
             c.services_at_rest,
             c.probes_sent,
+            c.hangs_cleared,
+            c.hangs_confirmed,
             c.maps,
             c.map_bytes as f64 / f64::from(1 << 20)
         );

@@ -13,9 +13,7 @@ use std::{
     thread,
     time::{Duration, Instant},
 };
-use testbed::{
-    backend_ip, http_get_path, in_ns, require_root, tally, OpenLoop, Testbed, HTTP_PORT, VIP,
-};
+use testbed::{backend_ip, require_root, tally, OpenLoop, Testbed, HTTP_PORT, VIP};
 
 const HUDDLE: &str = env!("CARGO_BIN_EXE_hc-huddle");
 const BACKEND: &str = env!("CARGO_BIN_EXE_hc-backend");
@@ -175,14 +173,7 @@ fn a_backend_made_5x_slower_rests_within_the_bound_and_returns_when_fast() {
 
     // Status and /metrics show it live.
     // The balancer's Prometheus page, fetched inside its namespace.
-    let page = in_ns(&bed.lb, || {
-        http_get_path(
-            "127.0.0.1:9477".parse().unwrap(),
-            "/metrics",
-            Duration::from_secs(2),
-        )
-    })
-    .expect("metrics page");
+    let page = bed.metrics_page().expect("metrics page");
     assert_eq!(
         metric(&page, "huddle_backend_inner", 2),
         Some(0.0),

@@ -18,6 +18,7 @@ pub use window::Window;
 
 mod connect;
 mod dsr;
+pub mod suspicion;
 mod tracker;
 mod window;
 pub use dsr::{AgentCal, Rtt};

@@ -2,6 +2,7 @@
 
 use super::*;
 use crate::config::LatencyMode;
+use crate::net::probe::ProbeResult;
 use huddle_common::{BackendStats, Latency, Pulse, HUNG_EVIDENCE};
 
 fn settings() -> Settings {
@@ -102,10 +103,25 @@ fn a_backend_owing_answers_too_long_is_hung() {
     assert_eq!(owing(&mut t, &owes(n - 1, 4000), 2, 4150, &s), None);
     // The last one, just sent: it may still be answered.
     assert_eq!(owing(&mut t, &owes(n, 4160), 3, 4170, &s), None);
-    // Unanswered for half of `hung_after` (100 ms): hung.
-    assert!(owing(&mut t, &owes(n, 4160), 3, 4270, &s)
-        .unwrap()
-        .starts_with("hung"));
+    // Unanswered for half of `hung_after` (100 ms): suspected, and the
+    // backend asked at once (a client can hold requests no server
+    // answers), once.
+    assert_eq!(owing(&mut t, &owes(n, 4160), 3, 4270, &s), None);
+    let deadline = t.suspicion.take_ask().expect("a probe asked for");
+    assert_eq!(deadline, s.hung_after.min(s.probe.timeout));
+    assert_eq!(t.suspicion.take_ask(), None, "asked once");
+    // Its probe fails too: hung.
+    let failed = ProbeResult {
+        latency_ms: 200.0,
+        error: Some("timed out".into()),
+        local: false,
+    };
+    assert_eq!(t.suspicion.answered(&failed), suspicion::Answer::Confirmed);
+    let fault = owing(&mut t, &owes(n, 4160), 3, 4300, &s).unwrap();
+    assert!(
+        fault.starts_with("hung") && fault.contains("failed too"),
+        "{fault}"
+    );
     // An answer to a turn clears the pulse, and the fault.
     t.observe(
         &stats(1, 300, 3),
@@ -116,6 +132,46 @@ fn a_backend_owing_answers_too_long_is_hung() {
         s.hung_after,
     );
     assert_eq!(t.kernel_fault, None);
+}
+
+/// A probe answered in time clears the suspicion, and the same evidence
+/// raises none again; with TCP probes (a connect cannot tell a stopped
+/// process) the kernel's evidence decides alone; a probe that never
+/// comes back confirms it after its deadline and a second.
+#[test]
+fn a_suspected_hang_is_asked_and_only_tcp_probes_leave_it_to_the_kernel() {
+    let mut s = settings();
+    let ms = 1_000_000u64;
+    let owes = |last: u64| Pulse {
+        turn_wait_ns: 1000 * ms,
+        syn_wait_ns: 0,
+        evidence: HUNG_EVIDENCE,
+        evidence_ns: last * ms,
+    };
+    let mut t = tracker();
+    assert_eq!(owing(&mut t, &owes(2000), 3, 2200, &s), None);
+    assert!(t.suspicion.take_ask().is_some());
+    let fine = ProbeResult {
+        latency_ms: 6.0,
+        error: None,
+        local: false,
+    };
+    assert_eq!(t.suspicion.answered(&fine), suspicion::Answer::Cleared);
+    assert_eq!(owing(&mut t, &owes(2000), 3, 2400, &s), None);
+    assert_eq!(t.suspicion.take_ask(), None, "the same evidence, answered");
+    // New evidence: asked again; never answered, it confirms itself.
+    assert_eq!(owing(&mut t, &owes(2500), 4, 2700, &s), None);
+    assert!(t.suspicion.take_ask().is_some());
+    let late = 2700 + (s.hung_after.min(s.probe.timeout).as_millis() as u64) + 1001;
+    assert!(owing(&mut t, &owes(2500), 4, late, &s).is_some());
+    assert_eq!((t.suspicion.cleared, t.suspicion.confirmed), (1, 1));
+    // TCP probes: the kernel's evidence alone, at once.
+    s.probe.kind = crate::config::ProbeKind::Tcp;
+    let mut t = tracker();
+    assert!(owing(&mut t, &owes(2000), 3, 2200, &s)
+        .unwrap()
+        .starts_with("hung"));
+    assert_eq!(t.suspicion.take_ask(), None);
 }
 
 /// A backend no SYN-ACK ever comes from (its address is nobody's): it

@@ -5,10 +5,11 @@
 use super::{
     connect,
     dsr::{AgentCal, Rtt},
+    suspicion::Suspicion,
     window::{percentile, TickSamples, Ticks, Window, WINDOW_TICKS},
 };
 use crate::{
-    config::{BackendOptions, Huddle as Settings, LatencyMode},
+    config::{BackendOptions, Huddle as Settings, LatencyMode, ProbeKind},
     huddle::thermal::{Components, Reading},
     net::probe::ProbeResult,
     net::scrape::HostTracker,
@@ -47,6 +48,8 @@ pub struct Tracker {
     passes: u32,
     /// A fault the kernel's counters show this tick.
     pub kernel_fault: Option<String>,
+    /// A hang the kernel's counters show, until the backend is asked.
+    pub suspicion: Suspicion,
     /// (pulse value, connections opened when it was first seen).
     wait_seen: Option<(u64, u64)>,
     syn_seen: Option<(u64, u64)>,
@@ -105,6 +108,7 @@ impl Tracker {
             fails: 0,
             passes: 0,
             kernel_fault: None,
+            suspicion: Suspicion::default(),
             wait_seen: None,
             syn_seen: None,
             unhealthy: None,
@@ -214,6 +218,9 @@ impl Tracker {
             return;
         }
         self.probes_seen += 1;
+        // A round's probe answers a suspicion as well as the one sent at
+        // once (whichever comes first).
+        self.suspicion.answered(&r);
         if r.error.is_some() {
             self.fails += 1;
             self.passes = 0;
@@ -247,6 +254,7 @@ impl Tracker {
             && self.wait_seen.is_none()
             && self.syn_seen.is_none()
             && self.kernel_fault.is_none()
+            && !self.suspicion.pending()
             && self.unhealthy.is_none()
             && self.error_rate == 0.0
             && self.latency != LatencyMode::Connect
@@ -401,6 +409,7 @@ impl Tracker {
         } else {
             0
         };
+        let mut hung = None;
         if let Some(age) = owed(turns, now_ns, stats.flows_new, &mut self.wait_seen) {
             // One turn owed long is no fault (a long poll, a stream, an
             // upload's body): hung is further requests, sent to it since
@@ -412,12 +421,29 @@ impl Tracker {
             let evidence = pulse.evidence >= HUNG_EVIDENCE
                 && now_ns.saturating_sub(pulse.evidence_ns) > hung_ns / 2;
             if evidence {
-                self.kernel_fault = Some(format!(
+                hung = Some(format!(
                     "hung: no answer for {} ms, {} requests sent since",
                     age / 1_000_000,
                     pulse.evidence
                 ));
             }
+        }
+        // A client can make that evidence (requests no server answers):
+        // an HTTP probe asks the backend first (`suspicion`).
+        let fault = match hung {
+            Some(why) if s.probe.kind == ProbeKind::Http => {
+                let deadline = hung_after.min(s.probe.timeout);
+                self.suspicion
+                    .evidence(&why, pulse.evidence_ns, now_ns, deadline)
+            }
+            Some(why) => Some(why),
+            None => {
+                self.suspicion.no_evidence();
+                None
+            }
+        };
+        if fault.is_some() {
+            self.kernel_fault = fault;
         }
         // Unreachable: the oldest SYN unanswered `syn_timeout`, and another
         // connection attempt sent to it since (one lost SYN is no fault);
