@@ -433,8 +433,7 @@ impl Tracker {
         let fault = match hung {
             Some(why) if s.probe.kind == ProbeKind::Http => {
                 let deadline = hung_after.min(s.probe.timeout);
-                self.suspicion
-                    .evidence(&why, pulse.evidence_ns, now_ns, deadline)
+                (self.suspicion).evidence(&why, pulse.evidence_ns, now_ns, deadline)
             }
             Some(why) => Some(why),
             None => {
