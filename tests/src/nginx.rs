@@ -8,9 +8,11 @@ use anyhow::{Context, Result};
 use huddle_user::sys::netns::Netns;
 use std::path::{Path, PathBuf};
 
-/// NGINX's HTTP/1.1 and h2c ports on every backend.
+/// NGINX's HTTP/1.1 and h2c ports on every backend, and its TLS port
+/// (`start_probed`).
 pub const H1: u16 = 8080;
 pub const H2: u16 = 8081;
+pub const TLS: u16 = 8443;
 /// The bodies every backend serves, by name and size.
 pub const BODIES: [(&str, usize); 4] = [
     ("1k", 1024),
@@ -66,17 +68,79 @@ pub fn start(bed: &mut Testbed, log: bool) -> Result<()> {
         std::fs::write(www.join(name), body(n))?;
     }
     for i in 0..bed.backends.len() {
-        let c = bed.dir.join(format!("ngx{i}.conf"));
-        std::fs::write(&c, conf(&bed.dir, i, log))?;
-        let out = bed.dir.join(format!("ngx{i}.log"));
-        let p = spawn_in(
-            &bed.backends[i],
-            Path::new("/usr/sbin/nginx"),
-            &["-c", &c.display().to_string()],
-            Some(&out),
-        )
-        .context("nginx")?;
-        bed.procs.push(p);
+        let c = conf(&bed.dir, i, log);
+        spawn(bed, i, &c)?;
+    }
+    Ok(())
+}
+
+/// Starts NGINX on backend `i` of `bed` with config text `conf`.
+fn spawn(bed: &mut Testbed, i: usize, conf: &str) -> Result<()> {
+    let c = bed.dir.join(format!("ngx{i}.conf"));
+    std::fs::write(&c, conf)?;
+    let out = bed.dir.join(format!("ngx{i}.log"));
+    let p = spawn_in(
+        &bed.backends[i],
+        Path::new("/usr/sbin/nginx"),
+        &["-c", &c.display().to_string()],
+        Some(&out),
+    )
+    .context("nginx")?;
+    bed.procs.push(p);
+    Ok(())
+}
+
+/// Starts NGINX on every backend of `bed` for the probe test: HTTP/1.1,
+/// h2c and TLS (a self-signed certificate made here with openssl), and
+/// `/health` answering 200, but 503 on backend `sick`'s HTTP/1.1 port.
+pub fn start_probed(bed: &mut Testbed, sick: usize) -> Result<()> {
+    let (key, cert) = (bed.dir.join("key.pem"), bed.dir.join("cert.pem"));
+    let made = std::process::Command::new("openssl")
+        .args([
+            "req",
+            "-x509",
+            "-newkey",
+            "ec",
+            "-pkeyopt",
+            "ec_paramgen_curve:prime256v1",
+        ])
+        .args([
+            "-nodes",
+            "-days",
+            "2",
+            "-subj",
+            "/CN=backend.test",
+            "-keyout",
+        ])
+        .arg(&key)
+        .arg("-out")
+        .arg(&cert)
+        .output()
+        .context("openssl")?;
+    anyhow::ensure!(
+        made.status.success(),
+        "openssl: {}",
+        String::from_utf8_lossy(&made.stderr)
+    );
+    for i in 0..bed.backends.len() {
+        let (d, ip) = (bed.dir.display(), backend_ip(i));
+        let health = if i == sick {
+            format!("if ($server_port = {H1}) {{ return 503; }} return 200 ok;")
+        } else {
+            "return 200 ok;".into()
+        };
+        let conf = format!(
+            "user root; worker_processes 1; daemon off; pid {d}/ngx{i}.pid; error_log {d}/ngx{i}.err;
+events {{ worker_connections 1024; }}
+http {{ access_log off;
+  server {{ listen {ip}:{H1}; listen {ip}:{H2} http2; listen {ip}:{TLS} ssl;
+    ssl_certificate {}; ssl_certificate_key {};
+    location = /health {{ {health} }}
+    location / {{ return 200 page; }} }} }}\n",
+            cert.display(),
+            key.display()
+        );
+        spawn(bed, i, &conf)?;
     }
     Ok(())
 }

@@ -17,8 +17,8 @@ use std::{
 /// VIPs through (its service is never started; tests run their own),
 /// `ping` (a looping ping through a router, in the routing test), and the
 /// real-stack test's clients: curl, wrk, h2load (nghttp2-client) and ab
-/// (apache2-utils).
-const PACKAGES: [(&str, &str); 14] = [
+/// (apache2-utils), and openssl (the probe test's backends' certificate).
+const PACKAGES: [(&str, &str); 15] = [
     ("ip", "iproute2"),
     ("/usr/sbin/nft", "nftables"),
     ("ethtool", "ethtool"),
@@ -37,6 +37,7 @@ const PACKAGES: [(&str, &str); 14] = [
     ("wrk", "wrk"),
     ("h2load", "nghttp2-client"),
     ("ab", "apache2-utils"),
+    ("openssl", "openssl"),
 ];
 
 /// Stops Debian's maintainer scripts from starting the packages' services

@@ -67,6 +67,7 @@ impl RunArgs {
                     mode: this.mode,
                     selection: this.selection,
                     latency: this.latency,
+                    probe: None,
                 });
             }
             (None, false) => bail!("--backend given without --vip"),

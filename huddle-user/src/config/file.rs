@@ -60,15 +60,34 @@ impl BackendMetrics {
     }
 }
 
-/// How resting and unhealthy backends are probed.
+/// How backends are probed: the `[huddle]` table's `probe` for every
+/// TCP service, a service's own `probe` over it.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize, serde::Serialize)]
 #[serde(rename_all = "lowercase")]
 pub enum ProbeKind {
     /// TCP connect.
     Tcp,
-    /// HTTP GET of `path`; a 2xx or 3xx status passes.
+    /// HTTP GET of `path` (HTTP/1.1, or h2c with prior knowledge); a
+    /// status in `status` (default 200-399) passes.
     #[default]
     Http,
+    /// A TLS handshake, then that HTTP request over it.
+    Tls,
+    /// A datagram (`send`), passed by an answer holding `expect`.
+    Udp,
+    /// Not probed: the kernel's counters alone judge it.
+    None,
+}
+
+/// The HTTP version a probe speaks.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize, serde::Serialize)]
+pub enum HttpVersion {
+    #[default]
+    #[serde(rename = "1.1")]
+    Http1,
+    /// HTTP/2: h2c with prior knowledge, or over TLS by ALPN.
+    #[serde(rename = "2")]
+    Http2,
 }
 
 #[derive(Clone, Debug, Default, Deserialize)]
@@ -76,6 +95,18 @@ pub enum ProbeKind {
 pub struct ProbeFile {
     pub kind: Option<ProbeKind>,
     pub path: Option<String>,
+    /// The Host header (and, for `tls`, the default SNI); default: the
+    /// backend's address.
+    pub host: Option<String>,
+    /// Statuses that pass, each `"200"` or `"200-399"`.
+    pub status: Option<Vec<String>>,
+    /// `"1.1"` (default) or `"2"`.
+    pub version: Option<HttpVersion>,
+    /// `tls`: the server name sent; default `host`, if a DNS name.
+    pub sni: Option<String>,
+    /// `udp`: the datagram sent, and what the answer must hold.
+    pub send: Option<String>,
+    pub expect: Option<String>,
     pub interval_ms: Option<u64>,
     pub timeout_ms: Option<u64>,
     /// Failed probes in a row that make a backend unhealthy.
@@ -175,6 +206,9 @@ pub struct ServiceFile {
     /// `"auto"` (default), `"ttfb"`, `"connect"` or `"off"`: which latency
     /// the backends are judged on.
     pub latency: Option<LatencyMode>,
+    /// This service's probe, over `[huddle]`'s key by key (its timing
+    /// and budget excepted: one round probes every service).
+    pub probe: Option<ProbeFile>,
 }
 
 /// The whole file.

@@ -2,10 +2,14 @@
 //! the validation both go through. Every error names the field (and, for a
 //! file, the line) so a bad config never gets as far as the kernel.
 
+mod checks;
 mod file;
 pub mod key;
 pub mod locate;
 mod model;
+mod probe;
+#[cfg(test)]
+mod probe_tests;
 mod settings;
 #[cfg(test)]
 mod tests;

@@ -1,13 +1,14 @@
 //! The validated config the daemon runs on.
 
 use super::{
-    file::ProbeKind,
+    file::{HttpVersion, ProbeKind},
     tuning::{RotationParams, ThermalParams},
     values::*,
 };
 use std::{
     net::{Ipv4Addr, Ipv6Addr, SocketAddr},
     path::PathBuf,
+    sync::Arc,
     time::Duration,
 };
 
@@ -46,6 +47,8 @@ pub struct Service {
     pub mode: Mode,
     pub selection: Selection,
     pub latency: LatencyMode,
+    /// How its backends are probed (`[huddle]`'s probe unless it set one).
+    pub probe: Arc<Probe>,
 }
 
 /// What the huddle knows about a backend beyond its address.
@@ -56,11 +59,22 @@ pub struct BackendOptions {
     pub capacity: u64,
 }
 
-/// Validated probe settings.
+/// Validated probe settings: what is sent and what passes (a service may
+/// set its own), and the round's timing and budget (`[huddle]`'s alone).
 #[derive(Clone, Debug, PartialEq)]
 pub struct Probe {
     pub kind: ProbeKind,
     pub path: String,
+    /// The Host header (`None`: the backend's address).
+    pub host: Option<String>,
+    /// Statuses that pass, inclusive ranges.
+    pub status: Vec<(u16, u16)>,
+    pub version: HttpVersion,
+    /// `tls`: the server name sent (`None`: none, as for an address).
+    pub sni: Option<String>,
+    /// `udp`: the datagram sent, and what the answer must hold.
+    pub send: Vec<u8>,
+    pub expect: Vec<u8>,
     pub interval: Duration,
     pub timeout: Duration,
     pub fall: u32,
@@ -71,6 +85,53 @@ pub struct Probe {
     pub max_per_second: u32,
     /// The most a second for idle backends (within `max_per_second`).
     pub idle_per_second: u32,
+}
+
+impl Probe {
+    /// Whether the application itself answers it (not the kernel's
+    /// accept, as for a TCP connect): only such an answer can clear a
+    /// suspicion that it hangs.
+    #[must_use]
+    pub fn asks_the_application(&self) -> bool {
+        matches!(self.kind, ProbeKind::Http | ProbeKind::Tls | ProbeKind::Udp)
+    }
+
+    /// Whether HTTP status `s` passes.
+    #[must_use]
+    pub fn passes(&self, s: u16) -> bool {
+        self.status.iter().any(|&(lo, hi)| (lo..=hi).contains(&s))
+    }
+
+    /// What it sends, for the log: `HTTP/2 GET /health (Host x)`.
+    #[must_use]
+    pub fn describe(&self) -> String {
+        let http = |p: &Probe| {
+            let v = match p.version {
+                HttpVersion::Http1 => "HTTP/1.1",
+                HttpVersion::Http2 => "HTTP/2",
+            };
+            let host = p
+                .host
+                .as_ref()
+                .map(|h| format!(" (Host {h})"))
+                .unwrap_or_default();
+            format!("{v} GET {}{host}", p.path)
+        };
+        match self.kind {
+            ProbeKind::Tcp => "TCP connect".into(),
+            ProbeKind::Http => http(self),
+            ProbeKind::Tls => format!(
+                "TLS{} then {}",
+                self.sni
+                    .as_ref()
+                    .map(|s| format!(" (SNI {s})"))
+                    .unwrap_or_default(),
+                http(self)
+            ),
+            ProbeKind::Udp => format!("UDP datagram of {} bytes", self.send.len()),
+            ProbeKind::None => "none".into(),
+        }
+    }
 }
 
 /// Validated huddle settings.
@@ -107,29 +168,6 @@ pub const DEFAULT_CAPACITY: u64 = 10_000;
 pub const DEFAULT_METRICS_LISTEN: &str = "127.0.0.1:9477";
 
 impl Service {
-    /// A service whose backends all have default options.
-    #[must_use]
-    pub fn plain(vip: SocketAddr, proto: Proto, backends: Vec<SocketAddr>) -> Service {
-        let options = backends
-            .iter()
-            .map(|_| BackendOptions {
-                weight: 1.0,
-                metrics: None,
-                capacity: DEFAULT_CAPACITY,
-            })
-            .collect();
-        Service {
-            vip,
-            proto,
-            backends,
-            options,
-            udp_idle: DEFAULT_UDP_IDLE,
-            mode: Mode::Snat,
-            selection: Selection::RoundRobin,
-            latency: LatencyMode::Auto,
-        }
-    }
-
     /// `10.0.0.1:80/tcp`.
     #[must_use]
     pub fn name(&self) -> String {

@@ -2,6 +2,7 @@
 //! still reads under their old names, and the small checks of durations
 //! and fractions every table uses.
 
+use super::checks::{fraction, millis};
 use super::{
     file::HuddleFile,
     model::*,
@@ -15,30 +16,6 @@ use std::{net::SocketAddr, time::Duration};
 /// turns among a tick's few samples (a long poll, a slow endpoint) moved
 /// the median of a healthy backend now and then on mixed traffic.
 pub const DEFAULT_MIN_SAMPLES: u64 = 10;
-
-pub(super) fn millis(
-    v: Option<u64>,
-    default: u64,
-    field: &str,
-    min: u64,
-    max: u64,
-) -> Result<Duration> {
-    let v = v.unwrap_or(default);
-    if !(min..=max).contains(&v) {
-        bail!("{field}: {v} is outside {min}..={max}");
-    }
-    Ok(Duration::from_millis(v))
-}
-
-pub(super) fn fraction(v: Option<f64>, default: f64, field: &str, lo_open: bool) -> Result<f64> {
-    let v = v.unwrap_or(default);
-    let ok = v.is_finite() && v <= 1.0 && if lo_open { v > 0.0 } else { v >= 0.0 };
-    if !ok {
-        let lo = if lo_open { "(0" } else { "[0" };
-        bail!("{field}: {v} must be in {lo}, 1]");
-    }
-    Ok(v)
-}
 
 /// The `[huddle]` table: each group of settings checked by its own step.
 pub(super) fn validate_huddle(h: &HuddleFile) -> Result<Huddle> {
@@ -76,7 +53,7 @@ pub(super) fn validate_huddle(h: &HuddleFile) -> Result<Huddle> {
             10,
             60_000,
         )?,
-        probe: probe(h)?,
+        probe: super::probe::global(h)?,
         metrics_per_backend: h.metrics_per_backend.unwrap_or_default(),
     })
 }
@@ -177,63 +154,6 @@ fn listen(h: &HuddleFile) -> Result<Option<SocketAddr>> {
             ),
         },
     )
-}
-
-/// Probes a second unless configured: up to 500 backends that need it
-/// probed every 250 ms, or 2,000 carrying traffic every second.
-const DEFAULT_PROBES_PER_SECOND: u32 = 2_000;
-
-/// Idle backends' probes a second unless configured: 62 idle backends
-/// are probed every 250 ms as before; 1,024 every 4 s, 65,536 every 4.4
-/// minutes. A probe costs this daemon about 90 us of CPU on a veth
-/// testbed (hc-scale at 4,096 x 16: 14% of a core idle with no probes,
-/// 25% at 500 a second, 58% at 4,000), and an idle backend that died is
-/// found by its first connections (the kernel's owed answers) anyway.
-const DEFAULT_IDLE_PROBES_PER_SECOND: u32 = 250;
-
-/// The health probe.
-fn probe(h: &HuddleFile) -> Result<Probe> {
-    let pf = h.probe.clone().unwrap_or_default();
-    let path = pf.path.unwrap_or_else(|| "/".into());
-    if !path.starts_with('/') || path.contains(char::is_whitespace) {
-        bail!("huddle.probe.path: {path:?} must start with / and hold no spaces");
-    }
-    let interval = millis(pf.interval_ms, 250, "huddle.probe.interval_ms", 10, 600_000)?;
-    let active_interval = millis(
-        pf.active_interval_ms,
-        (4 * interval.as_millis() as u64).min(600_000),
-        "huddle.probe.active_interval_ms",
-        10,
-        600_000,
-    )?;
-    if active_interval < interval {
-        bail!(
-            "huddle.probe.active_interval_ms: {} ms is shorter than huddle.probe.interval_ms ({} ms)",
-            active_interval.as_millis(),
-            interval.as_millis()
-        );
-    }
-    let max_per_second = pf.max_per_second.unwrap_or(DEFAULT_PROBES_PER_SECOND);
-    if !(1..=1_000_000).contains(&max_per_second) {
-        bail!("huddle.probe.max_per_second: {max_per_second} is outside 1..=1000000");
-    }
-    let idle_per_second = pf
-        .idle_per_second
-        .unwrap_or(DEFAULT_IDLE_PROBES_PER_SECOND.min(max_per_second));
-    if !(1..=max_per_second).contains(&idle_per_second) {
-        bail!("huddle.probe.idle_per_second: {idle_per_second} is outside 1..={max_per_second} (max_per_second)");
-    }
-    Ok(Probe {
-        kind: pf.kind.unwrap_or_default(),
-        path,
-        interval,
-        timeout: millis(pf.timeout_ms, 1000, "huddle.probe.timeout_ms", 10, 60_000)?,
-        fall: pf.fall.unwrap_or(2).max(1),
-        rise: pf.rise.unwrap_or(2).max(1),
-        active_interval,
-        max_per_second,
-        idle_per_second,
-    })
 }
 
 /// Moves keys set under their old names to the new ones, and says so

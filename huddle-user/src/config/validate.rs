@@ -2,9 +2,10 @@
 //! every error names its field (and `locate` its line in the file).
 
 use super::{
+    checks::millis,
     file::*,
     model::*,
-    settings::{millis, renamed, validate_huddle},
+    settings::{renamed, validate_huddle},
     url,
     values::*,
 };
@@ -56,6 +57,7 @@ impl ConfigFile {
             &snat_ips,
             self.encap_prefix,
             default_capacity,
+            &huddle.probe,
         )?;
         let limits = limits(&self, &services)?;
         let mut huddle = huddle;
@@ -234,6 +236,7 @@ fn services(
     snat_ips: &[Ipv4Addr],
     encap: Option<Prefix>,
     default_capacity: u64,
+    probe: &Probe,
 ) -> Result<Vec<Service>> {
     if list.is_empty() {
         bail!("service: no service configured (add a [[service]] or pass --vip and --backend)");
@@ -246,8 +249,15 @@ fn services(
     }
     let mut services: Vec<Service> = Vec::new();
     let mut seen = HashSet::new();
+    let mut probes: Vec<std::sync::Arc<Probe>> = Vec::new();
     for (i, s) in list.into_iter().enumerate() {
-        let svc = service(i, s, snat_ips, encap, default_capacity)?;
+        let mut svc = service(i, s, snat_ips, encap, default_capacity, probe)?;
+        // One probe shared by the services that send the same (a few
+        // kinds among thousands of services).
+        match probes.iter().find(|p| **p == svc.probe) {
+            Some(same) => svc.probe = same.clone(),
+            None => probes.push(svc.probe.clone()),
+        }
         if !seen.insert((svc.vip, svc.proto)) {
             bail!(
                 "service[{i}].vip: {}/{} is configured twice",
@@ -271,6 +281,7 @@ fn service(
     snat_ips: &[Ipv4Addr],
     encap: Option<Prefix>,
     default_capacity: u64,
+    global: &Probe,
 ) -> Result<Service> {
     let field = format!("service[{i}]");
     let (vip, suffix) = parse_vip(&s.vip).with_context(|| format!("{field}.vip"))?;
@@ -315,7 +326,35 @@ fn service(
         mode,
         selection: s.selection.unwrap_or_default(),
         latency: s.latency.unwrap_or_default(),
+        probe: std::sync::Arc::new(super::probe::service(i, s.probe.as_ref(), proto, global)?),
     })
+}
+
+impl Service {
+    /// A service built in code (a benchmark's, a test's) whose backends
+    /// all have default options.
+    #[must_use]
+    pub fn plain(vip: SocketAddr, proto: Proto, backends: Vec<SocketAddr>) -> Service {
+        let options = backends
+            .iter()
+            .map(|_| BackendOptions {
+                weight: 1.0,
+                metrics: None,
+                capacity: DEFAULT_CAPACITY,
+            })
+            .collect();
+        Service {
+            vip,
+            proto,
+            backends,
+            options,
+            udp_idle: DEFAULT_UDP_IDLE,
+            mode: Mode::Snat,
+            selection: Selection::RoundRobin,
+            latency: LatencyMode::Auto,
+            probe: std::sync::Arc::new(super::probe::default_for(proto)),
+        }
+    }
 }
 
 /// A service's backends, each with its options.

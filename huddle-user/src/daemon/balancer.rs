@@ -421,25 +421,31 @@ impl Balancer {
     /// every backend of a TCP service, for probes (a UDP service's
     /// protocol is unknown to us).
     #[must_use]
-    pub fn probe_targets(&self) -> Vec<(usize, usize, SocketAddr, crate::huddle::probing::Need)> {
+    pub fn probe_targets(&self) -> Vec<ProbeTarget> {
         let huddles = &self.huddles;
         let settings = &self.cfg.huddle;
         self.cfg
             .services
             .iter()
             .enumerate()
-            .filter(|(_, s)| s.proto == crate::config::Proto::Tcp)
+            .filter(|(_, s)| s.probe.kind != crate::config::ProbeKind::None)
             .flat_map(|(si, s)| {
                 let needs = huddles
                     .get(si)
                     .map_or_else(Default::default, |h| h.needs_probes(settings));
-                s.backends.iter().enumerate().map(move |(bi, a)| {
-                    let need = needs
-                        .get(bi)
-                        .copied()
-                        .unwrap_or(crate::huddle::probing::Need::Now);
-                    (si, bi, *a, need)
-                })
+                s.backends
+                    .iter()
+                    .enumerate()
+                    .map(move |(bi, a)| ProbeTarget {
+                        si,
+                        bi,
+                        addr: *a,
+                        need: needs
+                            .get(bi)
+                            .copied()
+                            .unwrap_or(crate::huddle::probing::Need::Now),
+                        probe: s.probe.clone(),
+                    })
             })
             .collect()
     }
@@ -458,6 +464,24 @@ impl Balancer {
             }
         }
         v
+    }
+}
+
+/// A backend to probe: service `si`'s backend `bi` at `addr`, how much a
+/// probe would tell, and the service's probe.
+pub struct ProbeTarget {
+    pub si: usize,
+    pub bi: usize,
+    pub addr: SocketAddr,
+    pub need: crate::huddle::probing::Need,
+    pub probe: std::sync::Arc<crate::config::Probe>,
+}
+
+impl ProbeTarget {
+    /// Its planner key: the address, and which probe.
+    #[must_use]
+    pub fn key(&self) -> crate::huddle::probing::Key {
+        (self.addr, std::sync::Arc::as_ptr(&self.probe) as usize)
     }
 }
 

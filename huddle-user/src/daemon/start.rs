@@ -169,7 +169,16 @@ fn log_settings(cfg: &Config) {
         tracing::warn!(event = "config_renamed", "{r}");
     }
     for s in &cfg.services {
-        info!("service {} -> {} backends", s.name(), s.backends.len());
+        let probe = if *s.probe == cfg.huddle.probe {
+            String::new()
+        } else {
+            format!(", probed with {}", s.probe.describe())
+        };
+        info!(
+            "service {} -> {} backends{probe}",
+            s.name(),
+            s.backends.len()
+        );
     }
     let maglev = cfg
         .services
@@ -190,10 +199,7 @@ fn log_settings(cfg: &Config) {
         h.rotation_params.heat,
         h.rotation_params.cool,
         h.rotation_params.min_inner,
-        match h.probe.kind {
-            crate::config::ProbeKind::Tcp => "TCP".to_string(),
-            crate::config::ProbeKind::Http => format!("HTTP GET {}", h.probe.path),
-        },
+        h.probe.describe(),
         h.probe.interval
     );
 }

@@ -31,7 +31,7 @@ impl Balancer {
         );
         let probe = Probe {
             timeout: deadline,
-            ..self.cfg.huddle.probe.clone()
+            ..(*self.cfg.services[si].probe).clone()
         };
         if let Some(asks) = &self.asks {
             let _ = asks.send(Ask {

@@ -194,13 +194,16 @@ pub(super) async fn prober(shared: Arc<Mutex<Balancer>>, p: crate::config::Probe
     loop {
         tick.tick().await;
         let targets = lock(&shared).probe_targets();
-        let wants: Vec<(SocketAddr, crate::huddle::probing::Need)> =
-            targets.iter().map(|t| (t.2, t.3)).collect();
+        let wants: Vec<(crate::huddle::probing::Key, crate::huddle::probing::Need)> =
+            targets.iter().map(|t| (t.key(), t.need)).collect();
         let chosen = planner.plan_indices(&wants, start.elapsed(), &budget);
-        let addrs: Vec<SocketAddr> = chosen.iter().map(|&i| wants[i].0).collect();
+        let sends: Vec<(SocketAddr, Arc<crate::config::Probe>)> = chosen
+            .iter()
+            .map(|&i| (targets[i].addr, targets[i].probe.clone()))
+            .collect();
         let mut set = crate::net::probe::Probes::new();
         // Spread over most of the round, so the next finds it done.
-        crate::net::probe::start_spread(&mut set, &addrs, &p, p.interval * 3 / 4);
+        crate::net::probe::start_spread(&mut set, &sends, p.interval * 3 / 4);
         let mut sent = chosen.len() as u64;
         let mut confirms = budget.per_round().saturating_sub(chosen.len());
         let mut ready = Vec::new();
@@ -246,8 +249,8 @@ pub(super) async fn prober(shared: Arc<Mutex<Balancer>>, p: crate::config::Probe
                     crate::net::probe::start_one(
                         &mut set,
                         chosen.len() + k,
-                        addrs[k],
-                        &p,
+                        sends[k].0,
+                        sends[k].1.clone(),
                         CONFIRM_AFTER,
                     );
                 }
@@ -263,12 +266,13 @@ pub(super) async fn prober(shared: Arc<Mutex<Balancer>>, p: crate::config::Probe
 fn hand_over(
     b: &mut Balancer,
     sharing: &[u32],
-    targets: &[(usize, usize, SocketAddr, crate::huddle::probing::Need)],
+    targets: &[super::balancer::ProbeTarget],
     r: &crate::net::probe::ProbeResult,
 ) -> bool {
     let mut again = false;
     for &j in sharing {
-        let (si, bi, a, _) = targets[j as usize];
+        let t = &targets[j as usize];
+        let (si, bi, a) = (t.si, t.bi, t.addr);
         let same = b.cfg.services.get(si).and_then(|s| s.backends.get(bi)) == Some(&a);
         if !same || b.huddles.get(si).is_none_or(|h| bi >= h.trackers.len()) {
             continue;

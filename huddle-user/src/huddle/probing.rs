@@ -5,7 +5,7 @@
 //! own turns fill its window is measured passively, so it is probed only
 //! every `active_interval`, for the health its traffic does not show (an
 //! HTTP 500 is invisible to the kernel). An address in several services is
-//! probed once. Idle ones share at most `idle_per_second`, the longest
+//! probed once for those that probe it alike (`Key`). Idle ones share at most `idle_per_second`, the longest
 //! unprobed first. A round never holds more than the budget (`max_per_second`
 //! x `interval`): those that tell most first, then the longest unprobed.
 //!
@@ -19,6 +19,11 @@
 //! probes a second at the 1,024-backend limit.
 
 use std::{collections::HashMap, net::SocketAddr, time::Duration};
+
+/// What one probe is: an address, and which of the configuration's
+/// probes it gets (services probing alike share one: `Arc::as_ptr`). A
+/// TCP and a UDP service on one address are probed apart.
+pub type Key = (SocketAddr, usize);
 
 /// How often, and how many.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -74,7 +79,7 @@ pub enum Need {
 #[derive(Default)]
 pub struct Planner {
     /// The addresses of the wants the slots were built for, in order.
-    addrs: Vec<SocketAddr>,
+    addrs: Vec<Key>,
     /// Each want's slot (an address in two services has one).
     slot_of: Vec<u32>,
     /// When each slot was last probed.
@@ -89,14 +94,14 @@ pub struct Planner {
 
 impl Planner {
     /// Slots for `wants`' addresses, each keeping when it was last probed.
-    fn rebuild(&mut self, wants: &[(SocketAddr, Need)]) {
-        let before: HashMap<SocketAddr, Option<Duration>> = self
+    fn rebuild(&mut self, wants: &[(Key, Need)]) {
+        let before: HashMap<Key, Option<Duration>> = self
             .addrs
             .iter()
             .zip(&self.slot_of)
             .map(|(a, &s)| (*a, self.last[s as usize]))
             .collect();
-        let mut slots: HashMap<SocketAddr, u32> = HashMap::with_capacity(wants.len());
+        let mut slots: HashMap<Key, u32> = HashMap::with_capacity(wants.len());
         self.addrs = wants.iter().map(|w| w.0).collect();
         self.last.clear();
         self.slot_of = wants
@@ -127,12 +132,7 @@ impl Planner {
     /// The wants to probe at `now` (indices, one an address), from
     /// `wants`: each target's address and how much a probe tells (`Need`);
     /// an address listed twice counts as the more needed.
-    pub fn plan_indices(
-        &mut self,
-        wants: &[(SocketAddr, Need)],
-        now: Duration,
-        b: &Budget,
-    ) -> Vec<usize> {
+    pub fn plan_indices(&mut self, wants: &[(Key, Need)], now: Duration, b: &Budget) -> Vec<usize> {
         if wants.len() != self.addrs.len() || wants.iter().zip(&self.addrs).any(|(w, a)| w.0 != *a)
         {
             self.rebuild(wants);
@@ -213,19 +213,14 @@ impl Planner {
 mod tests {
     use super::*;
 
-    fn a(n: u16) -> SocketAddr {
-        SocketAddr::from(([10, 0, 0, 1], n))
+    fn a(n: u16) -> Key {
+        (SocketAddr::from(([10, 0, 0, 1], n)), 0)
     }
 
     const MS: Duration = Duration::from_millis(1);
 
     /// `plan_indices`, as addresses.
-    fn plan(
-        p: &mut Planner,
-        w: &[(SocketAddr, Need)],
-        now: Duration,
-        b: &Budget,
-    ) -> Vec<SocketAddr> {
+    fn plan(p: &mut Planner, w: &[(Key, Need)], now: Duration, b: &Budget) -> Vec<Key> {
         let chosen = p.plan_indices(w, now, b);
         chosen.into_iter().map(|i| w[i].0).collect()
     }

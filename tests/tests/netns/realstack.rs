@@ -116,6 +116,129 @@ fn nginx_bodies_arrive_intact_through_native_xdp_with_gro_on_and_off() {
     );
 }
 
+/// Each service probed in its own protocol (issue 51): HTTP/1.1, h2c and
+/// TLS on NGINX, UDP on `hc-backend`'s echo, each backend healthy; b3
+/// answering the HTTP/1.1 service's probe with 503 leaves that service's
+/// ring, and only that one. With `[huddle]`'s probe alone the h2c
+/// service's backends were all "not an HTTP answer".
+#[test]
+fn each_service_is_probed_in_its_own_protocol() {
+    require_root();
+    let mut bed = Testbed::native("probes", N).expect("testbed");
+    testbed::nginx::start_probed(&mut bed, 3).expect("nginx");
+    let backend = Path::new(env!("CARGO_BIN_EXE_hc-backend"));
+    for i in 0..N {
+        let (id, log) = (format!("b{i}"), bed.dir.join(format!("udp{i}.log")));
+        let args = ["--id", &id, "--http", "9090", "--udp", "5353"];
+        let p = testbed::spawn_in(&bed.backends[i], backend, &args, Some(&log)).expect("udp");
+        bed.procs.push(p);
+    }
+    let list = |port: u16| {
+        let v: Vec<String> = (0..N)
+            .map(|i| format!("\"{}:{port}\"", testbed::backend_ip(i)))
+            .collect();
+        v.join(", ")
+    };
+    let config = bed.dir.join("probes.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "interface = \"eth0\"
+[huddle]
+listen = \"off\"
+probe = {{ path = \"/health\" }}
+[[service]]
+vip = \"{VIP}:80\"
+backends = [{}]
+[[service]]
+vip = \"{VIP}:81\"
+backends = [{}]
+probe = {{ version = \"2\" }}
+[[service]]
+vip = \"{VIP}:443\"
+backends = [{}]
+probe = {{ kind = \"tls\", host = \"backend.test\" }}
+[[service]]
+vip = \"{VIP}:53/udp\"
+backends = [{}]
+probe = {{ send = \"ping\", expect = \":ping\" }}
+",
+            list(testbed::nginx::H1),
+            list(testbed::nginx::H2),
+            list(testbed::nginx::TLS),
+            list(5353)
+        ),
+    )
+    .expect("config");
+    bed.start_huddle(
+        Path::new(HUDDLE),
+        &["--config", &config.display().to_string()],
+    )
+    .expect("huddle");
+    // Every backend probed and passing, b3 of the first failing and out.
+    let settled = |st: &huddle_user::status::Status| {
+        st.services.iter().enumerate().all(|(si, s)| {
+            s.backends.iter().enumerate().all(|(bi, b)| {
+                let sick = si == 0 && bi == 3;
+                if sick {
+                    b.unhealthy.is_some() && !b.in_ring
+                } else {
+                    b.probe_ms.is_some() && b.probe_error.is_none() && b.unhealthy.is_none()
+                }
+            })
+        })
+    };
+    let waited = wait_until(Duration::from_secs(20), || {
+        bed.status().is_ok_and(|st| settled(&st))
+    });
+    let st = bed.status().expect("status");
+    assert!(
+        waited.is_ok(),
+        "not every backend probed as its service says:\n{}\n{}",
+        st.render(),
+        bed.huddle_log()
+    );
+    let why = st.services[0].backends[3]
+        .unhealthy
+        .clone()
+        .unwrap_or_default();
+    assert!(why.contains("HTTP status 503"), "b3: {why}");
+    for (si, s) in st.services.iter().enumerate() {
+        let ms: Vec<String> = s
+            .backends
+            .iter()
+            .map(|b| format!("{:.1}", b.probe_ms.unwrap_or(f64::NAN)))
+            .collect();
+        println!("{}: probe ms {}", s.name, ms.join(" / "));
+        if si > 0 {
+            assert!(s.backends.iter().all(|b| b.in_ring), "{}", st.render());
+        }
+    }
+    let log = bed.huddle_log();
+    for said in [
+        "probed with HTTP/2 GET /health",
+        "probed with TLS (SNI backend.test)",
+        "probed with UDP datagram",
+    ] {
+        assert!(log.contains(said), "the log does not say {said:?}:\n{log}");
+    }
+    // The services serve: b3 is out of the first only.
+    let curl = |args: &[&str]| bed.client.output("curl", args).unwrap_or_default();
+    for _ in 0..8 {
+        assert_eq!(
+            curl(&["-s", "--max-time", "5", &format!("http://{VIP}/")]),
+            "page"
+        );
+        let h2 = format!("http://{VIP}:81/");
+        assert_eq!(
+            curl(&["-s", "--max-time", "5", "--http2-prior-knowledge", &h2]),
+            "page"
+        );
+        let tls = format!("https://{VIP}:443/");
+        assert_eq!(curl(&["-sk", "--max-time", "5", &tls]), "page");
+    }
+}
+
 /// wrk's "Socket errors: connect A, read B, write C, timeout D" (zeros
 /// when it prints none).
 fn socket_errors(out: &str) -> [u64; 4] {

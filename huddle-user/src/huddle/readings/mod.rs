@@ -114,7 +114,12 @@ impl ServiceHuddle {
                 .iter()
                 .zip(&service.options)
                 .map(|(id, o)| {
-                    let mut t = Tracker::new(*id, o.clone(), service.proto == Proto::Udp);
+                    let mut t = Tracker::new(
+                        *id,
+                        o.clone(),
+                        service.proto == Proto::Udp,
+                        service.probe.clone(),
+                    );
                     t.latency = latency;
                     t
                 })
@@ -216,7 +221,7 @@ impl ServiceHuddle {
     /// the engine's moves.
     pub fn step(&mut self, s: &Settings, now: Duration) -> Vec<Move> {
         for t in &mut self.trackers {
-            t.judge(s);
+            t.judge();
         }
         let inner = self.engine.inner();
         let use_requests: Vec<bool> = self

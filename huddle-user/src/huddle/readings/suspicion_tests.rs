@@ -10,7 +10,7 @@ use huddle_common::{Pulse, HUNG_EVIDENCE};
 /// comes back confirms it after its deadline and a second.
 #[test]
 fn a_suspected_hang_is_asked_and_only_tcp_probes_leave_it_to_the_kernel() {
-    let mut s = settings();
+    let s = settings();
     let ms = 1_000_000u64;
     let owes = |last: u64| Pulse {
         turn_wait_ns: 1000 * ms,
@@ -36,8 +36,11 @@ fn a_suspected_hang_is_asked_and_only_tcp_probes_leave_it_to_the_kernel() {
     assert!(owing(&mut t, &owes(2500), 4, late, &s).is_some());
     assert_eq!((t.suspicion.cleared, t.suspicion.confirmed), (1, 1));
     // TCP probes: the kernel's evidence alone, at once.
-    s.probe.kind = crate::config::ProbeKind::Tcp;
     let mut t = tracker();
+    t.probing = std::sync::Arc::new(crate::config::Probe {
+        kind: crate::config::ProbeKind::Tcp,
+        ..(*t.probing).clone()
+    });
     assert!(owing(&mut t, &owes(2000), 3, 2200, &s)
         .unwrap()
         .starts_with("hung"));

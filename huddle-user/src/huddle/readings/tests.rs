@@ -15,7 +15,7 @@ fn tracker() -> Tracker {
         Proto::Tcp,
         vec!["2.2.2.2:2".parse().unwrap()],
     );
-    Tracker::new(0, s.options[0].clone(), false)
+    Tracker::new(0, s.options[0].clone(), false, s.probe.clone())
 }
 
 fn stats(answered: u64, ttfb_ms: u64, turns: u64) -> BackendStats {

@@ -9,21 +9,23 @@ use super::{
     window::{percentile, TickSamples, Ticks, Window, WINDOW_TICKS},
 };
 use crate::{
-    config::{BackendOptions, Huddle as Settings, LatencyMode, ProbeKind},
+    config::{BackendOptions, Huddle as Settings, LatencyMode, Probe},
     huddle::thermal::{Components, Reading},
     net::probe::ProbeResult,
     net::scrape::HostTracker,
 };
 use huddle_common::{BackendStats, Latency, Pulse, HUNG_EVIDENCE, LATENCY_BUCKETS};
-use std::{collections::VecDeque, time::Duration};
+use std::{collections::VecDeque, sync::Arc, time::Duration};
 
 /// Everything the huddle tracks about one backend.
 pub struct Tracker {
     pub id: u32,
     pub opts: BackendOptions,
-    /// A UDP backend: may be one-way, so owing an answer proves nothing,
-    /// and it is not probed.
+    /// A UDP backend: may be one-way, so owing an answer proves nothing
+    /// (it is probed only if its service says how).
     pub udp: bool,
+    /// How its service probes it.
+    pub probing: Arc<Probe>,
     /// The kernel's cumulative counters, histogram and its heavy
     /// source's part at the last `observe`.
     prev: Option<(BackendStats, Latency, Latency)>,
@@ -87,11 +89,12 @@ pub struct Tracker {
 
 impl Tracker {
     #[must_use]
-    pub fn new(id: u32, opts: BackendOptions, udp: bool) -> Tracker {
+    pub fn new(id: u32, opts: BackendOptions, udp: bool, probing: Arc<Probe>) -> Tracker {
         Tracker {
             id,
             opts,
             udp,
+            probing,
             prev: None,
             heavy: Latency::default(),
             ticks: Ticks::default(),
@@ -431,8 +434,8 @@ impl Tracker {
         // A client can make that evidence (requests no server answers):
         // an HTTP probe asks the backend first (`suspicion`).
         let fault = match hung {
-            Some(why) if s.probe.kind == ProbeKind::Http => {
-                let deadline = hung_after.min(s.probe.timeout);
+            Some(why) if self.probing.asks_the_application() => {
+                let deadline = hung_after.min(self.probing.timeout);
                 (self.suspicion).evidence(&why, pulse.evidence_ns, now_ns, deadline)
             }
             Some(why) => Some(why),
@@ -463,8 +466,8 @@ impl Tracker {
     }
 
     /// Health after this tick's kernel figures and probes.
-    pub(super) fn judge(&mut self, s: &Settings) {
-        let probe_fault = (self.fails >= s.probe.fall).then(|| {
+    pub(super) fn judge(&mut self) {
+        let probe_fault = (self.fails >= self.probing.fall).then(|| {
             let why = self
                 .probe
                 .as_ref()
@@ -477,7 +480,7 @@ impl Tracker {
                 self.passes = 0;
             }
             self.unhealthy = Some(f);
-        } else if self.unhealthy.is_some() && self.passes >= s.probe.rise {
+        } else if self.unhealthy.is_some() && self.passes >= self.probing.rise {
             self.unhealthy = None;
         }
     }
