@@ -16,6 +16,7 @@ mod proc;
 pub mod scaleout;
 pub mod slowloris;
 mod traffic;
+pub mod uplink;
 
 // One flat namespace: tests name `testbed::X` whatever file holds it.
 pub use addrs::*;

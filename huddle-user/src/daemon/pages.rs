@@ -9,7 +9,7 @@ use super::{
 use crate::{
     cluster::auth::{self, Verifier},
     net::http::{Answer, Asked, Reply},
-    status::metrics::{render, OPENMETRICS},
+    status::metrics::OPENMETRICS,
 };
 use std::sync::Mutex;
 
@@ -24,11 +24,18 @@ pub async fn route(
 ) -> Reply {
     let path = asked.path.as_str();
     match path {
-        "/metrics" => match snapshots.fresh(true).await {
-            Ok(s) => (200, OPENMETRICS, render(s)),
-            Err(e) => (503, "text/plain", format!("{e:#}\n")),
-        }
-        .into(),
+        "/metrics" => match snapshots.metrics_page().await {
+            Ok(Some(page)) => (200, OPENMETRICS, String::clone(&page)).into(),
+            Ok(None) => Reply {
+                answer: (
+                    429,
+                    "text/plain",
+                    "too many scrapes: try again in a second\n".into(),
+                ),
+                headers: vec![("retry-after", "1".into())],
+            },
+            Err(e) => (503, "text/plain", format!("{e:#}\n")).into(),
+        },
         "/ring" | "/readings" | "/flows" => {
             let Some(key) = key else {
                 return (404, "text/plain", "not in a cluster\n".to_string()).into();

@@ -20,10 +20,22 @@ impl Balancer {
     /// `names` (all when empty), the others never built: at 65,536
     /// backends the whole took seconds, with the tick waiting.
     pub fn status_of(&self, names: &[String]) -> Result<Status> {
+        self.status_with(names, true)
+    }
+
+    /// The status without any backend's or recent move's entries (every
+    /// service's own figures and counters kept): what `/metrics` shows
+    /// past 8,192 backends (no backend entry built: at 65,536 a full
+    /// status took 200-800 ms of the lock).
+    pub fn status_lean(&self) -> Result<Status> {
+        self.status_with(&[], false)
+    }
+
+    fn status_with(&self, names: &[String], backends: bool) -> Result<Status> {
         let now = self.now();
         let services = (0..self.dp.services.len())
             .filter(|si| crate::status::named(&self.dp.services[*si].service.name(), names))
-            .map(|si| self.service_status(si, now))
+            .map(|si| self.service_status(si, now, backends))
             .collect::<Result<Vec<_>>>()?;
         if services.is_empty() && !names.is_empty() {
             anyhow::bail!("no service's name contains {}", names.join(" or "));
@@ -104,7 +116,7 @@ impl Balancer {
     }
 
     /// Service `si`: its ring, tuning, counters, backends and rotations.
-    fn service_status(&self, si: usize, now: Duration) -> Result<ServiceStatus> {
+    fn service_status(&self, si: usize, now: Duration, full: bool) -> Result<ServiceStatus> {
         let slot = &self.dp.services[si];
         let h = &self.huddles[si];
         let mut backends = Vec::new();
@@ -119,7 +131,9 @@ impl Balancer {
                 Some((st, _)) => st,
                 None => self.dp.backend_stats(*id)?,
             };
-            backends.push(self.backend_status(si, bi, &st, now));
+            if full {
+                backends.push(self.backend_status(si, bi, &st, now));
+            }
             read.push(st);
         }
         let ring = slot
@@ -147,7 +161,7 @@ impl Balancer {
                 .seen
                 .events
                 .iter()
-                .filter(|e| e.service == name)
+                .filter(|e| full && e.service == name)
                 .cloned()
                 .collect(),
             name,

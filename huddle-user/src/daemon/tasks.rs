@@ -165,14 +165,7 @@ pub(super) async fn ticker(
         tick.tick().await;
         let mut b = lock(&shared);
         b.tick();
-        let t = std::time::Instant::now();
         snapshots.take_if_wanted(&b);
-        if t.elapsed() > Duration::from_millis(300) {
-            tracing::info!(
-                "a snapshot for status or /metrics took {} ms",
-                t.elapsed().as_millis()
-            );
-        }
     }
 }
 

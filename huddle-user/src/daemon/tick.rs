@@ -164,10 +164,11 @@ impl Balancer {
         // The huddle judges from every balancer's samples (`alone`: there
         // are none but its own, already looked for).
         let all = own.map(|mut all| {
-            if let Some(peers) = (!alone)
+            let peers = (!alone)
                 .then(|| self.cluster.pool.sum(at.service, addr))
-                .flatten()
-            {
+                .flatten();
+            self.huddles[si].trackers[bi].pooled = peers.is_some();
+            if let Some(peers) = peers {
                 all.add(peers);
             }
             all

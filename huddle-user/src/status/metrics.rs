@@ -26,8 +26,10 @@ pub struct Snapshot {
     /// Whether `ttfb` (and, when `per_backend` shows them, `connect`)
     /// were read: a status call's snapshot skips them.
     pub histograms: bool,
-    /// Per backend (service, backend): its time-to-first-byte and connect
-    /// time histograms.
+    /// Its status has no backend's entry (`/metrics` past 8,192 backends).
+    pub lean: bool,
+    /// Per backend (service, backend) with `per_backend` `All`, else one
+    /// a service (backend ""): time to first byte and connect time.
     pub ttfb: Vec<(String, String, Histogram)>,
     pub connect: Vec<(String, String, Histogram)>,
 }

@@ -43,6 +43,11 @@ struct Cli {
     /// every round, as before the budget).
     #[arg(long)]
     huddle_toml: Option<String>,
+    /// Scrape `/metrics` in a loop, one after another, while the load
+    /// and the slow backend are measured (issue 51: a scrape must cost
+    /// the tick nothing).
+    #[arg(long)]
+    scrape: bool,
 }
 
 /// Backend servers; every backend address sits on one of them.
@@ -113,6 +118,42 @@ fn config(n: usize, m: usize, moved: bool, weight: f64) -> String {
 
 /// `--huddle-toml`, set once at start.
 static EXTRA: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+
+/// `--scrape`.
+static SCRAPE: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// `/metrics` fetched in a loop from the balancer's namespace until
+/// stopped: how many pages it got.
+struct Scraper {
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    thread: thread::JoinHandle<(u64, u64)>,
+}
+
+impl Scraper {
+    fn start(ns: &huddle_user::sys::netns::Netns) -> Scraper {
+        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let (name, flag) = (ns.name.clone(), stop.clone());
+        let thread = thread::spawn(move || {
+            huddle_user::sys::netns::enter(&name).expect("enter namespace");
+            // Pages, and other answers (429: too many).
+            let (mut pages, mut refused) = (0, 0);
+            while !flag.load(std::sync::atomic::Ordering::Relaxed) {
+                let addr = "127.0.0.1:9477".parse().expect("address");
+                match http_get_path(addr, "/metrics", Duration::from_secs(30)) {
+                    Ok(_) => pages += 1,
+                    Err(_) => refused += 1,
+                }
+            }
+            (pages, refused)
+        });
+        Scraper { stop, thread }
+    }
+
+    fn stop(self) -> (u64, u64) {
+        self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        self.thread.join().unwrap_or((0, 0))
+    }
+}
 
 /// One row of figures.
 #[derive(Default)]
@@ -292,6 +333,9 @@ fn run_size(bin: &Path, server_bin: &Path, n: usize, m: usize, secs: u64) -> Res
         (n / 3, 100.0 / 3.0),
         (n - 1, 100.0 / 3.0),
     ];
+    let scraper = SCRAPE
+        .load(std::sync::atomic::Ordering::Relaxed)
+        .then(|| Scraper::start(&bed.lb));
     let loads: Vec<testbed::OpenLoop> = targets
         .iter()
         .map(|(s, r)| testbed::OpenLoop::start(&bed.client, vip(*s), *r, Duration::from_secs(2)))
@@ -332,16 +376,20 @@ fn run_size(bin: &Path, server_bin: &Path, n: usize, m: usize, secs: u64) -> Res
         if !ring.is_some_and(|r| r.contains(&name)) {
             row.slow_leave_ms = Some(t.elapsed().as_secs_f64() * 1e3);
             // Why it left: the rotation line names the rule and figures.
-            for l in bed
-                .huddle_log()
-                .lines()
-                .filter(|l| l.contains("-> outer ring") || l.contains("lock was held"))
-            {
+            for l in bed.huddle_log().lines().filter(|l| {
+                l.contains("-> outer ring")
+                    || l.contains("lock was held")
+                    || l.contains("a snapshot for")
+            }) {
                 eprintln!("[hc-scale]   {}", l.split(" event=").next().unwrap_or(l));
             }
             break;
         }
         thread::sleep(Duration::from_millis(10));
+    }
+    if let Some(s) = scraper {
+        let (pages, refused) = s.stop();
+        eprintln!("[hc-scale] /metrics in a loop under load: {pages} pages, {refused} refused");
     }
     for l in loads {
         let out = l.stop();
@@ -384,6 +432,7 @@ fn main() -> Result<()> {
     if let Some(t) = &cli.huddle_toml {
         let _ = EXTRA.set(t.clone());
     }
+    SCRAPE.store(cli.scrape, std::sync::atomic::Ordering::Relaxed);
     let here = std::env::current_exe()?;
     let dir = here.parent().context("binary folder")?;
     let bin = cli.huddle.unwrap_or_else(|| dir.join("hc-huddle"));

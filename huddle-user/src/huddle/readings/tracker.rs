@@ -26,6 +26,8 @@ pub struct Tracker {
     pub udp: bool,
     /// How its service probes it.
     pub probing: Arc<Probe>,
+    /// Its last histograms held other balancers' samples (a cluster's).
+    pub pooled: bool,
     /// The kernel's cumulative counters, histogram and its heavy
     /// source's part at the last `observe`.
     prev: Option<(BackendStats, Latency, Latency)>,
@@ -95,6 +97,7 @@ impl Tracker {
             opts,
             udp,
             probing,
+            pooled: false,
             prev: None,
             heavy: Latency::default(),
             ticks: Ticks::default(),
@@ -267,6 +270,14 @@ impl Tracker {
     #[must_use]
     pub fn wakes(&self, stats: &BackendStats, pulse: &Pulse) -> bool {
         *pulse != Pulse::default() || self.prev.as_ref().is_none_or(|p| p.0 != *stats)
+    }
+
+    /// Its own time-to-first-byte histogram and sum as of the last tick
+    /// (`/metrics` reads no map for it), unless pooled with a cluster's.
+    #[must_use]
+    pub fn own_ttfb(&self) -> Option<(&Latency, u64)> {
+        let p = self.prev.as_ref().filter(|_| !self.pooled)?;
+        Some((&p.1, p.0.ttfb_ns))
     }
 
     /// Whether `stats` show no request answered since the last tick: then
