@@ -28,6 +28,16 @@ impl Default for Latency {
     }
 }
 
+impl Latency {
+    /// Adds `o`'s counts bucket by bucket (CPUs, balancers, backends:
+    /// cumulative counters, so wrapping as the kernel's do).
+    pub fn add(&mut self, o: &Latency) {
+        for (a, b) in self.buckets.iter_mut().zip(o.buckets.iter()) {
+            *a = a.wrapping_add(*b);
+        }
+    }
+}
+
 /// Per backend, per CPU: the source (a client's /24, or /64) that gives
 /// most of the backend's request samples, as a two-counter Misra-Gries
 /// summary: a source in a slot raises its count, any other source takes

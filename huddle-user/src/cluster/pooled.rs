@@ -109,9 +109,9 @@ impl Counts {
     /// Adds `o` to these.
     pub fn add(&mut self, o: &Counts) {
         self.stats.accumulate(&o.stats);
-        add_hist(&mut self.ttfb, &o.ttfb);
-        add_hist(&mut self.ttfb_heavy, &o.ttfb_heavy);
-        add_hist(&mut self.connect, &o.connect);
+        self.ttfb.add(&o.ttfb);
+        self.ttfb_heavy.add(&o.ttfb_heavy);
+        self.connect.add(&o.connect);
     }
 
     /// What grew from `before` to these; `None` if any counter went back.
@@ -129,12 +129,6 @@ impl Counts {
             ttfb_heavy: dh(&self.ttfb_heavy, &before.ttfb_heavy)?,
             connect: dh(&self.connect, &before.connect)?,
         })
-    }
-}
-
-fn add_hist(a: &mut Latency, b: &Latency) {
-    for (x, y) in a.buckets.iter_mut().zip(b.buckets.iter()) {
-        *x = x.wrapping_add(*y);
     }
 }
 

@@ -188,7 +188,7 @@ fn over(mut p: Probe, pf: &ProbeFile, field: &str) -> Result<Probe> {
         p.rise = n.max(1);
     }
     // The server name sent by default: the Host header, if a DNS name.
-    if p.kind == ProbeKind::Tls && p.sni.is_none() && pf.sni.is_none() {
+    if p.kind == ProbeKind::Tls && p.sni.is_none() {
         p.sni = p
             .host
             .clone()

@@ -8,7 +8,7 @@
 //! held a 5x slow backend in its ring for 5-6 s), so a status call's
 //! snapshot skips them.
 
-use super::balancer::Balancer;
+use super::balancer::{lock, Balancer};
 use crate::status::metrics::{render, Histogram, Snapshot};
 use anyhow::{anyhow, Result};
 use huddle_common::Latency;
@@ -59,7 +59,7 @@ impl Snapshots {
     /// asked since the last one.
     pub fn take_if_wanted(&self, b: &Balancer) {
         let wanted = self.wanted.swap(0, Ordering::AcqRel);
-        let mut sent = relock(&self.sent);
+        let mut sent = lock(&self.sent);
         if wanted != 0 {
             let taken = take(b, wanted).map(Arc::new).map_err(|e| format!("{e:#}"));
             self.tx.send_replace(Some(taken));
@@ -70,7 +70,7 @@ impl Snapshots {
             // a whole status is a few hundred MiB that otherwise stayed
             // in the daemon's RSS until the next call.
             *sent = None;
-            *relock(&self.page) = None;
+            *lock(&self.page) = None;
             self.tx.send_if_modified(|v| {
                 *v = None;
                 false
@@ -95,7 +95,7 @@ impl Snapshots {
     /// sending alone. Prometheus scrapes every 15 s and never meets it.
     pub async fn metrics_page(&self) -> Result<Option<Arc<String>>> {
         {
-            let mut served = relock(&self.served);
+            let mut served = lock(&self.served);
             while served
                 .front()
                 .is_some_and(|t| t.elapsed() > Duration::from_secs(1))
@@ -107,7 +107,7 @@ impl Snapshots {
             }
             served.push_back(std::time::Instant::now());
         }
-        if let Some((at, page)) = relock(&self.page).as_ref() {
+        if let Some((at, page)) = lock(&self.page).as_ref() {
             if at.elapsed() < PAGE_REUSE {
                 return Ok(Some(page.clone()));
             }
@@ -117,7 +117,7 @@ impl Snapshots {
             .await
             .map_err(|e| anyhow!("rendering /metrics: {e}"))?;
         let page = Arc::new(page);
-        *relock(&self.page) = Some((std::time::Instant::now(), page.clone()));
+        *lock(&self.page) = Some((std::time::Instant::now(), page.clone()));
         Ok(Some(page))
     }
 
@@ -165,11 +165,6 @@ const PAGE_REUSE: Duration = Duration::from_secs(1);
 /// Prometheus servers of a pair scraping at once both get theirs).
 const PAGES_PER_SECOND: usize = 4;
 
-/// `m` locked, whether or not a holder panicked.
-fn relock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
-}
-
 /// How long a sent snapshot is held for late readers: they are woken when
 /// it is sent and read it at once.
 const KEEP: Duration = Duration::from_secs(5);
@@ -200,26 +195,31 @@ fn take(b: &Balancer, wanted: u8) -> Result<Snapshot> {
         let mut sum: Option<(Latency, u64)> = None;
         for (bi, &id) in slot.backend_ids.iter().enumerate() {
             let tracker = b.huddles.get(si).and_then(|h| h.trackers.get(bi));
-            let (hist, ns) = match tracker.and_then(|t| t.own_ttfb()) {
-                Some((h, ns)) => (*h, ns),
-                None => (b.dp.latency(id)?, b.dp.backend_stats(id)?.ttfb_ns),
+            let own = tracker.and_then(|t| t.own_ttfb()).map(|(h, ns)| (*h, ns));
+            // The counters are read only where the tracker has none or
+            // the page shows the connect histogram's sum.
+            let each = per == BackendMetrics::All;
+            let stats = (own.is_none() || each)
+                .then(|| b.dp.backend_stats(id))
+                .transpose()?;
+            let (hist, ns) = match own {
+                Some(o) => o,
+                None => (b.dp.latency(id)?, stats.map_or(0, |s| s.ttfb_ns)),
             };
-            let addr = slot.service.backends[bi].to_string();
-            if per == BackendMetrics::All {
+            if each {
+                let addr = slot.service.backends[bi].to_string();
                 ttfb.push((
                     name.clone(),
                     addr.clone(),
                     Histogram::from_kernel(&hist, ns),
                 ));
-                let c = b.dp.connect_latency(id)?;
-                let c_ns = b.dp.backend_stats(id)?.connect_ns;
-                connect.push((name.clone(), addr, Histogram::from_kernel(&c, c_ns)));
+                let c_ns = stats.map_or(0, |s| s.connect_ns);
+                let c = Histogram::from_kernel(&b.dp.connect_latency(id)?, c_ns);
+                connect.push((name.clone(), addr, c));
                 continue;
             }
             let (all, all_ns) = sum.get_or_insert_with(|| (Latency::default(), 0));
-            for (a, h) in all.buckets.iter_mut().zip(hist.buckets.iter()) {
-                *a = a.wrapping_add(*h);
-            }
+            all.add(&hist);
             *all_ns = all_ns.wrapping_add(ns);
         }
         if let Some((all, ns)) = sum {

@@ -101,7 +101,16 @@ pub async fn get_with(
 /// Ends the task driving a client connection when the exchange is over,
 /// also when its deadline dropped it half way (a hung server must not keep
 /// a task alive).
-struct Abort(tokio::task::JoinHandle<()>);
+pub(crate) struct Abort(tokio::task::JoinHandle<()>);
+
+impl Abort {
+    /// Drives connection `conn` on a task of its own until dropped.
+    pub(crate) fn drive<C: Future + Send + 'static>(conn: C) -> Abort {
+        Abort(tokio::spawn(async move {
+            let _ = conn.await;
+        }))
+    }
+}
 
 impl Drop for Abort {
     fn drop(&mut self) {
@@ -119,9 +128,7 @@ async fn exchange(
     let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
         .await
         .context("HTTP handshake")?;
-    let _conn = Abort(tokio::spawn(async move {
-        let _ = conn.await;
-    }));
+    let _conn = Abort::drive(conn);
     let mut req = Request::get(path)
         .header(header::HOST, host)
         .header(header::USER_AGENT, "huddle");

@@ -198,9 +198,7 @@ impl Dataplane {
     pub fn latency_parts(&self, id: u32) -> Result<(Latency, Latency)> {
         let mut all = histogram(&self.stats.latency, id)?;
         let heavy = histogram(&self.stats.latency_heavy, id)?;
-        for (a, h) in all.buckets.iter_mut().zip(heavy.buckets.iter()) {
-            *a = a.wrapping_add(*h);
-        }
+        all.add(&heavy);
         Ok((all, heavy))
     }
 
@@ -258,9 +256,7 @@ impl Dataplane {
 pub(super) fn histogram(map: &PerCpuArray<MapData, Latency>, id: u32) -> Result<Latency> {
     let mut total = Latency::default();
     for cpu in map.get(&id, 0)?.iter() {
-        for (t, v) in total.buckets.iter_mut().zip(cpu.buckets.iter()) {
-            *t = t.wrapping_add(*v);
-        }
+        total.add(cpu);
     }
     Ok(total)
 }

@@ -2,7 +2,7 @@
 //! HTTP/1.1 or HTTP/2: the status and the time to the answer's first
 //! byte, the body read (up to a cap) so the answer is known complete.
 
-use crate::config::HttpVersion;
+use crate::{config::HttpVersion, net::http::Abort};
 use anyhow::{Context, Result};
 use bytes::Bytes;
 use http_body_util::{BodyExt, Empty};
@@ -13,17 +13,6 @@ use tokio::io::{AsyncRead, AsyncWrite};
 
 /// The most of an answer's body read: a health page's, not a download.
 const MAX_BODY_BYTES: usize = 64 * 1024;
-
-/// Ends the task driving the connection when the probe is over, also
-/// when its deadline dropped it half way (a hung server must not keep a
-/// task alive).
-struct Abort(tokio::task::JoinHandle<()>);
-
-impl Drop for Abort {
-    fn drop(&mut self) {
-        self.0.abort();
-    }
-}
 
 /// GET `path` over `io` from `authority` (the Host header, or HTTP/2's
 /// `:authority`; `scheme` is `http` or `https`).
@@ -38,19 +27,20 @@ where
     S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
 {
     let io = TokioIo::new(io);
+    // HTTP/2 names the host in the URI (`:authority`), HTTP/1.1 in Host.
+    let req = match version {
+        HttpVersion::Http1 => Request::get(path).header(header::HOST, authority),
+        HttpVersion::Http2 => Request::get(format!("{scheme}://{authority}{path}")),
+    }
+    .header(header::USER_AGENT, "huddle-probe")
+    .body(Empty::<Bytes>::new())
+    .context("building the request")?;
     let (sent, resp, _conn) = match version {
         HttpVersion::Http1 => {
             let (mut tx, conn) = hyper::client::conn::http1::handshake(io)
                 .await
                 .context("HTTP/1.1 handshake")?;
-            let conn = Abort(tokio::spawn(async move {
-                let _ = conn.await;
-            }));
-            let req = Request::get(path)
-                .header(header::HOST, authority)
-                .header(header::USER_AGENT, "huddle-probe")
-                .body(Empty::<Bytes>::new())
-                .context("building the request")?;
+            let conn = Abort::drive(conn);
             let sent = Instant::now();
             let resp = tx
                 .send_request(req)
@@ -62,13 +52,7 @@ where
             let (mut tx, conn) = hyper::client::conn::http2::handshake(TokioExecutor::new(), io)
                 .await
                 .context("HTTP/2 handshake")?;
-            let conn = Abort(tokio::spawn(async move {
-                let _ = conn.await;
-            }));
-            let req = Request::get(format!("{scheme}://{authority}{path}"))
-                .header(header::USER_AGENT, "huddle-probe")
-                .body(Empty::<Bytes>::new())
-                .context("building the request")?;
+            let conn = Abort::drive(conn);
             let sent = Instant::now();
             let resp = tx.send_request(req).await.context("not an HTTP/2 answer")?;
             (sent, resp, conn)
